@@ -1,0 +1,1 @@
+"""ferry's model families; `registry` builds one from a config."""

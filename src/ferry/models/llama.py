@@ -1,0 +1,102 @@
+"""Llama 3.1: RMSNorm, GQA with llama3-scaled RoPE, SwiGLU, untied embedding and head."""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+from jax.sharding import Mesh
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from ferry.nn.attention import GroupedQueryAttention
+from ferry.nn.embedding import Embedding
+from ferry.nn.linear import Linear
+from ferry.nn.mlp import SwiGLU
+from ferry.nn.norm import RMSNorm
+from ferry.nn.rope import Llama3RopeScaling
+from ferry.nn.stack import LayerStack
+from ferry.offload import Policy
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    dim: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    rope_theta: float = 500000.0
+    rope_scaling: Llama3RopeScaling | None = Llama3RopeScaling()
+    norm_eps: float = 1e-5
+    scan_layers: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+
+
+class LlamaDecoderLayer(eqx.Module):
+    attention_norm: RMSNorm
+    attention: GroupedQueryAttention
+    mlp_norm: RMSNorm
+    mlp: SwiGLU
+
+    def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray):
+        k_attention, k_mlp = jax.random.split(key)
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = GroupedQueryAttention(
+            config.dim,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            config.rope_theta,
+            config.rope_scaling,
+            key=k_attention,
+        )
+        self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
+        self.mlp = SwiGLU(config.dim, config.mlp_dim, key=k_mlp)
+
+    def __call__(self, x: Float[Array, "batch seq dim"]) -> Float[Array, "batch seq dim"]:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(eqx.Module):
+    embed: Embedding
+    layers: LayerStack
+    final_norm: RMSNorm
+    head: Linear
+    config: LlamaConfig = eqx.field(static=True)
+
+    def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray):
+        k_embed, k_layers, k_head = jax.random.split(key, 3)
+        self.embed = Embedding(config.vocab_size, config.dim, key=k_embed)
+        self.layers = LayerStack(
+            lambda k: LlamaDecoderLayer(config, key=k),
+            config.num_layers,
+            key=k_layers,
+            scan_layers=config.scan_layers,
+        )
+        self.final_norm = RMSNorm(config.dim, config.norm_eps)
+        self.head = Linear(config.dim, config.vocab_size, key=k_head)
+        self.config = config
+
+    def __call__(
+        self,
+        tokens: Int[Array, "batch seq"],
+        policy: Policy = Policy.save_all(),
+        mesh: Mesh | None = None,
+    ) -> Float[Array, "batch seq vocab"]:
+        x = self.embed(tokens)
+        x = self.layers(x, policy, mesh)
+        return self.head(self.final_norm(x))
+
+    def tagged_names(self) -> frozenset[str]:
+        """Every activation name a decoder layer of this model tags."""
+        example = jax.ShapeDtypeStruct((1, 2, self.config.dim), self.embed.weight.dtype)
+        return self.layers.tagged_names(example)

@@ -1,0 +1,42 @@
+"""Model families by name, and the numbers a launcher needs before building a model."""
+
+from collections.abc import Mapping
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+
+from ferry.config import ConfigError, from_dict
+from ferry.models.llama import Llama, LlamaConfig
+
+FAMILIES: dict[str, tuple[type, type[eqx.Module]]] = {"llama": (LlamaConfig, Llama)}
+
+
+def model_config(node: Mapping[str, Any]) -> Any:
+    """A model config from a Hydra `model` node: `family` picks the class; `name` is a label."""
+    fields = dict(node)
+    fields.pop("name", None)
+    family = fields.pop("family", None)
+    if family not in FAMILIES:
+        raise ConfigError(f"model.family is {family!r}; known families: {sorted(FAMILIES)}")
+    config_cls, _ = FAMILIES[family]
+    return from_dict(config_cls, fields, "model")
+
+
+def build_model(config: Any, key: jax.Array) -> eqx.Module:
+    for config_cls, model_cls in FAMILIES.values():
+        if isinstance(config, config_cls):
+            return model_cls(config, key=key)
+    raise ConfigError(f"no model family takes a {type(config).__name__}")
+
+
+def abstract_model(config: Any) -> eqx.Module:
+    """The model with ShapeDtypeStructs for arrays: shapes and dtypes, nothing allocated."""
+    return eqx.filter_eval_shape(build_model, config, jax.random.key(0))
+
+
+def parameter_count(config: Any) -> int:
+    leaves = jax.tree.leaves(abstract_model(config))
+    shapes = [leaf.shape for leaf in leaves if isinstance(leaf, jax.ShapeDtypeStruct)]
+    return int(sum(np.prod(shape, dtype=np.int64) for shape in shapes))

@@ -1,0 +1,1 @@
+"""Layers shared by ferry's models. Each tags the activations an offload policy may place."""

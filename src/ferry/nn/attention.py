@@ -1,0 +1,72 @@
+"""Causal grouped-query attention (Llama 3). Softmax in float32."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from ferry.nn.linear import Linear
+from ferry.nn.rope import Llama3RopeScaling, apply_rope, rope_frequencies
+from ferry.offload import tag
+
+
+def causal_attention(
+    q: Float[Array, "batch seq heads head_dim"],
+    k: Float[Array, "batch seq kv_heads head_dim"],
+    v: Float[Array, "batch seq kv_heads v_dim"],
+    scale: float,
+) -> Float[Array, "batch seq heads v_dim"]:
+    """softmax(q k^T * scale + causal mask) v, each group of heads sharing one key/value head."""
+    batch, seq, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
+    mask = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    context = jnp.einsum("bkgts,bskd->btkgd", weights, v)
+    return context.reshape(batch, seq, heads, v.shape[-1])
+
+
+class GroupedQueryAttention(eqx.Module):
+    query: Linear
+    key: Linear
+    value: Linear
+    out: Linear
+    num_heads: int = eqx.field(static=True)
+    num_kv_heads: int = eqx.field(static=True)
+    head_dim: int = eqx.field(static=True)
+    rope_theta: float = eqx.field(static=True)
+    rope_scaling: Llama3RopeScaling | None = eqx.field(static=True)
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rope_theta: float,
+        rope_scaling: Llama3RopeScaling | None,
+        *,
+        key: PRNGKeyArray,
+    ):
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        self.query = Linear(dim, num_heads * head_dim, key=kq)
+        self.key = Linear(dim, num_kv_heads * head_dim, key=kk)
+        self.value = Linear(dim, num_kv_heads * head_dim, key=kv)
+        self.out = Linear(num_heads * head_dim, dim, key=ko)
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
+
+    def __call__(self, x: Float[Array, "batch seq dim"]) -> Float[Array, "batch seq dim"]:
+        batch, seq, _ = x.shape
+        heads = (batch, seq, -1, self.head_dim)
+        q = tag(self.query(x), "query_proj").reshape(heads)
+        k = tag(self.key(x), "key_proj").reshape(heads)
+        v = tag(self.value(x), "value_proj").reshape(heads)
+        frequencies = rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
+        q, k = apply_rope(q, frequencies), apply_rope(k, frequencies)
+        context = causal_attention(q, k, v, scale=float(np.sqrt(1.0 / self.head_dim)))
+        context = tag(context.reshape(batch, seq, self.num_heads * self.head_dim), "attention_out")
+        return tag(self.out(context), "out_proj")

@@ -1,0 +1,54 @@
+"""Identical decoder layers stored as one module with a leading layer axis.
+
+The layers are built with a vmapped init and run with `lax.scan` over the `eqx.partition`ed
+arrays, so a 126-layer model compiles one layer body. Each layer runs through the offload engine.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+from jax.sharding import Mesh
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from ferry.offload import Policy, offloaded, tagged_names
+
+
+class LayerStack(eqx.Module):
+    layers: eqx.Module
+    num_layers: int = eqx.field(static=True)
+    scan_layers: bool = eqx.field(static=True)
+
+    def __init__(
+        self,
+        make_layer: Callable[[PRNGKeyArray], eqx.Module],
+        num_layers: int,
+        *,
+        key: PRNGKeyArray,
+        scan_layers: bool = True,
+    ):
+        self.layers = eqx.filter_vmap(make_layer)(jax.random.split(key, num_layers))
+        self.num_layers = num_layers
+        self.scan_layers = scan_layers
+
+    def layer(self, index: int) -> eqx.Module:
+        """One layer, unstacked."""
+        dynamic, static = eqx.partition(self.layers, eqx.is_array)
+        return eqx.combine(jax.tree.map(lambda a: a[index], dynamic), static)
+
+    def tagged_names(self, x: Any) -> frozenset[str]:
+        """The activation names one layer tags for an input like `x` (found abstractly)."""
+        return tagged_names(lambda layer, h: layer(h), self.layer(0), x)
+
+    def __call__(
+        self, x: Float[Array, "batch seq dim"], policy: Policy, mesh: Mesh | None = None
+    ) -> Float[Array, "batch seq dim"]:
+        run = offloaded(lambda layer, h: layer(h), policy, mesh=mesh)
+        dynamic, static = eqx.partition(self.layers, eqx.is_array)
+        if self.scan_layers:
+            x, _ = jax.lax.scan(lambda h, d: (run(eqx.combine(d, static), h), None), x, dynamic)
+            return x
+        for index in range(self.num_layers):
+            x = run(self.layer(index), x)
+        return x

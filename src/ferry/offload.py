@@ -1,0 +1,272 @@
+"""The offload engine: name activations with `tag`, place them with a `Policy`, and let
+`offloaded` wrap a decoder layer in a custom VJP that moves the saved residuals between HBM
+and pinned host memory.
+
+Forward: run the layer while a recorder collects every tagged value; `"offload"` values are
+`device_put` to pinned host, `"device"` values are kept, `"remat"` values are dropped.
+Backward: bring offloaded values back to the device and take the VJP of the layer replayed
+with the saved values *injected* at their tags. Injection is an identity whose primal output is
+the saved value and whose tangent is the tangent of the recomputed value, so the recomputed
+producer of a saved value is dead code that XLA removes: only what lies between saved values is
+recomputed. Every placement decision is the plain Python below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+Placement = Literal["device", "offload", "remat"]
+PLACEMENTS: tuple[str, ...] = ("device", "offload", "remat")
+LAYER_INPUT = "decoder_layer_input"
+"""The name of a layer's input. It is a residual of every layer and cannot be recomputed
+inside the layer, so a policy places it on `device` (the default) or `offload`s it."""
+
+
+class PolicyError(ValueError):
+    """A policy that cannot be applied: a bad placement or a name the model does not tag."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Where each tagged activation lives between the forward and the backward pass.
+
+    Names not mentioned are rematerialised (the layer input: kept on device). `keep_all`
+    disables the custom VJP altogether, so JAX's own autodiff keeps every residual in HBM:
+    the `save_all` reference every other policy is compared against.
+    """
+
+    placements: tuple[tuple[str, str], ...] = ()
+    keep_all: bool = False
+
+    def __post_init__(self) -> None:
+        for name, placement in self.placements:
+            if placement not in PLACEMENTS:
+                raise PolicyError(
+                    f"tensor {name!r} has placement {placement!r}; "
+                    f"a placement is one of {', '.join(PLACEMENTS)}"
+                )
+            if name == LAYER_INPUT and placement == "remat":
+                raise PolicyError(
+                    f"{LAYER_INPUT} cannot be rematerialised: nothing inside the layer computes it; "
+                    "place it on 'device' or 'offload'"
+                )
+        names = [name for name, _ in self.placements]
+        if len(set(names)) != len(names):
+            raise PolicyError(f"a tensor is placed twice in {names}")
+        if self.keep_all and any(p != "device" for _, p in self.placements):
+            raise PolicyError("keep_all keeps every residual on device; it takes no other placements")
+
+    @classmethod
+    def from_dict(cls, tensors: Mapping[str, str] | None = None, *, keep_all: bool = False) -> Policy:
+        """Build a policy from `{tensor name: placement}` (e.g. a Hydra config node)."""
+        return cls(tuple(sorted((str(k), str(v)) for k, v in (tensors or {}).items())), keep_all)
+
+    @classmethod
+    def save_all(cls) -> Policy:
+        """Keep every residual on device: no recompute, no transfers."""
+        return cls(keep_all=True)
+
+    def placement(self, name: str) -> str:
+        if self.keep_all:
+            return "device"
+        default = "device" if name == LAYER_INPUT else "remat"
+        return dict(self.placements).get(name, default)
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(name for name, _ in self.placements)
+
+    def validate(self, tagged: frozenset[str] | set[str]) -> None:
+        """Refuse names the model never tags, listing the ones it does tag."""
+        unknown = sorted(self.names - set(tagged) - {LAYER_INPUT})
+        if unknown:
+            raise PolicyError(
+                f"the offload policy names {unknown}, which this model never tags; "
+                f"it tags: {', '.join(sorted(set(tagged) | {LAYER_INPUT}))}"
+            )
+
+
+# --------------------------------------------------------------------------------------------
+# The tag context: the engine's only global state, a stack of recorders / injectors that is
+# non-empty only while `offloaded` traces a layer.
+
+class _Recorder:
+    """Collects tagged values in the order the layer produces them."""
+
+    def __init__(self) -> None:
+        self.values: list[tuple[str, jax.Array]] = []
+
+    def __call__(self, x: jax.Array, name: str) -> jax.Array:
+        self.values.append((name, x))
+        return x
+
+
+class _Injector:
+    """Replaces the k-th value tagged `name` by its saved copy."""
+
+    def __init__(self, saved: list[tuple[str, jax.Array | None]]) -> None:
+        self.saved = saved
+        self.position = 0
+
+    def __call__(self, x: jax.Array, name: str) -> jax.Array:
+        if self.position >= len(self.saved):
+            raise RuntimeError(f"tag {name!r} appeared in the replay but not in the forward pass")
+        saved_name, saved = self.saved[self.position]
+        self.position += 1
+        if saved_name != name:
+            raise RuntimeError(f"replay tagged {name!r} where the forward pass tagged {saved_name!r}")
+        return x if saved is None else _inject(x, saved)
+
+
+_TAG_CONTEXT: list[_Recorder | _Injector] = []
+
+
+@contextlib.contextmanager
+def _tag_context(handler: _Recorder | _Injector) -> Iterator[None]:
+    _TAG_CONTEXT.append(handler)
+    try:
+        yield
+    finally:
+        _TAG_CONTEXT.pop()
+
+
+def tag(x: jax.Array, name: str) -> jax.Array:
+    """Name an activation so an offload policy can place it. Identity outside `offloaded`."""
+    if not _TAG_CONTEXT:
+        return x
+    return _TAG_CONTEXT[-1](x, name)
+
+
+@jax.custom_jvp
+def _inject(recomputed: jax.Array, saved: jax.Array) -> jax.Array:
+    return saved
+
+
+@_inject.defjvp
+def _inject_jvp(primals: tuple[jax.Array, jax.Array], tangents: tuple[Any, Any]) -> tuple[jax.Array, Any]:
+    _, saved = primals
+    recomputed_tangent, _ = tangents
+    return saved, recomputed_tangent
+
+
+def record_tags(fn: Callable[..., Any], *args: Any) -> tuple[Any, list[tuple[str, jax.Array]]]:
+    """Run `fn(*args)` and return its output with the (name, value) of every tag it passed."""
+    recorder = _Recorder()
+    with _tag_context(recorder):
+        out = fn(*args)
+    return out, recorder.values
+
+
+def tagged_names(fn: Callable[..., Any], *args: Any) -> frozenset[str]:
+    """The names `fn(*args)` tags, found by abstract evaluation (nothing is computed)."""
+    names: set[str] = set()
+
+    def names_only(*a: Any) -> Any:
+        out, values = record_tags(fn, *a)
+        names.update(name for name, _ in values)
+        return out
+
+    eqx.filter_eval_shape(names_only, *args)
+    return frozenset(names) | {LAYER_INPUT}
+
+
+# --------------------------------------------------------------------------------------------
+# Memory placement.
+
+def _mesh(mesh: Mesh | None) -> Mesh | jax.sharding.AbstractMesh:
+    """The mesh to place on: the one given, else the one set by `jax.set_mesh`, else the only
+    device's."""
+    if mesh is not None:
+        return mesh
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty:
+        return context
+    if jax.device_count() == 1:
+        return Mesh(jax.devices()[:1], ("data",))
+    raise ValueError(
+        "offloading on several devices needs a mesh: pass mesh= to offloaded() or trace the "
+        "step under `with jax.set_mesh(mesh):`"
+    )
+
+
+def _spec_of(x: jax.Array) -> PartitionSpec:
+    """The value's own partition spec, so its host copy is sharded exactly like it."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    if isinstance(sharding, NamedSharding) and not sharding.mesh.empty:
+        return sharding.spec
+    return PartitionSpec()
+
+
+def to_memory(x: jax.Array, memory_kind: str, mesh: Mesh | None = None) -> jax.Array:
+    """`device_put` a value to `memory_kind` ("pinned_host" or "device") keeping its sharding."""
+    return jax.device_put(x, NamedSharding(_mesh(mesh), _spec_of(x), memory_kind=memory_kind))
+
+
+# --------------------------------------------------------------------------------------------
+# The custom VJP.
+
+def offloaded(
+    fn: Callable[[Any, jax.Array], Any], policy: Policy, *, mesh: Mesh | None = None
+) -> Callable[[Any, jax.Array], Any]:
+    """Wrap a layer `fn(params, x)` so its residuals are placed by `policy`.
+
+    `params` is any pytree (an Equinox module included); its inexact arrays are differentiated,
+    everything else is treated as static. The output may be any pytree of arrays.
+    """
+    if policy.keep_all:
+        return fn
+
+    def split(params: Any) -> tuple[Any, Any]:
+        return eqx.partition(params, eqx.is_inexact_array)
+
+    def save(name: str, value: jax.Array) -> jax.Array | None:
+        placement = policy.placement(name)
+        if placement == "offload":
+            return to_memory(value, "pinned_host", mesh)
+        return value if placement == "device" else None
+
+    def restore(name: str, value: jax.Array | None) -> jax.Array | None:
+        if policy.placement(name) == "offload":
+            return to_memory(value, "device", mesh)
+        return value
+
+    def call(params: Any, x: jax.Array) -> Any:
+        diff, static = split(params)
+        names: list[str] = []  # the tag order of the forward pass; residuals must be arrays
+
+        def layer_fn(p: Any, h: jax.Array) -> Any:
+            return fn(eqx.combine(p, static), h)
+
+        @jax.custom_vjp
+        def layer(p: Any, h: jax.Array) -> Any:
+            return layer_fn(p, h)
+
+        def layer_fwd(p: Any, h: jax.Array) -> tuple[Any, Any]:
+            out, values = record_tags(layer_fn, p, h)
+            names[:] = [name for name, _ in values]
+            policy.validate(set(names))
+            saved = [save(name, value) for name, value in values]
+            return out, (p, save(LAYER_INPUT, h), saved)
+
+        def layer_bwd(residuals: Any, cotangent: Any) -> tuple[Any, Any]:
+            p, h, saved = residuals
+            injected = [(name, restore(name, value)) for name, value in zip(names, saved)]
+
+            def replay(p: Any, h: jax.Array) -> Any:
+                with _tag_context(_Injector(injected)):
+                    return layer_fn(p, h)
+
+            _, vjp = jax.vjp(replay, p, restore(LAYER_INPUT, h))
+            return vjp(cotangent)
+
+        layer.defvjp(layer_fwd, layer_bwd)
+        return layer(diff, x)
+
+    return call

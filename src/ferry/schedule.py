@@ -1,0 +1,163 @@
+"""The transfer schedule: which residual of a layer goes where, and what that moves per step.
+
+Found by abstract evaluation of one layer (nothing is computed), so it can be printed before a
+run starts and written next to it as `schedule.json`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+
+from ferry.offload import LAYER_INPUT, Policy, record_tags
+from ferry.precision import cast_floating
+
+_DIRECTIONS = {"offload": ("D2H", "H2D"), "device": ("-", "-"), "remat": ("-", "-")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Residual:
+    """One tagged activation of one layer: its size on one device and where it waits."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    bytes_per_device: int
+    placement: str
+    forward: str  # "D2H" when copied to pinned host after the forward pass, else "-"
+    backward: str  # "H2D" when copied back before the backward pass, else "-"
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferSchedule:
+    policy_name: str
+    num_layers: int
+    residuals: tuple[Residual, ...]
+
+    def _layer_bytes(self, placement: str | None = None) -> int:
+        return sum(r.bytes_per_device for r in self.residuals if placement in (None, r.placement))
+
+    @property
+    def device_to_host_bytes(self) -> int:
+        """Bytes each device copies to pinned host in one step's forward pass."""
+        return self.num_layers * self._layer_bytes("offload")
+
+    @property
+    def host_to_device_bytes(self) -> int:
+        """Bytes each device copies back in one step's backward pass."""
+        return self.device_to_host_bytes
+
+    @property
+    def device_bytes(self) -> int:
+        """Tagged residual bytes each device keeps in HBM between forward and backward."""
+        return self.num_layers * self._layer_bytes("device")
+
+    @property
+    def save_all_bytes(self) -> int:
+        """Tagged residual bytes that `save_all` would keep in HBM."""
+        return self.num_layers * self._layer_bytes()
+
+    @property
+    def hbm_saved_bytes(self) -> int:
+        return self.save_all_bytes - self.device_bytes
+
+    def totals(self) -> dict[str, int]:
+        return {
+            "num_layers": self.num_layers,
+            "device_to_host_bytes_per_step": self.device_to_host_bytes,
+            "host_to_device_bytes_per_step": self.host_to_device_bytes,
+            "device_residual_bytes_per_step": self.device_bytes,
+            "save_all_residual_bytes_per_step": self.save_all_bytes,
+            "hbm_bytes_saved_vs_save_all": self.hbm_saved_bytes,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy_name,
+            "residuals_per_layer": [dataclasses.asdict(r) for r in self.residuals],
+            "totals_per_step": self.totals(),
+        }
+
+
+def transfer_schedule(
+    layer_fn: Callable[[Any, jax.Array], Any],
+    layer_params: Any,
+    layer_input: jax.ShapeDtypeStruct,
+    policy: Policy,
+    num_layers: int,
+    policy_name: str = "custom",
+) -> TransferSchedule:
+    """The residuals of `layer_fn(layer_params, x)` under `policy`, in the order the layer
+    produces them (the layer input first). `layer_input` is one device's input; `layer_params`
+    may be abstract (ShapeDtypeStructs), since nothing is computed."""
+    recorded: list[tuple[str, jax.ShapeDtypeStruct]] = []
+
+    def record(params: Any, x: jax.Array) -> Any:
+        out, values = record_tags(layer_fn, params, x)
+        recorded.extend((name, jax.ShapeDtypeStruct(v.shape, v.dtype)) for name, v in values)
+        return out
+
+    eqx.filter_eval_shape(record, layer_params, layer_input)
+    entries = [(LAYER_INPUT, layer_input), *recorded]
+    policy.validate({name for name, _ in entries})
+    residuals = []
+    for name, value in entries:
+        placement = policy.placement(name)
+        forward, backward = _DIRECTIONS[placement]
+        residuals.append(
+            Residual(
+                name=name,
+                shape=tuple(value.shape),
+                dtype=str(value.dtype),
+                bytes_per_device=math.prod(value.shape) * value.dtype.itemsize,
+                placement=placement,
+                forward=forward,
+                backward=backward,
+            )
+        )
+    return TransferSchedule(policy_name, num_layers, tuple(residuals))
+
+
+def model_schedule(
+    model: Any, policy: Policy, batch_per_device: int, seq_len: int, dtype: Any, policy_name: str = "custom"
+) -> TransferSchedule:
+    """The schedule of one of `model`'s decoder layers (run in `dtype`) on a
+    [batch_per_device, seq_len] batch. `model` may be abstract (see `abstract_model`)."""
+
+    def first_layer(model: Any, x: jax.Array) -> Any:
+        return cast_floating(model.layers.layer(0), dtype)(x)
+
+    x = jax.ShapeDtypeStruct((batch_per_device, seq_len, model.config.dim), dtype)
+    return transfer_schedule(first_layer, model, x, policy, model.layers.num_layers, policy_name)
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def schedule_table(schedule: TransferSchedule) -> Any:
+    """A rich Table of the schedule, with the per-step totals as its caption."""
+    from rich.table import Table
+
+    table = Table(title=f"offload schedule: {schedule.policy_name} (per layer, per device)")
+    for column in ("tensor", "shape", "dtype", "bytes", "placement", "fwd", "bwd"):
+        table.add_column(column, justify="right" if column == "bytes" else "left")
+    for r in schedule.residuals:
+        table.add_row(r.name, "x".join(map(str, r.shape)), r.dtype, format_bytes(r.bytes_per_device), r.placement, r.forward, r.backward)
+    t = schedule.totals()
+    table.caption = (
+        f"per step, {t['num_layers']} layers: D2H {format_bytes(t['device_to_host_bytes_per_step'])}, "
+        f"H2D {format_bytes(t['host_to_device_bytes_per_step'])}, "
+        f"kept in HBM {format_bytes(t['device_residual_bytes_per_step'])}, "
+        f"HBM saved vs save_all {format_bytes(t['hbm_bytes_saved_vs_save_all'])}"
+    )
+    return table

@@ -1,0 +1,1 @@
+"""Training: config, optimizer, loss, the one jitted step, and the loop."""

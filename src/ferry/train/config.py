@@ -1,0 +1,98 @@
+"""Frozen configs for a training run (the `train`, `offload`, `data` and `run` config groups)."""
+
+import dataclasses
+from collections.abc import Mapping
+
+from ferry.config import ConfigError, from_dict
+from ferry.models.registry import model_config
+from ferry.offload import Policy
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 200
+    global_batch_size: int = 8
+    seq_len: int = 128
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+    min_learning_rate_ratio: float = 0.1
+    weight_decay: float = 0.1
+    adam_b1: float = 0.9
+    adam_b2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip_norm: float = 1.0
+    z_loss_weight: float = 0.0
+    compute_dtype: str = "bfloat16"
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 50
+    eval_batches: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "global_batch_size", "seq_len", "log_every", "eval_every", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be at least 1, got {getattr(self, name)}")
+        if self.warmup_steps < 0 or self.warmup_steps > self.steps:
+            raise ValueError(f"train.warmup_steps {self.warmup_steps} must lie in [0, train.steps={self.steps}]")
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"train.compute_dtype is {self.compute_dtype!r}; use float32 or bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadConfig:
+    """An offload preset: `tensors` maps tensor names to device | offload | remat."""
+
+    name: str = "custom"
+    keep_all: bool = False
+    tensors: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def policy(self) -> Policy:
+        return Policy.from_dict(self.tensors, keep_all=self.keep_all)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    source: str = "stdlib"
+    eval_fraction: float = 0.05
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.source != "stdlib":
+            raise ValueError(f"data.source is {self.source!r}; the available source is 'stdlib'")
+        if not 0 < self.eval_fraction < 1:
+            raise ValueError(f"data.eval_fraction must lie in (0, 1), got {self.eval_fraction}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    dir: str | None = None
+    root: str = "runs"
+
+
+@dataclasses.dataclass(frozen=True)
+class FerryConfig:
+    """A whole run, as resolved from Hydra: `model` is the family's own config dataclass."""
+
+    model_name: str
+    model: object
+    train: TrainConfig
+    offload: OffloadConfig
+    data: DataConfig
+    run: RunConfig
+
+
+def load_config(node: Mapping) -> FerryConfig:
+    """Validate a resolved Hydra config (a plain dict) into frozen dataclasses."""
+    known = {"model", "train", "offload", "data", "run"}
+    unknown = sorted(set(node) - known)
+    if unknown:
+        raise ConfigError(f"unknown top-level config key(s) {unknown}; known: {sorted(known)}")
+    model = dict(node["model"])
+    return FerryConfig(
+        model_name=str(model.get("name", "custom")),
+        model=model_config(model),
+        train=from_dict(TrainConfig, node.get("train", {}), "train"),
+        offload=from_dict(OffloadConfig, node.get("offload", {}), "offload"),
+        data=from_dict(DataConfig, node.get("data", {}), "data"),
+        run=from_dict(RunConfig, node.get("run", {}), "run"),
+    )

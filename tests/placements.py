@@ -1,0 +1,24 @@
+"""Reading memory placements out of a jaxpr, including the bodies of scans and custom rules."""
+
+import jax
+from jax.extend import core
+
+
+def _sub_jaxprs(eqn):
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, core.ClosedJaxpr):
+                yield item.jaxpr
+            elif isinstance(item, core.Jaxpr):
+                yield item
+
+
+def count_device_puts(jaxpr, memory_kind: str) -> int:
+    """How many values `device_put`s in `jaxpr` (recursively) move to `memory_kind`."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "device_put":
+            count += sum(getattr(d, "memory_kind", None) == memory_kind for d in eqn.params["devices"])
+        for sub in _sub_jaxprs(eqn):
+            count += count_device_puts(sub, memory_kind)
+    return count
