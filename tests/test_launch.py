@@ -1,0 +1,84 @@
+"""`python launch/run.py` as a user runs it: training, the run directory, and refusals."""
+
+import json
+import time
+
+import pytest
+
+from tests.conftest import run_launcher
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_default_run_learns_the_stdlib(tmp_path):
+    """The default command (llama_tiny, an offloading preset, 200 steps) lowers held-out loss
+    below 60% of its starting value."""
+    run_dir = tmp_path / "run"
+    result = run_launcher(f"run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr + result.stdout
+    records = read_metrics(run_dir)
+    evals = {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}
+    assert evals[200] < 0.6 * evals[0], evals
+    logged = [r for r in records if "loss" in r]
+    assert logged[-1]["step"] == 200
+    for record in logged:
+        assert {"step", "loss", "tokens_per_s", "step_time_s", "learning_rate", "grad_norm"} <= record.keys()
+    schedule = json.loads((run_dir / "schedule.json").read_text())
+    assert schedule["policy"] == "minimal_offloaded"
+    assert schedule["totals_per_step"]["device_to_host_bytes_per_step"] > 0
+    assert (run_dir / "config.yaml").read_text().count("minimal_offloaded") == 1
+    assert "offload schedule: minimal_offloaded" in result.stdout
+
+
+def test_per_tensor_override_and_preset(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_launcher(
+        "offload=qkv_offload", "offload.tensors.mlpwo=offload", "offload.tensors.query_proj=device",
+        "train.steps=2", "train.warmup_steps=1", "train.eval_every=2", f"run.dir={run_dir}",
+    )
+    assert result.returncode == 0, result.stderr + result.stdout
+    rows = {r["name"]: r["placement"] for r in json.loads((run_dir / "schedule.json").read_text())["residuals_per_layer"]}
+    assert rows["mlpwo"] == "offload" and rows["query_proj"] == "device" and rows["key_proj"] == "offload"
+    assert rows["mlpwi_0"] == "remat"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("offload.tensors.mlpwoo=offload", "names ['mlpwoo'], which this model never tags; it tags: attention_out"),
+        ("offload.tensors.mlpwo=host", "'mlpwo' has placement 'host'; a placement is one of device, offload, remat"),
+        ("train.seq_len=0", "train.seq_len must be at least 1"),
+    ],
+)
+def test_bad_input_is_refused_before_anything_is_written(tmp_path, override, message):
+    run_dir = tmp_path / "run"
+    result = run_launcher(override, f"run.dir={run_dir}")
+    assert result.returncode == 2
+    assert message in " ".join(result.stdout.split())
+    assert not run_dir.exists()
+
+
+def test_unknown_config_key_is_refused(tmp_path):
+    result = run_launcher("train.stepz=5", f"run.dir={tmp_path / 'run'}")
+    assert result.returncode != 0
+    assert "stepz" in result.stderr and "not in struct" in result.stderr
+
+
+def test_existing_run_is_not_overwritten(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("precious\n")
+    result = run_launcher("train.steps=1", "train.warmup_steps=0", f"run.dir={tmp_path}")
+    assert result.returncode == 2
+    assert "already holds files" in result.stdout
+    assert (tmp_path / "metrics.jsonl").read_text() == "precious\n"
+
+
+def test_model_too_large_fails_fast(tmp_path):
+    start = time.monotonic()
+    result = run_launcher("model=llama3_1_405b", f"run.dir={tmp_path / 'run'}")
+    assert result.returncode == 2
+    text = " ".join(result.stdout.split())
+    assert "405.85B parameters" in text and "GiB" in text and "model=llama_tiny" in text
+    assert time.monotonic() - start < 60  # seconds, not an attempt to allocate terabytes
+    assert not (tmp_path / "run").exists()

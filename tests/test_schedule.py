@@ -1,0 +1,34 @@
+"""The transfer schedule's table and totals for llama_tiny."""
+
+import jax.numpy as jnp
+
+from ferry.models.registry import abstract_model
+from ferry.schedule import model_schedule
+from tests.conftest import load_preset
+
+
+def test_qkv_offload_schedule(tiny_config):
+    model = abstract_model(tiny_config)
+    schedule = model_schedule(model, load_preset("qkv_offload").policy(), 4, 32, jnp.bfloat16, "qkv_offload")
+    rows = {r.name: r for r in schedule.residuals}
+    assert [r.name for r in schedule.residuals][:4] == ["decoder_layer_input", "query_proj", "key_proj", "value_proj"]
+    q_bytes = 4 * 32 * tiny_config.num_heads * tiny_config.head_dim * 2
+    kv_bytes = 4 * 32 * tiny_config.num_kv_heads * tiny_config.head_dim * 2
+    assert rows["query_proj"].bytes_per_device == q_bytes
+    assert (rows["key_proj"].placement, rows["key_proj"].forward, rows["key_proj"].backward) == ("offload", "D2H", "H2D")
+    assert (rows["mlpwo"].placement, rows["mlpwo"].forward) == ("remat", "-")
+    layers = tiny_config.num_layers
+    totals = schedule.totals()
+    assert totals["device_to_host_bytes_per_step"] == layers * (q_bytes + 2 * kv_bytes)
+    assert totals["host_to_device_bytes_per_step"] == totals["device_to_host_bytes_per_step"]
+    input_bytes = 4 * 32 * tiny_config.dim * 2
+    assert totals["device_residual_bytes_per_step"] == layers * input_bytes
+    all_bytes = layers * sum(r.bytes_per_device for r in schedule.residuals)
+    assert totals["hbm_bytes_saved_vs_save_all"] == all_bytes - layers * input_bytes
+    assert schedule.to_json()["totals_per_step"] == totals
+
+
+def test_save_all_keeps_everything(tiny_config):
+    schedule = model_schedule(abstract_model(tiny_config), load_preset("save_all").policy(), 1, 8, jnp.float32)
+    assert {r.placement for r in schedule.residuals} == {"device"}
+    assert schedule.hbm_saved_bytes == 0 and schedule.device_to_host_bytes == 0
