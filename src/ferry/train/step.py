@@ -1,6 +1,7 @@
 """The train state and the one jitted train step (forward, loss, gradients, AdamW update)."""
 
 import dataclasses
+import functools
 from collections.abc import Callable
 import equinox as eqx
 import jax
@@ -50,9 +51,10 @@ def make_train_step(
     settings: LossSettings,
     learning_rate: optax.Schedule,
 ) -> Callable[[TrainState, Int[Array, "batch seq_plus_one"]], tuple[TrainState, dict[str, Array]]]:
-    """The jitted step; the state's buffers are donated so parameters are updated in place."""
+    """The jitted step. The state (a pytree of arrays only: static fields live in its treedef) is
+    donated, so parameters and optimizer moments are updated in place; the batch is not."""
 
-    @eqx.filter_jit(donate="all")
+    @functools.partial(jax.jit, donate_argnums=0)
     def train_step(state: TrainState, batch: Int[Array, "batch seq_plus_one"]) -> tuple[TrainState, dict[str, Array]]:
         (loss, cross_entropy), grads = eqx.filter_value_and_grad(batch_loss, has_aux=True)(
             state.model, batch, settings
