@@ -27,6 +27,14 @@ def load_preset(name: str) -> OffloadConfig:
     return from_dict(OffloadConfig, OmegaConf.to_container(OmegaConf.load(CONFIGS / "offload" / f"{name}.yaml")))
 
 
+def preset_policy(name: str, model):
+    """The preset's policy for `model` (a preset's `default` covers the names the model tags)."""
+    return load_preset(name).policy(model.tagged_names())
+
+
+MOE_ONLY_PRESETS = {"moe_offload"}
+
+
 def run_launcher(*overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """`python launch/run.py ...` as a user types it."""
     return subprocess.run(

@@ -39,7 +39,8 @@ def test_per_tensor_override_and_preset(tmp_path):
         "train.steps=2", "train.warmup_steps=1", "train.eval_every=2", f"run.dir={run_dir}",
     )
     assert result.returncode == 0, result.stderr + result.stdout
-    rows = {r["name"]: r["placement"] for r in json.loads((run_dir / "schedule.json").read_text())["residuals_per_layer"]}
+    groups = json.loads((run_dir / "schedule.json").read_text())["layer_groups"]
+    rows = {r["name"]: r["placement"] for r in groups[0]["residuals"]}
     assert rows["mlpwo"] == "offload" and rows["query_proj"] == "device" and rows["key_proj"] == "offload"
     assert rows["mlpwi_0"] == "remat"
 

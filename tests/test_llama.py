@@ -12,7 +12,7 @@ from ferry.models.llama import Llama
 from ferry.models.registry import parameter_count
 from ferry.nn.norm import RMSNorm
 from ferry.nn.rope import Llama3RopeScaling, rope_frequencies
-from ferry.train.loss import next_token_loss
+from ferry.loss import next_token_loss
 from tests.conftest import load_model_config
 
 

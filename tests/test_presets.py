@@ -12,7 +12,8 @@ import pytest
 from ferry.models.llama import Llama
 from ferry.models.registry import abstract_model
 from ferry.train.step import LossSettings, batch_loss
-from tests.conftest import PRESETS, load_model_config, load_preset
+from ferry.offload import PolicyError
+from tests.conftest import MOE_ONLY_PRESETS, PRESETS, load_model_config, load_preset, preset_policy
 from tests.placements import count_device_puts
 
 
@@ -24,8 +25,11 @@ def model_and_batch(scan_layers: bool):
     return model, batch
 
 
+LLAMA_PRESETS = [p for p in PRESETS if p not in MOE_ONLY_PRESETS]
+
+
 def loss_grad(model, batch, preset: str):
-    settings = LossSettings(load_preset(preset).policy(), "float32")
+    settings = LossSettings(preset_policy(preset, model), "float32")
     return eqx.filter_grad(lambda m: batch_loss(m, batch, settings)[0])(model)
 
 
@@ -37,12 +41,18 @@ def compiled(preset: str, scan_layers: bool = True):
 
 def test_presets_are_the_documented_ones():
     assert PRESETS == sorted(
-        ["save_all", "full_remat", "minimal", "qkv_offload", "minimal_offloaded", "decoder_input_offload"]
+        ["save_all", "full_remat", "minimal", "qkv_offload", "minimal_offloaded", "decoder_input_offload", "moe_offload"]
     )
 
 
+def test_moe_preset_is_refused_for_llama():
+    model, batch = model_and_batch(True)
+    with pytest.raises(PolicyError, match=r"moe_mlpwi_0.*never tags.*it tags: attention_out"):
+        loss_grad(model, batch, "moe_offload")
+
+
 @pytest.mark.parametrize("scan_layers", [True, False], ids=["scan", "loop"])
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", LLAMA_PRESETS)
 def test_gradients_equal_save_all(preset, scan_layers):
     model, batch = model_and_batch(scan_layers)
     expected = eqx.filter_jit(loss_grad)(model, batch, "save_all")
@@ -52,10 +62,10 @@ def test_gradients_equal_save_all(preset, scan_layers):
 
 
 @pytest.mark.parametrize("scan_layers", [True, False], ids=["scan", "loop"])
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", LLAMA_PRESETS)
 def test_jaxpr_moves_exactly_the_offloaded_tensors(preset, scan_layers):
     model, batch = model_and_batch(scan_layers)
-    policy = load_preset(preset).policy()
+    policy = preset_policy(preset, model)
     offloaded_per_layer = sum(policy.placement(name) == "offload" for name in model.tagged_names())
     # One traced layer body under scan; every layer traced separately without it.
     traced_layers = 1 if scan_layers else model.config.num_layers
@@ -68,7 +78,7 @@ def test_presets_that_offload_do_offload():
     expected = {"qkv_offload": 3, "minimal_offloaded": 8, "decoder_input_offload": 1}
     model, _ = model_and_batch(True)
     for preset, count in expected.items():
-        policy = load_preset(preset).policy()
+        policy = preset_policy(preset, model)
         assert sum(policy.placement(n) == "offload" for n in model.tagged_names()) == count
 
 
@@ -97,7 +107,7 @@ def llama_8b_flops(preset: str) -> float:
     layers, one sequence of 2048), compiled from abstract shapes: nothing is allocated."""
     model = abstract_model(load_model_config("llama3_1_8b", num_layers=2))
     batch = jax.ShapeDtypeStruct((1, 2049), jnp.int32)
-    settings = LossSettings(load_preset(preset).policy(), "bfloat16")
+    settings = LossSettings(preset_policy(preset, model), "bfloat16")
     grad = jax.jit(lambda m, b: eqx.filter_grad(lambda m: batch_loss(m, b, settings)[0])(m))
     return grad.lower(model, batch).compile().cost_analysis()["flops"]
 

@@ -4,12 +4,12 @@ import jax.numpy as jnp
 
 from ferry.models.registry import abstract_model
 from ferry.schedule import model_schedule
-from tests.conftest import load_preset
+from tests.conftest import preset_policy
 
 
 def test_qkv_offload_schedule(tiny_config):
     model = abstract_model(tiny_config)
-    schedule = model_schedule(model, load_preset("qkv_offload").policy(), 4, 32, jnp.bfloat16, "qkv_offload")
+    schedule = model_schedule(model, preset_policy("qkv_offload", model), 4, 32, jnp.bfloat16, "qkv_offload")
     rows = {r.name: r for r in schedule.residuals}
     assert [r.name for r in schedule.residuals][:4] == ["decoder_layer_input", "query_proj", "key_proj", "value_proj"]
     q_bytes = 4 * 32 * tiny_config.num_heads * tiny_config.head_dim * 2
@@ -29,6 +29,7 @@ def test_qkv_offload_schedule(tiny_config):
 
 
 def test_save_all_keeps_everything(tiny_config):
-    schedule = model_schedule(abstract_model(tiny_config), load_preset("save_all").policy(), 1, 8, jnp.float32)
+    model = abstract_model(tiny_config)
+    schedule = model_schedule(model, preset_policy("save_all", model), 1, 8, jnp.float32)
     assert {r.placement for r in schedule.residuals} == {"device"}
     assert schedule.hbm_saved_bytes == 0 and schedule.device_to_host_bytes == 0

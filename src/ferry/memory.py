@@ -20,12 +20,13 @@ def available_bytes() -> tuple[int, str]:
     return psutil.virtual_memory().available, "host RAM available to the CPU backend"
 
 
-def check_fits(model_name: str, num_parameters: int, suggestion: str) -> None:
+def check_fits(model_name: str, num_parameters: int, size: str, suggestion: str) -> None:
+    """Refuse a model whose training state alone exceeds memory; `size` describes its size."""
     needed = num_parameters * TRAINING_BYTES_PER_PARAMETER
     have, where = available_bytes()
     if needed > have:
         raise InsufficientMemoryError(
-            f"model {model_name} has {num_parameters / 1e9:.2f}B parameters: its fp32 parameters, "
+            f"model {model_name} has {size}: its fp32 parameters, "
             f"gradients, AdamW state and bf16 compute copy need {needed / 2**30:,.1f} GiB "
             f"({TRAINING_BYTES_PER_PARAMETER} B per parameter, before activations), but this machine "
             f"has {have / 2**30:,.1f} GiB ({where}). {suggestion}"

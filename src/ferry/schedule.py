@@ -13,6 +13,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+from rich.table import Table
 
 from ferry.offload import LAYER_INPUT, Policy, record_tags
 from ferry.precision import cast_floating
@@ -34,18 +35,49 @@ class Residual:
 
 
 @dataclasses.dataclass(frozen=True)
-class TransferSchedule:
-    policy_name: str
+class LayerKind:
+    """How a model describes one kind of its decoder layers to the schedule."""
+
+    name: str
+    num_layers: int
+    run: Callable[[Any, jax.Array], Any]  # (model, x) -> the output of one such layer
+    seq_shrink: int = 0  # its input is this much shorter than the batch (MTP depth k: k)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerGroup:
+    """Identical layers (e.g. DeepSeek-V3's dense or MoE layers) and one layer's residuals."""
+
+    name: str
     num_layers: int
     residuals: tuple[Residual, ...]
 
-    def _layer_bytes(self, placement: str | None = None) -> int:
-        return sum(r.bytes_per_device for r in self.residuals if placement in (None, r.placement))
+    def bytes(self, placement: str | None = None) -> int:
+        """Bytes of all its layers' residuals with `placement` (all when None), per device."""
+        return self.num_layers * sum(r.bytes_per_device for r in self.residuals if placement in (None, r.placement))
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferSchedule:
+    policy_name: str
+    groups: tuple[LayerGroup, ...]
+
+    @property
+    def residuals(self) -> tuple[Residual, ...]:
+        """The residuals of the first group's layer (the only group of a uniform model)."""
+        return self.groups[0].residuals
+
+    def _bytes(self, placement: str | None = None) -> int:
+        return sum(group.bytes(placement) for group in self.groups)
+
+    @property
+    def num_layers(self) -> int:
+        return sum(group.num_layers for group in self.groups)
 
     @property
     def device_to_host_bytes(self) -> int:
         """Bytes each device copies to pinned host in one step's forward pass."""
-        return self.num_layers * self._layer_bytes("offload")
+        return self._bytes("offload")
 
     @property
     def host_to_device_bytes(self) -> int:
@@ -55,12 +87,12 @@ class TransferSchedule:
     @property
     def device_bytes(self) -> int:
         """Tagged residual bytes each device keeps in HBM between forward and backward."""
-        return self.num_layers * self._layer_bytes("device")
+        return self._bytes("device")
 
     @property
     def save_all_bytes(self) -> int:
         """Tagged residual bytes that `save_all` would keep in HBM."""
-        return self.num_layers * self._layer_bytes()
+        return self._bytes()
 
     @property
     def hbm_saved_bytes(self) -> int:
@@ -79,22 +111,23 @@ class TransferSchedule:
     def to_json(self) -> dict[str, Any]:
         return {
             "policy": self.policy_name,
-            "residuals_per_layer": [dataclasses.asdict(r) for r in self.residuals],
+            "layer_groups": [
+                {"name": g.name, "num_layers": g.num_layers, "residuals": [dataclasses.asdict(r) for r in g.residuals]}
+                for g in self.groups
+            ],
             "totals_per_step": self.totals(),
         }
 
 
-def transfer_schedule(
+def layer_residuals(
     layer_fn: Callable[[Any, jax.Array], Any],
-    layer_params: Any,
+    params: Any,
     layer_input: jax.ShapeDtypeStruct,
     policy: Policy,
-    num_layers: int,
-    policy_name: str = "custom",
-) -> TransferSchedule:
-    """The residuals of `layer_fn(layer_params, x)` under `policy`, in the order the layer
-    produces them (the layer input first). `layer_input` is one device's input; `layer_params`
-    may be abstract (ShapeDtypeStructs), since nothing is computed."""
+) -> tuple[Residual, ...]:
+    """The residuals of `layer_fn(params, x)` under `policy`, in the order the layer produces
+    them (the layer input first). `layer_input` is one device's input; `params` may be abstract
+    (ShapeDtypeStructs), since nothing is computed."""
     recorded: list[tuple[str, jax.ShapeDtypeStruct]] = []
 
     def record(params: Any, x: jax.Array) -> Any:
@@ -102,11 +135,9 @@ def transfer_schedule(
         recorded.extend((name, jax.ShapeDtypeStruct(v.shape, v.dtype)) for name, v in values)
         return out
 
-    eqx.filter_eval_shape(record, layer_params, layer_input)
-    entries = [(LAYER_INPUT, layer_input), *recorded]
-    policy.validate({name for name, _ in entries})
+    eqx.filter_eval_shape(record, params, layer_input)
     residuals = []
-    for name, value in entries:
+    for name, value in [(LAYER_INPUT, layer_input), *recorded]:
         placement = policy.placement(name)
         forward, backward = _DIRECTIONS[placement]
         residuals.append(
@@ -120,20 +151,39 @@ def transfer_schedule(
                 backward=backward,
             )
         )
-    return TransferSchedule(policy_name, num_layers, tuple(residuals))
+    return tuple(residuals)
+
+
+def transfer_schedule(
+    layer_fn: Callable[[Any, jax.Array], Any],
+    layer_params: Any,
+    layer_input: jax.ShapeDtypeStruct,
+    policy: Policy,
+    num_layers: int,
+    policy_name: str = "custom",
+) -> TransferSchedule:
+    """The schedule of `num_layers` identical layers `layer_fn(layer_params, x)`; the policy may
+    name only tensors the layer tags."""
+    residuals = layer_residuals(layer_fn, layer_params, layer_input, policy)
+    policy.validate({r.name for r in residuals})
+    return TransferSchedule(policy_name, (LayerGroup("layer", num_layers, residuals),))
 
 
 def model_schedule(
     model: Any, policy: Policy, batch_per_device: int, seq_len: int, dtype: Any, policy_name: str = "custom"
 ) -> TransferSchedule:
-    """The schedule of one of `model`'s decoder layers (run in `dtype`) on a
-    [batch_per_device, seq_len] batch. `model` may be abstract (see `abstract_model`)."""
+    """The schedule of `model`'s decoder layers (run in `dtype`) on a [batch_per_device, seq_len]
+    batch, one group per kind of layer (`model.layer_kinds()`). `model` may be abstract."""
+    policy.validate(model.tagged_names())
+    groups = []
+    for group in model.layer_kinds():
 
-    def first_layer(model: Any, x: jax.Array) -> Any:
-        return cast_floating(model.layers.layer(0), dtype)(x)
+        def one_layer(model: Any, x: jax.Array, run=group.run) -> Any:
+            return run(cast_floating(model, dtype), x)
 
-    x = jax.ShapeDtypeStruct((batch_per_device, seq_len, model.config.dim), dtype)
-    return transfer_schedule(first_layer, model, x, policy, model.layers.num_layers, policy_name)
+        x = jax.ShapeDtypeStruct((batch_per_device, seq_len - group.seq_shrink, model.config.dim), dtype)
+        groups.append(LayerGroup(group.name, group.num_layers, layer_residuals(one_layer, model, x, policy)))
+    return TransferSchedule(policy_name, tuple(groups))
 
 
 def format_bytes(n: float) -> str:
@@ -145,14 +195,20 @@ def format_bytes(n: float) -> str:
 
 
 def schedule_table(schedule: TransferSchedule) -> Any:
-    """A rich Table of the schedule, with the per-step totals as its caption."""
-    from rich.table import Table
-
+    """A rich Table of the schedule, one section per layer group, with the per-step totals as
+    its caption."""
     table = Table(title=f"offload schedule: {schedule.policy_name} (per layer, per device)")
-    for column in ("tensor", "shape", "dtype", "bytes", "placement", "fwd", "bwd"):
+    for column in ("layers", "tensor", "shape", "dtype", "bytes", "placement", "fwd", "bwd"):
         table.add_column(column, justify="right" if column == "bytes" else "left")
-    for r in schedule.residuals:
-        table.add_row(r.name, "x".join(map(str, r.shape)), r.dtype, format_bytes(r.bytes_per_device), r.placement, r.forward, r.backward)
+    for group in schedule.groups:
+        label = f"{group.name} x{group.num_layers}"
+        for r in group.residuals:
+            table.add_row(
+                label, r.name, "x".join(map(str, r.shape)), r.dtype, format_bytes(r.bytes_per_device),
+                r.placement, r.forward, r.backward,
+            )
+            label = ""
+        table.add_section()
     t = schedule.totals()
     table.caption = (
         f"per step, {t['num_layers']} layers: D2H {format_bytes(t['device_to_host_bytes_per_step'])}, "

@@ -15,6 +15,8 @@ from ferry.nn.norm import RMSNorm
 from ferry.nn.rope import Llama3RopeScaling
 from ferry.nn.stack import LayerStack
 from ferry.offload import Policy
+from ferry.schedule import LayerKind
+from ferry.loss import next_token_loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,9 +94,28 @@ class Llama(eqx.Module):
         policy: Policy = Policy.save_all(),
         mesh: Mesh | None = None,
     ) -> Float[Array, "batch seq vocab"]:
-        x = self.embed(tokens)
-        x = self.layers(x, policy, mesh)
+        policy.validate(self.tagged_names())
+        x, _ = self.layers(self.embed(tokens), policy, mesh)
         return self.head(self.final_norm(x))
+
+    def training_loss(
+        self,
+        batch: Int[Array, "batch seq_plus_one"],
+        policy: Policy,
+        mesh: Mesh | None = None,
+        z_loss_weight: float = 0.0,
+    ) -> tuple[Float[Array, ""], dict[str, Array]]:
+        """Next-token loss of batch[:, 1:] given batch[:, :-1], and its statistics."""
+        logits = self(batch[:, :-1], policy, mesh)
+        loss, cross_entropy = next_token_loss(logits, batch[:, 1:], z_loss_weight)
+        return loss, {"loss": cross_entropy}
+
+    def after_step(self, stats: dict[str, Array]) -> "Llama":
+        """Llama has no state updated outside the gradient."""
+        return self
+
+    def layer_kinds(self) -> list[LayerKind]:
+        return [LayerKind("decoder", self.config.num_layers, lambda m, x: m.layers.layer(0)(x))]
 
     def tagged_names(self) -> frozenset[str]:
         """Every activation name a decoder layer of this model tags."""

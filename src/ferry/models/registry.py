@@ -1,5 +1,6 @@
 """Model families by name, and the numbers a launcher needs before building a model."""
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -8,9 +9,14 @@ import jax
 import numpy as np
 
 from ferry.config import ConfigError, from_dict
+from ferry.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config
 from ferry.models.llama import Llama, LlamaConfig
 
-FAMILIES: dict[str, tuple[type, type[eqx.Module]]] = {"llama": (LlamaConfig, Llama)}
+FAMILIES: dict[str, tuple[type, type[eqx.Module]]] = {
+    "llama": (LlamaConfig, Llama),
+    "deepseek_v3": (DeepSeekV3Config, DeepSeekV3),
+}
+TINY_MODELS = {LlamaConfig: "llama_tiny", DeepSeekV3Config: "deepseek_v3_tiny"}
 
 
 def model_config(node: Mapping[str, Any]) -> Any:
@@ -40,3 +46,12 @@ def parameter_count(config: Any) -> int:
     leaves = jax.tree.leaves(abstract_model(config))
     shapes = [leaf.shape for leaf in leaves if isinstance(leaf, jax.ShapeDtypeStruct)]
     return int(sum(np.prod(shape, dtype=np.int64) for shape in shapes))
+
+
+def size_summary(config: Any) -> str:
+    """E.g. "682.64B parameters (671.03B without MTP)"."""
+    total = f"{parameter_count(config) / 1e9:.2f}B parameters"
+    if getattr(config, "mtp_depth", 0):
+        without = parameter_count(dataclasses.replace(config, mtp_depth=0))
+        return f"{total} ({without / 1e9:.2f}B without MTP)"
+    return total

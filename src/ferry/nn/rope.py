@@ -1,7 +1,7 @@
-"""Rotary position embeddings with Llama 3's frequency scaling.
+"""Rotary position embeddings: Llama 3's frequency scaling and DeepSeek-V3's YaRN.
 
-ferry uses the rotate-half convention (the two halves of a head are the rotated pairs), which is
-also the layout of Hugging Face's Llama checkpoints.
+Llama uses the rotate-half convention (the two halves of a head are the rotated pairs), the
+layout of Hugging Face's Llama checkpoints; DeepSeek rotates interleaved pairs (x[2i], x[2i+1]).
 """
 
 import dataclasses
@@ -40,15 +40,61 @@ def rope_frequencies(head_dim: int, theta: float, scaling: Llama3RopeScaling | N
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class YarnScaling:
+    """YaRN (Peng et al. 2023) as DeepSeek-V3 configures it: wavelengths longer than the original
+    context are interpolated by `factor`, short ones kept, with a linear ramp between the dims
+    that turn `beta_fast` and `beta_slow` times over the original context."""
+
+    factor: float = 40.0
+    original_max_position: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention temperature: 0.1 * mscale * ln(factor) + 1 (1 when not extending)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_frequencies(head_dim: int, theta: float, scaling: YarnScaling) -> tuple[np.ndarray, float]:
+    """The head_dim/2 inverse wavelengths and the factor YaRN applies to cos and sin."""
+    extrapolated = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    interpolated = extrapolated / scaling.factor
+
+    def dim_turning(rotations: float) -> float:
+        """The dim whose wavelength turns `rotations` times over the original context."""
+        return head_dim * math.log(scaling.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(dim_turning(scaling.beta_fast)), 0)
+    high = min(math.ceil(dim_turning(scaling.beta_slow)), head_dim - 1)
+    ramp = np.clip((np.arange(head_dim // 2) - low) / max(high - low, 1e-3), 0.0, 1.0)
+    keep = 1.0 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+    frequencies = interpolated * (1 - keep) + extrapolated * keep
+    cos_sin_scale = yarn_mscale(scaling.factor, scaling.mscale) / yarn_mscale(scaling.factor, scaling.mscale_all_dim)
+    return frequencies, cos_sin_scale
+
+
 def apply_rope(
-    x: Float[Array, "batch seq heads head_dim"], frequencies: np.ndarray
+    x: Float[Array, "batch seq heads head_dim"],
+    frequencies: np.ndarray,
+    *,
+    interleaved: bool = False,
+    cos_sin_scale: float = 1.0,
 ) -> Float[Array, "batch seq heads head_dim"]:
-    """Rotate each (x[i], x[i + head_dim/2]) pair by position x frequency, in float32."""
+    """Rotate pairs of x by position x frequency, in float32: pairs (x[i], x[i + head_dim/2]), or
+    (x[2i], x[2i+1]) when `interleaved`."""
     seq = x.shape[1]
     angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * jnp.asarray(frequencies, jnp.float32)[None, :]
-    cos = jnp.cos(angles)[None, :, None, :]
-    sin = jnp.sin(angles)[None, :, None, :]
+    cos = cos_sin_scale * jnp.cos(angles)[None, :, None, :]
+    sin = cos_sin_scale * jnp.sin(angles)[None, :, None, :]
     x32 = x.astype(jnp.float32)
+    if interleaved:
+        first, second = x32[..., 0::2], x32[..., 1::2]
+        rotated = jnp.stack([first * cos - second * sin, second * cos + first * sin], axis=-1)
+        return rotated.reshape(x.shape).astype(x.dtype)
     first, second = jnp.split(x32, 2, axis=-1)
     rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
     return rotated.astype(x.dtype)

@@ -9,6 +9,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, PRNGKeyArray
 
@@ -38,17 +39,30 @@ class LayerStack(eqx.Module):
         return eqx.combine(jax.tree.map(lambda a: a[index], dynamic), static)
 
     def tagged_names(self, x: Any) -> frozenset[str]:
-        """The activation names one layer tags for an input like `x` (found abstractly)."""
-        return tagged_names(lambda layer, h: layer(h), self.layer(0), x)
+        """The activation names one layer tags for an input like `x` (found abstractly; the stack
+        itself may be abstract)."""
+        return tagged_names(lambda stack, h: stack.layer(0)(h), self, x)
 
     def __call__(
         self, x: Float[Array, "batch seq dim"], policy: Policy, mesh: Mesh | None = None
-    ) -> Float[Array, "batch seq dim"]:
-        run = offloaded(lambda layer, h: layer(h), policy, mesh=mesh)
+    ) -> tuple[Float[Array, "batch seq dim"], Any]:
+        """Run every layer; a layer returns `h` or `(h, stats)`. Returns the last `h` and the
+        stats of all layers stacked along a leading layer axis (None when layers return none).
+        The caller checks the policy's names against the whole model."""
+        run = offloaded(_split_output(lambda layer, h: layer(h)), policy, mesh=mesh, check_names=False)
         dynamic, static = eqx.partition(self.layers, eqx.is_array)
         if self.scan_layers:
-            x, _ = jax.lax.scan(lambda h, d: (run(eqx.combine(d, static), h), None), x, dynamic)
-            return x
+            return jax.lax.scan(lambda h, d: run(eqx.combine(d, static), h), x, dynamic)
+        all_stats = []
         for index in range(self.num_layers):
-            x = run(self.layer(index), x)
-        return x
+            x, stats = run(self.layer(index), x)
+            all_stats.append(stats)
+        return x, jax.tree.map(lambda *leaves: jnp.stack(leaves), *all_stats)
+
+
+def _split_output(layer_fn: Callable[[Any, jax.Array], Any]) -> Callable[[Any, jax.Array], tuple[jax.Array, Any]]:
+    def call(layer: Any, h: jax.Array) -> tuple[jax.Array, Any]:
+        out = layer_fn(layer, h)
+        return out if isinstance(out, tuple) else (out, None)
+
+    return call

@@ -40,14 +40,20 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OffloadConfig:
-    """An offload preset: `tensors` maps tensor names to device | offload | remat."""
+    """An offload preset: `tensors` maps tensor names to device | offload | remat; `default`, when
+    set, places every other tensor the model tags (so one preset fits every model family)."""
 
     name: str = "custom"
     keep_all: bool = False
+    default: str | None = None
     tensors: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
-    def policy(self) -> Policy:
-        return Policy.from_dict(self.tensors, keep_all=self.keep_all)
+    def policy(self, tagged: frozenset[str] = frozenset()) -> Policy:
+        """The policy for a model that tags `tagged` (needed only when `default` is set)."""
+        placements = dict(self.tensors)
+        if self.default is not None:
+            placements = {name: self.default for name in tagged if name not in placements} | placements
+        return Policy.from_dict(placements, keep_all=self.keep_all)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,8 @@ from ferry.data.stdlib_corpus import Corpus, load_stdlib_corpus
 from ferry.data.tokenizer import ByteTokenizer
 from ferry.memory import check_fits
 from ferry.metrics import MetricsWriter
-from ferry.models.registry import abstract_model, build_model, parameter_count
+from ferry.offload import Policy
+from ferry.models.registry import TINY_MODELS, abstract_model, build_model, parameter_count, size_summary
 from ferry.schedule import TransferSchedule, model_schedule, schedule_table
 from ferry.sharding import batch_sharded, make_mesh, replicated
 from ferry.train.config import FerryConfig
@@ -67,28 +68,32 @@ class PreparedRun:
     config: FerryConfig
     corpus: Corpus
     schedule: TransferSchedule
+    policy: Policy
     run_dir: Path
 
 
 def prepare(config: FerryConfig, console: Console) -> PreparedRun:
     """Every check that can refuse the run, cheapest first; allocates no model, writes nothing."""
     num_parameters = parameter_count(config.model)
+    tiny = TINY_MODELS[type(config.model)]
     check_fits(
         config.model_name,
         num_parameters,
-        "Use model=llama_tiny on this machine, or run on devices whose memory holds it.",
+        size_summary(config.model),
+        f"Use model={tiny} on this machine, or run on devices whose memory holds it.",
     )
-    policy = config.offload.policy()
+    model = abstract_model(config.model)
+    policy = config.offload.policy(model.tagged_names())
     dtype = jnp.dtype(config.train.compute_dtype)
     schedule = model_schedule(
-        abstract_model(config.model), policy, config.train.global_batch_size, config.train.seq_len, dtype, config.offload.name
+        model, policy, config.train.global_batch_size, config.train.seq_len, dtype, config.offload.name
     )
     corpus = _check_data(config, ByteTokenizer())
     console.print(
         f"model {config.model_name}: {num_parameters:,} parameters; "
         f"corpus: {corpus.num_documents} stdlib files, {len(corpus.train):,} train / {len(corpus.eval):,} held-out tokens"
     )
-    return PreparedRun(config, corpus, schedule, resolve_run_dir(config))
+    return PreparedRun(config, corpus, schedule, policy, resolve_run_dir(config))
 
 
 def write_start_files(run_dir: Path, config_yaml: str, schedule: TransferSchedule) -> None:
@@ -111,7 +116,7 @@ def train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
     tc = config.train
     mesh = make_mesh(1)
     optimizer = make_optimizer(tc)
-    settings = LossSettings(config.offload.policy(), tc.compute_dtype, tc.z_loss_weight)
+    settings = LossSettings(prepared.policy, tc.compute_dtype, tc.z_loss_weight)
     train_step = make_train_step(optimizer, settings, learning_rate_schedule(tc))
     eval_step = make_eval_step(settings)
     train_batches = iter(PackedBatches(corpus.train, tc.global_batch_size, tc.seq_len, config.data.seed))

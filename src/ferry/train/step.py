@@ -12,7 +12,6 @@ from jaxtyping import Array, Float, Int
 
 from ferry.offload import Policy
 from ferry.precision import cast_floating
-from ferry.train.loss import next_token_loss
 
 
 class TrainState(eqx.Module):
@@ -39,11 +38,11 @@ class LossSettings:
 
 def batch_loss(
     model: eqx.Module, batch: Int[Array, "batch seq_plus_one"], settings: LossSettings
-) -> tuple[Float[Array, ""], Float[Array, ""]]:
-    """(loss to differentiate, cross-entropy) of predicting batch[:, 1:] from batch[:, :-1]."""
+) -> tuple[Float[Array, ""], dict[str, Array]]:
+    """The loss to differentiate, and the model's statistics (`loss` is the main next-token
+    cross-entropy), computed in the compute dtype."""
     compute_model = cast_floating(model, jnp.dtype(settings.compute_dtype))
-    logits = compute_model(batch[:, :-1], settings.policy, settings.mesh)
-    return next_token_loss(logits, batch[:, 1:], settings.z_loss_weight)
+    return compute_model.training_loss(batch, settings.policy, settings.mesh, settings.z_loss_weight)
 
 
 def make_train_step(
@@ -56,14 +55,12 @@ def make_train_step(
 
     @functools.partial(jax.jit, donate_argnums=0)
     def train_step(state: TrainState, batch: Int[Array, "batch seq_plus_one"]) -> tuple[TrainState, dict[str, Array]]:
-        (loss, cross_entropy), grads = eqx.filter_value_and_grad(batch_loss, has_aux=True)(
-            state.model, batch, settings
-        )
+        (loss, stats), grads = eqx.filter_value_and_grad(batch_loss, has_aux=True)(state.model, batch, settings)
         params = eqx.filter(state.model, eqx.is_inexact_array)
         updates, opt_state = optimizer.update(grads, state.opt_state, params)
-        model = eqx.apply_updates(state.model, updates)
-        metrics = {
-            "loss": cross_entropy,
+        model = eqx.apply_updates(state.model, updates).after_step(stats)  # e.g. router biases
+        metrics = {name: value for name, value in stats.items() if value.ndim == 0}
+        metrics |= {
             "total_loss": loss,
             "grad_norm": optax.global_norm(grads),
             "learning_rate": learning_rate(state.step),
@@ -76,6 +73,6 @@ def make_train_step(
 def make_eval_step(settings: LossSettings) -> Callable[[eqx.Module, Int[Array, "batch seq_plus_one"]], Array]:
     @eqx.filter_jit
     def eval_step(model: eqx.Module, batch: Int[Array, "batch seq_plus_one"]) -> Array:
-        return batch_loss(model, batch, dataclasses.replace(settings, policy=Policy.save_all()))[1]
+        return batch_loss(model, batch, dataclasses.replace(settings, policy=Policy.save_all()))[1]["loss"]
 
     return eval_step

@@ -1,0 +1,282 @@
+"""DeepSeek-V3: MLA attention, dense then DeepSeekMoE layers, multi-token prediction, and the
+auxiliary-loss-free router bias update. Facts: DeepSeek-V3 technical report; layout: Hugging Face's
+`DeepseekV3ForCausalLM` (so weights map one-to-one)."""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from ferry.loss import next_token_loss
+from ferry.nn.embedding import Embedding
+from ferry.nn.linear import Linear
+from ferry.nn.mla import MultiHeadLatentAttention
+from ferry.nn.mlp import SwiGLU
+from ferry.nn.moe import DeepSeekMoE, MoEStats
+from ferry.nn.norm import RMSNorm
+from ferry.nn.rope import YarnScaling
+from ferry.nn.stack import LayerStack
+from ferry.offload import Policy, offloaded
+from ferry.schedule import LayerKind
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepSeekV3Config:
+    vocab_size: int
+    dim: int
+    num_layers: int
+    num_dense_layers: int
+    dense_mlp_dim: int
+    moe_mlp_dim: int
+    num_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_dim: int
+    qk_rope_dim: int
+    v_dim: int
+    num_experts: int
+    num_shared_experts: int
+    experts_per_token: int
+    num_groups: int
+    groups_per_token: int
+    routed_scaling: float = 2.5
+    capacity_factor: float | None = None  # None: dropless
+    bias_update_rate: float = 0.001  # gamma of the auxiliary-loss-free balancing
+    balance_loss_weight: float = 1e-4  # alpha of the sequence-wise balance loss
+    mtp_depth: int = 1  # 0 switches multi-token prediction off
+    mtp_loss_weight: float = 0.3  # lambda
+    rope_theta: float = 10000.0
+    yarn: YarnScaling = YarnScaling()
+    norm_eps: float = 1e-6
+    scan_layers: bool = True
+
+    def __post_init__(self) -> None:
+        def require(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        require(0 <= self.num_dense_layers <= self.num_layers,
+                f"num_dense_layers {self.num_dense_layers} must lie in [0, num_layers={self.num_layers}]")
+        require(self.num_experts % self.num_groups == 0,
+                f"num_experts {self.num_experts} is not a multiple of num_groups {self.num_groups}")
+        require(self.num_experts // self.num_groups >= 2,
+                f"each of the {self.num_groups} groups needs at least 2 experts (group score = its top-2 sum)")
+        require(1 <= self.groups_per_token <= self.num_groups,
+                f"groups_per_token {self.groups_per_token} must lie in [1, num_groups={self.num_groups}]")
+        kept = self.groups_per_token * self.num_experts // self.num_groups
+        require(1 <= self.experts_per_token <= kept,
+                f"experts_per_token {self.experts_per_token} must lie in [1, {kept}] (experts in the kept groups)")
+        require(self.qk_rope_dim % 2 == 0, f"qk_rope_dim {self.qk_rope_dim} must be even for rotary embeddings")
+        require(self.mtp_depth >= 0, f"mtp_depth must be >= 0, got {self.mtp_depth}")
+        require(self.capacity_factor is None or self.capacity_factor > 0,
+                f"capacity_factor must be positive or null (dropless), got {self.capacity_factor}")
+
+    def attention(self, key: PRNGKeyArray) -> MultiHeadLatentAttention:
+        return MultiHeadLatentAttention(
+            self.dim, self.num_heads, self.q_lora_rank, self.kv_lora_rank, self.qk_nope_dim,
+            self.qk_rope_dim, self.v_dim, self.rope_theta, self.yarn, self.norm_eps, key=key,
+        )
+
+    def moe(self, key: PRNGKeyArray) -> DeepSeekMoE:
+        return DeepSeekMoE(
+            self.dim, self.moe_mlp_dim, self.num_experts, self.num_shared_experts, self.num_groups,
+            self.groups_per_token, self.experts_per_token, self.routed_scaling, self.capacity_factor, key=key,
+        )
+
+
+class DenseLayer(eqx.Module):
+    """MLA + a SwiGLU feed-forward: DeepSeek-V3's first `num_dense_layers` layers."""
+
+    attention_norm: RMSNorm
+    attention: MultiHeadLatentAttention
+    mlp_norm: RMSNorm
+    mlp: SwiGLU
+
+    def __init__(self, config: DeepSeekV3Config, *, key: PRNGKeyArray):
+        k_attention, k_mlp = jax.random.split(key)
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = config.attention(k_attention)
+        self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
+        self.mlp = SwiGLU(config.dim, config.dense_mlp_dim, key=k_mlp)
+
+    def __call__(self, x: Float[Array, "batch seq dim"]) -> Float[Array, "batch seq dim"]:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class MoELayer(eqx.Module):
+    """MLA + DeepSeekMoE (routed experts plus the shared expert)."""
+
+    attention_norm: RMSNorm
+    attention: MultiHeadLatentAttention
+    mlp_norm: RMSNorm
+    moe: DeepSeekMoE
+
+    def __init__(self, config: DeepSeekV3Config, *, key: PRNGKeyArray):
+        k_attention, k_moe = jax.random.split(key)
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = config.attention(k_attention)
+        self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
+        self.moe = config.moe(k_moe)
+
+    def __call__(self, x: Float[Array, "batch seq dim"]) -> tuple[Float[Array, "batch seq dim"], MoEStats]:
+        x = x + self.attention(self.attention_norm(x))
+        out, stats = self.moe(self.mlp_norm(x))
+        return x + out, stats
+
+
+class MultiTokenPrediction(eqx.Module):
+    """One MTP depth: h' = block(proj[RMSNorm(emb(t + k)); RMSNorm(h)]), read out through its own
+    final norm and the model's shared output head."""
+
+    embedding_norm: RMSNorm
+    hidden_norm: RMSNorm
+    projection: Linear
+    block: MoELayer
+    final_norm: RMSNorm
+
+    def __init__(self, config: DeepSeekV3Config, *, key: PRNGKeyArray):
+        k_projection, k_block = jax.random.split(key)
+        self.embedding_norm = RMSNorm(config.dim, config.norm_eps)
+        self.hidden_norm = RMSNorm(config.dim, config.norm_eps)
+        self.projection = Linear(2 * config.dim, config.dim, key=k_projection)
+        self.block = MoELayer(config, key=k_block)
+        self.final_norm = RMSNorm(config.dim, config.norm_eps)
+
+
+def _expert_load_metrics(load: Float[Array, "layers experts"], prefix: str) -> dict[str, Array]:
+    """Tokens per expert: min and max over all MoE layers, coefficient of variation averaged."""
+    cv = jnp.std(load, axis=-1) / jnp.maximum(jnp.mean(load, axis=-1), 1e-9)
+    return {f"{prefix}_min": load.min(), f"{prefix}_max": load.max(), f"{prefix}_cv": cv.mean()}
+
+
+def _update_bias(moe: DeepSeekMoE, load: Float[Array, "... experts"], rate: float) -> DeepSeekMoE:
+    """Auxiliary-loss-free balancing: lower the bias of overloaded experts, raise underloaded ones."""
+    mean = load.mean(axis=-1, keepdims=True)
+    return eqx.tree_at(lambda m: m.correction_bias, moe, moe.correction_bias + rate * jnp.sign(mean - load))
+
+
+class DeepSeekV3(eqx.Module):
+    embed: Embedding
+    dense_layers: LayerStack | None
+    moe_layers: LayerStack | None
+    final_norm: RMSNorm
+    head: Linear
+    mtp: tuple[MultiTokenPrediction, ...]
+    config: DeepSeekV3Config = eqx.field(static=True)
+
+    def __init__(self, config: DeepSeekV3Config, *, key: PRNGKeyArray):
+        k_embed, k_dense, k_moe, k_head, k_mtp = jax.random.split(key, 5)
+        num_moe = config.num_layers - config.num_dense_layers
+        self.embed = Embedding(config.vocab_size, config.dim, key=k_embed)
+        self.dense_layers = (
+            LayerStack(lambda k: DenseLayer(config, key=k), config.num_dense_layers, key=k_dense,
+                       scan_layers=config.scan_layers)
+            if config.num_dense_layers else None
+        )
+        self.moe_layers = (
+            LayerStack(lambda k: MoELayer(config, key=k), num_moe, key=k_moe, scan_layers=config.scan_layers)
+            if num_moe else None
+        )
+        self.final_norm = RMSNorm(config.dim, config.norm_eps)
+        self.head = Linear(config.dim, config.vocab_size, key=k_head)
+        self.mtp = tuple(
+            MultiTokenPrediction(config, key=k) for k in jax.random.split(k_mtp, config.mtp_depth)
+        ) if config.mtp_depth else ()
+        self.config = config
+
+    def _stacks(self) -> list[LayerStack]:
+        return [s for s in (self.dense_layers, self.moe_layers) if s is not None]
+
+    def layer_kinds(self) -> list[LayerKind]:
+        kinds = []
+        if self.dense_layers is not None:
+            kinds.append(LayerKind("dense", self.dense_layers.num_layers, lambda m, x: m.dense_layers.layer(0)(x)))
+        if self.moe_layers is not None:
+            kinds.append(LayerKind("moe", self.moe_layers.num_layers, lambda m, x: m.moe_layers.layer(0)(x)))
+        for depth in range(1, len(self.mtp) + 1):
+            kinds.append(LayerKind(f"mtp_{depth}", 1, lambda m, x, i=depth - 1: m.mtp[i].block(x), seq_shrink=depth))
+        return kinds
+
+    def tagged_names(self) -> frozenset[str]:
+        """Every activation name a decoder layer of this model (dense, MoE or MTP) tags."""
+        example = jax.ShapeDtypeStruct((1, 2, self.config.dim), self.embed.weight.dtype)
+        return frozenset().union(*(stack.tagged_names(example) for stack in self._stacks()))
+
+    def hidden(
+        self, tokens: Int[Array, "batch seq"], policy: Policy, mesh: Mesh | None = None
+    ) -> tuple[Float[Array, "batch seq dim"], MoEStats | None]:
+        """The last decoder layer's output (before the final norm) and the MoE layers' stats."""
+        policy.validate(self.tagged_names())
+        x = self.embed(tokens)
+        if self.dense_layers is not None:
+            x, _ = self.dense_layers(x, policy, mesh)
+        stats = None
+        if self.moe_layers is not None:
+            x, stats = self.moe_layers(x, policy, mesh)
+        return x, stats
+
+    def __call__(
+        self, tokens: Int[Array, "batch seq"], policy: Policy = Policy.save_all(), mesh: Mesh | None = None
+    ) -> Float[Array, "batch seq vocab"]:
+        return self.head(self.final_norm(self.hidden(tokens, policy, mesh)[0]))
+
+    def training_loss(
+        self,
+        batch: Int[Array, "batch seq_plus_one"],
+        policy: Policy,
+        mesh: Mesh | None = None,
+        z_loss_weight: float = 0.0,
+    ) -> tuple[Float[Array, ""], dict[str, Array]]:
+        """Main next-token loss + alpha x the balance loss of every MoE layer + lambda x the mean
+        of the MTP depths' losses (depth k predicts token t + k + 1)."""
+        config = self.config
+        seq = batch.shape[1] - 1
+        h, stats = self.hidden(batch[:, :-1], policy, mesh)
+        loss, cross_entropy = next_token_loss(self.head(self.final_norm(h)), batch[:, 1:], z_loss_weight)
+        metrics: dict[str, Array] = {"loss": cross_entropy}
+        balance, loads = [], []
+        if stats is not None:
+            balance.append(stats.balance_loss.sum())
+            loads.append(stats.expert_load)
+            metrics |= _expert_load_metrics(stats.expert_load, "expert_load")
+        mtp_losses, mtp_loads = [], []
+        block = offloaded(lambda layer, x: layer(x), policy, mesh=mesh, check_names=False)
+        for depth, module in enumerate(self.mtp, start=1):
+            joined = jnp.concatenate(
+                [module.embedding_norm(self.embed(batch[:, depth:seq])), module.hidden_norm(h[:, : seq - depth])], axis=-1
+            )
+            h, block_stats = block(module.block, module.projection(joined))
+            logits = self.head(module.final_norm(h))
+            mtp_losses.append(next_token_loss(logits, batch[:, depth + 1 :])[1])
+            balance.append(block_stats.balance_loss)
+            mtp_loads.append(block_stats.expert_load)
+        if mtp_losses:
+            metrics["mtp_loss"] = jnp.mean(jnp.stack(mtp_losses))
+            metrics["mtp_expert_load"] = jnp.stack(mtp_loads)
+            loss = loss + config.mtp_loss_weight * metrics["mtp_loss"]
+        if balance:
+            metrics["balance_loss"] = jnp.sum(jnp.stack(balance))
+            loss = loss + config.balance_loss_weight * metrics["balance_loss"]
+        if loads:
+            metrics["moe_expert_load"] = loads[0]
+        return loss, metrics
+
+    def after_step(self, stats: dict[str, Array]) -> "DeepSeekV3":
+        """Move each router's correction bias towards balance by the load of this step."""
+        rate = self.config.bias_update_rate
+        model = self
+        if "moe_expert_load" in stats:
+            model = eqx.tree_at(
+                lambda m: m.moe_layers.layers.moe, model, _update_bias(model.moe_layers.layers.moe, stats["moe_expert_load"], rate)
+            )
+        if "mtp_expert_load" in stats:
+            mtp = tuple(
+                eqx.tree_at(lambda m: m.block.moe, module, _update_bias(module.block.moe, stats["mtp_expert_load"][i], rate))
+                for i, module in enumerate(model.mtp)
+            )
+            model = eqx.tree_at(lambda m: m.mtp, model, mtp)
+        return model

@@ -1,0 +1,87 @@
+"""DeepSeek-V3's Multi-head Latent Attention: queries and keys/values pass through low-rank
+latents; a single rotary key head is shared by all heads. Weights map one-to-one onto Hugging
+Face's `DeepseekV3Attention` (q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa,
+kv_a_layernorm, kv_b_proj, o_proj), transposed to [in, out]."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from ferry.nn.attention import causal_attention
+from ferry.nn.linear import Linear
+from ferry.nn.norm import RMSNorm
+from ferry.nn.rope import YarnScaling, apply_rope, yarn_frequencies, yarn_mscale
+from ferry.offload import tag
+
+
+class MultiHeadLatentAttention(eqx.Module):
+    q_a: Linear
+    q_a_norm: RMSNorm
+    q_b: Linear
+    kv_a: Linear
+    kv_a_norm: RMSNorm
+    kv_b: Linear
+    out: Linear
+    num_heads: int = eqx.field(static=True)
+    qk_nope_dim: int = eqx.field(static=True)
+    qk_rope_dim: int = eqx.field(static=True)
+    v_dim: int = eqx.field(static=True)
+    kv_lora_rank: int = eqx.field(static=True)
+    rope_theta: float = eqx.field(static=True)
+    yarn: YarnScaling = eqx.field(static=True)
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        q_lora_rank: int,
+        kv_lora_rank: int,
+        qk_nope_dim: int,
+        qk_rope_dim: int,
+        v_dim: int,
+        rope_theta: float,
+        yarn: YarnScaling,
+        norm_eps: float,
+        *,
+        key: PRNGKeyArray,
+    ):
+        keys = jax.random.split(key, 5)
+        self.q_a = Linear(dim, q_lora_rank, key=keys[0])
+        self.q_a_norm = RMSNorm(q_lora_rank, norm_eps)
+        self.q_b = Linear(q_lora_rank, num_heads * (qk_nope_dim + qk_rope_dim), key=keys[1])
+        self.kv_a = Linear(dim, kv_lora_rank + qk_rope_dim, key=keys[2])
+        self.kv_a_norm = RMSNorm(kv_lora_rank, norm_eps)
+        self.kv_b = Linear(kv_lora_rank, num_heads * (qk_nope_dim + v_dim), key=keys[3])
+        self.out = Linear(num_heads * v_dim, dim, key=keys[4])
+        self.num_heads, self.qk_nope_dim, self.qk_rope_dim, self.v_dim = num_heads, qk_nope_dim, qk_rope_dim, v_dim
+        self.kv_lora_rank, self.rope_theta, self.yarn = kv_lora_rank, rope_theta, yarn
+
+    def softmax_scale(self) -> float:
+        """(qk_nope + qk_rope)^-0.5 x mscale^2, YaRN's temperature applied to the logits."""
+        mscale = yarn_mscale(self.yarn.factor, self.yarn.mscale_all_dim)
+        return (self.qk_nope_dim + self.qk_rope_dim) ** -0.5 * mscale * mscale
+
+    def __call__(self, x: Float[Array, "batch seq dim"]) -> Float[Array, "batch seq dim"]:
+        batch, seq, _ = x.shape
+        frequencies, cos_sin_scale = yarn_frequencies(self.qk_rope_dim, self.rope_theta, self.yarn)
+
+        def rope(t: jax.Array) -> jax.Array:
+            return apply_rope(t, frequencies, interleaved=True, cos_sin_scale=cos_sin_scale)
+
+        q_latent = tag(self.q_a(x), "query_wa_proj")
+        q = tag(self.q_b(self.q_a_norm(q_latent)), "mla_q").reshape(batch, seq, self.num_heads, -1)
+        q_nope, q_rope = jnp.split(q, [self.qk_nope_dim], axis=-1)
+        query = tag(jnp.concatenate([q_nope, rope(q_rope)], axis=-1), "query_proj")
+
+        kv_latent = tag(self.kv_a(x), "kv_wa_proj")
+        latent, k_rope = jnp.split(kv_latent, [self.kv_lora_rank], axis=-1)
+        kv = tag(self.kv_b(self.kv_a_norm(latent)), "mla_kv").reshape(batch, seq, self.num_heads, -1)
+        k_nope, value = jnp.split(kv, [self.qk_nope_dim], axis=-1)
+        k_rope = jnp.broadcast_to(rope(k_rope[:, :, None, :]), (batch, seq, self.num_heads, self.qk_rope_dim))
+        key = tag(jnp.concatenate([k_nope, k_rope], axis=-1), "key_proj")
+        value = tag(value, "value_proj")
+
+        context = causal_attention(query, key, value, scale=self.softmax_scale())
+        context = tag(context.reshape(batch, seq, self.num_heads * self.v_dim), "attention_out")
+        return tag(self.out(context), "out_proj")

@@ -1,0 +1,174 @@
+"""DeepSeekMoE: sigmoid routing with group limits and a selection-only correction bias, dropless
+dispatch through grouped matmuls, a shared expert, and the sequence-wise balance loss.
+
+Weights map one-to-one onto Hugging Face's `DeepseekV3MoE`: `gate.weight`,
+`gate.e_score_correction_bias`, `experts.{i}.{gate,up,down}_proj` (stacked here along a leading
+expert axis), `shared_experts`.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from ferry.nn.mlp import SwiGLU
+from ferry.offload import tag
+
+
+def route(
+    scores: Float[Array, "tokens experts"],
+    correction_bias: Float[Array, " experts"],
+    num_groups: int,
+    groups_per_token: int,
+    experts_per_token: int,
+    routed_scaling: float,
+) -> tuple[Int[Array, "tokens k"], Float[Array, "tokens k"]]:
+    """DeepSeek-V3's selection: add the correction bias, score each group by the sum of its top-2
+    biased scores, keep the best `groups_per_token` groups, take the top experts within them; weight
+    them by their *unbiased* scores normalised to sum 1, times `routed_scaling`. Ties go to the
+    lower index (`lax.top_k`)."""
+    tokens, experts = scores.shape
+    biased = scores + jax.lax.stop_gradient(correction_bias)
+    grouped = biased.reshape(tokens, num_groups, experts // num_groups)
+    group_scores = jax.lax.top_k(grouped, 2)[0].sum(axis=-1)
+    _, kept_groups = jax.lax.top_k(group_scores, groups_per_token)
+    group_kept = jnp.zeros((tokens, num_groups), bool).at[jnp.arange(tokens)[:, None], kept_groups].set(True)
+    expert_kept = jnp.repeat(group_kept, experts // num_groups, axis=-1)
+    _, indices = jax.lax.top_k(jnp.where(expert_kept, biased, -jnp.inf), experts_per_token)
+    weights = jnp.take_along_axis(scores, indices, axis=-1)
+    weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20) * routed_scaling
+    return indices, weights
+
+
+def sequence_balance_loss(
+    scores: Float[Array, "batch seq experts"], indices: Int[Array, "batch seq k"]
+) -> Float[Array, ""]:
+    """DeepSeek-V3's sequence-wise balance loss without its alpha: per sequence,
+    sum_i f_i P_i with f_i = E/(K T) x tokens routed to i and P_i = mean_t of normalised scores."""
+    _, seq, experts = scores.shape
+    k = indices.shape[-1]
+    routed = jax.nn.one_hot(indices, experts, dtype=scores.dtype).sum(axis=(1, 2))  # [batch, experts]
+    f = routed * experts / (k * seq)
+    p = (scores / scores.sum(axis=-1, keepdims=True)).mean(axis=1)
+    return jnp.mean(jnp.sum(jax.lax.stop_gradient(f) * p, axis=-1))
+
+
+class Experts(eqx.Module):
+    """The routed SwiGLU experts, stacked: gate/up [E, dim, hidden], down [E, hidden, dim]."""
+
+    gate: Float[Array, "experts dim hidden"]
+    up: Float[Array, "experts dim hidden"]
+    down: Float[Array, "experts hidden dim"]
+
+    def __init__(self, num_experts: int, dim: int, hidden: int, *, key: PRNGKeyArray, std: float = 0.02):
+        kg, ku, kd = jax.random.split(key, 3)
+        self.gate = std * jax.random.normal(kg, (num_experts, dim, hidden), jnp.float32)
+        self.up = std * jax.random.normal(ku, (num_experts, dim, hidden), jnp.float32)
+        self.down = std * jax.random.normal(kd, (num_experts, hidden, dim), jnp.float32)
+
+
+def dropless_moe(
+    x: Float[Array, "tokens dim"],
+    indices: Int[Array, "tokens k"],
+    weights: Float[Array, "tokens k"],
+    experts: Experts,
+    capacity_factor: float | None = None,
+) -> Float[Array, "tokens dim"]:
+    """Sort the (token, expert) slots by expert and run each expert on exactly its tokens with
+    grouped matmuls (`lax.ragged_dot`): no token is dropped, no expert sees a token it was not
+    routed. With a `capacity_factor`, slots past ceil(capacity_factor x tokens x k / experts) in an
+    expert's queue get weight zero (dropped), as capacity-based trainers do."""
+    tokens, k = indices.shape
+    num_experts = experts.gate.shape[0]
+    slot_expert = indices.reshape(-1)
+    order = jnp.argsort(slot_expert, stable=True)
+    slot_token = order // k
+    group_sizes = jnp.bincount(slot_expert, length=num_experts).astype(jnp.int32)
+    sorted_x = x[slot_token]
+    gate = tag(jax.lax.ragged_dot(sorted_x, experts.gate, group_sizes), "moe_mlpwi_0")
+    up = tag(jax.lax.ragged_dot(sorted_x, experts.up, group_sizes), "moe_mlpwi_1")
+    out = tag(jax.lax.ragged_dot(jax.nn.silu(gate) * up, experts.down, group_sizes), "moe_mlpwo")
+    slot_weight = weights.reshape(-1)[order]
+    if capacity_factor is not None:
+        capacity = -(-int(capacity_factor * tokens * k) // num_experts)
+        starts = jnp.cumsum(group_sizes) - group_sizes
+        position = jnp.arange(tokens * k) - starts[slot_expert[order]]
+        slot_weight = jnp.where(position < capacity, slot_weight, 0)
+    weighted = out * slot_weight[:, None].astype(out.dtype)
+    return jnp.zeros_like(x).at[slot_token].add(weighted)
+
+
+def dense_moe(
+    x: Float[Array, "tokens dim"],
+    indices: Int[Array, "tokens k"],
+    weights: Float[Array, "tokens k"],
+    experts: Experts,
+) -> Float[Array, "tokens dim"]:
+    """Every expert on every token, masked by the routing: the reference dropless dispatch must
+    equal, and the baseline its benchmark compares against."""
+    num_experts = experts.gate.shape[0]
+    combine = (jax.nn.one_hot(indices, num_experts, dtype=weights.dtype) * weights[..., None]).sum(axis=1)
+    gate = jnp.einsum("td,edh->eth", x, experts.gate)
+    up = jnp.einsum("td,edh->eth", x, experts.up)
+    out = jnp.einsum("eth,ehd->etd", jax.nn.silu(gate) * up, experts.down)
+    return jnp.einsum("etd,te->td", out, combine.astype(out.dtype))
+
+
+class MoEStats(eqx.Module):
+    """What a MoE layer reports besides its output: its balance loss and tokens per expert."""
+
+    balance_loss: Float[Array, ""]
+    expert_load: Float[Array, " experts"]
+
+
+class DeepSeekMoE(eqx.Module):
+    router: Float[Array, "dim experts"]
+    correction_bias: Float[Array, " experts"]
+    experts: Experts
+    shared: SwiGLU
+    num_groups: int = eqx.field(static=True)
+    groups_per_token: int = eqx.field(static=True)
+    experts_per_token: int = eqx.field(static=True)
+    routed_scaling: float = eqx.field(static=True)
+    capacity_factor: float | None = eqx.field(static=True)
+
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        num_experts: int,
+        num_shared_experts: int,
+        num_groups: int,
+        groups_per_token: int,
+        experts_per_token: int,
+        routed_scaling: float,
+        capacity_factor: float | None,
+        *,
+        key: PRNGKeyArray,
+    ):
+        k_router, k_experts, k_shared = jax.random.split(key, 3)
+        self.router = 0.02 * jax.random.normal(k_router, (dim, num_experts), jnp.float32)
+        self.correction_bias = jnp.zeros((num_experts,), jnp.float32)
+        self.experts = Experts(num_experts, dim, hidden, key=k_experts)
+        self.shared = SwiGLU(dim, hidden * num_shared_experts, key=k_shared)
+        self.num_groups, self.groups_per_token = num_groups, groups_per_token
+        self.experts_per_token, self.routed_scaling = experts_per_token, routed_scaling
+        self.capacity_factor = capacity_factor
+
+    def __call__(self, x: Float[Array, "batch seq dim"]) -> tuple[Float[Array, "batch seq dim"], MoEStats]:
+        batch, seq, dim = x.shape
+        scores = jax.nn.sigmoid(x.astype(jnp.float32) @ self.router.astype(jnp.float32))
+        flat_scores = scores.reshape(batch * seq, -1)
+        indices, weights = route(
+            flat_scores,
+            self.correction_bias.astype(jnp.float32),
+            self.num_groups,
+            self.groups_per_token,
+            self.experts_per_token,
+            self.routed_scaling,
+        )
+        routed = dropless_moe(x.reshape(batch * seq, dim), indices, weights, self.experts, self.capacity_factor)
+        out = routed.reshape(x.shape) + self.shared(x)
+        load = jnp.bincount(indices.reshape(-1), length=scores.shape[-1]).astype(jnp.float32)
+        stats = MoEStats(sequence_balance_loss(scores, indices.reshape(batch, seq, -1)), load)
+        return out, stats
