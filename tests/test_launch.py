@@ -83,3 +83,35 @@ def test_model_too_large_fails_fast(tmp_path):
     assert "405.85B parameters" in text and "GiB" in text and "model=llama_tiny" in text
     assert time.monotonic() - start < 60  # seconds, not an attempt to allocate terabytes
     assert not (tmp_path / "run").exists()
+
+
+def test_deepseek_v3_tiny_trains_with_moe_offload(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_launcher("model=deepseek_v3_tiny", "offload=moe_offload", "train.steps=40",
+                          "train.eval_every=40", "train.log_every=20", f"run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr + result.stdout
+    records = read_metrics(run_dir)
+    evals = {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}
+    assert evals[40] < 0.75 * evals[0], evals
+    last = records[-1]
+    for field in ("mtp_loss", "balance_loss", "expert_load_min", "expert_load_max", "expert_load_cv"):
+        assert field in last
+    for name in ("query_wa_proj", "mla_kv", "moe_mlpwi_0"):
+        assert name in result.stdout
+    groups = {g["name"]: g for g in json.loads((run_dir / "schedule.json").read_text())["layer_groups"]}
+    assert set(groups) == {"dense", "moe", "mtp_1"}
+    moe = {r["name"]: r["placement"] for r in groups["moe"]["residuals"]}
+    assert moe["moe_mlpwi_0"] == moe["moe_mlpwi_1"] == "offload" and moe["moe_mlpwo"] == "remat"
+
+
+def test_deepseek_v3_fails_fast_with_its_size(tmp_path):
+    result = run_launcher("model=deepseek_v3", f"run.dir={tmp_path / 'run'}")
+    assert result.returncode == 2
+    text = " ".join(result.stdout.split())
+    assert "682.64B parameters (671.03B without MTP)" in text and "model=deepseek_v3_tiny" in text
+
+
+def test_moe_preset_on_llama_lists_the_names(tmp_path):
+    result = run_launcher("offload=moe_offload", f"run.dir={tmp_path / 'run'}")
+    assert result.returncode == 2
+    assert "never tags" in result.stdout and "moe_mlpwi_0" in result.stdout

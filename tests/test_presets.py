@@ -33,6 +33,9 @@ def loss_grad(model, batch, preset: str):
     return eqx.filter_grad(lambda m: batch_loss(m, batch, settings)[0])(model)
 
 
+jitted_loss_grad = eqx.filter_jit(loss_grad)  # one cache: save_all compiles once per model
+
+
 @functools.cache
 def compiled(preset: str, scan_layers: bool = True):
     model, batch = model_and_batch(scan_layers)
@@ -55,8 +58,8 @@ def test_moe_preset_is_refused_for_llama():
 @pytest.mark.parametrize("preset", LLAMA_PRESETS)
 def test_gradients_equal_save_all(preset, scan_layers):
     model, batch = model_and_batch(scan_layers)
-    expected = eqx.filter_jit(loss_grad)(model, batch, "save_all")
-    got = eqx.filter_jit(loss_grad)(model, batch, preset)
+    expected = jitted_loss_grad(model, batch, "save_all")
+    got = jitted_loss_grad(model, batch, preset)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
