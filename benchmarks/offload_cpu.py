@@ -1,7 +1,7 @@
-"""Offload presets side by side on llama_tiny: compiled FLOPs, step time and tokens/s of the real
-train step, each as a ratio to save_all, measured in one run.
+"""Offload presets side by side on a tiny model (llama_tiny by default): compiled FLOPs, step
+time and tokens/s of the real train step, each as a ratio to save_all, measured in one run.
 
-    python benchmarks/offload_cpu.py [--steps 30] [--batch 8] [--seq-len 128] [--dtype bfloat16]
+    python benchmarks/offload_cpu.py [--model llama_tiny] [--steps 30] [--batch 8] [--seq-len 128] [--dtype bfloat16]
 
 On the CPU backend pinned host placement is an identity, so the ratios show the cost of recompute
 (and of the engine), not of transfers. Steps are timed round-robin across presets so machine noise
@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ferry.config import from_dict
-from ferry.models.registry import build_model, model_config
+from ferry.models.registry import abstract_model, build_model, model_config
 from ferry.sharding import batch_sharded, make_mesh, replicated
 from ferry.train.config import OffloadConfig, TrainConfig
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer
@@ -33,6 +33,65 @@ def load(group: str, name: str) -> dict:
     return OmegaConf.to_container(OmegaConf.load(CONFIGS / group / f"{name}.yaml"))
 
 
+def compare_presets(model: str, presets: list[str], steps: int, batch_size: int, seq_len: int, dtype: str) -> Table:
+    """Time the real train step of `model` under each preset, round-robin; a table of ratios."""
+    config = model_config(load("model", model))
+    abstract = abstract_model(config)
+    train_config = TrainConfig(steps=steps + 1, warmup_steps=0, global_batch_size=batch_size, seq_len=seq_len)
+    optimizer = make_optimizer(train_config)
+    mesh = make_mesh(1)
+    batch = np.random.default_rng(0).integers(0, config.vocab_size, (batch_size, seq_len + 1), dtype=np.int32)
+
+    with jax.set_mesh(mesh):
+        states, step_fns, flops = {}, {}, {}
+        for name in presets:
+            policy = from_dict(OffloadConfig, load("offload", name)).policy(abstract.tagged_names())
+            step = make_train_step(optimizer, LossSettings(policy, dtype), learning_rate_schedule(train_config))
+            state = jax.device_put(init_state(build_model(config, jax.random.key(0)), optimizer), replicated(mesh))
+            device_batch = jax.device_put(batch, batch_sharded(mesh))
+            flops[name] = step.lower(state, device_batch).compile().cost_analysis()["flops"]
+            state, metrics = step(state, device_batch)  # compile and warm up
+            jax.block_until_ready(metrics)
+            states[name], step_fns[name] = state, step
+
+        times: dict[str, list[float]] = {name: [] for name in presets}
+        for _ in range(steps):
+            for name in presets:
+                device_batch = jax.device_put(batch, batch_sharded(mesh))
+                start = time.perf_counter()
+                states[name], metrics = step_fns[name](states[name], device_batch)
+                jax.block_until_ready(metrics)
+                times[name].append(time.perf_counter() - start)
+
+    tokens = batch_size * seq_len
+    table = Table(title=f"{model}, batch {batch_size} x seq {seq_len}, {dtype}, median of {steps} steps")
+    for column in ("preset", "GFLOPs/step", "FLOPs vs save_all", "step ms", "tokens/s", "tokens/s vs save_all"):
+        table.add_column(column, justify="left" if column == "preset" else "right")
+    base_time = statistics.median(times["save_all"])
+    for name in presets:
+        step_time = statistics.median(times[name])
+        table.add_row(
+            name,
+            f"{flops[name] / 1e9:.4f}",
+            f"{flops[name] / flops['save_all']:.3f}x",
+            f"{step_time * 1e3:.2f}",
+            f"{tokens / step_time:,.0f}",
+            f"{base_time / step_time:.3f}x",
+        )
+    return table
+
+
+def preset_names(model: str) -> list[str]:
+    """save_all first, then every preset whose tensor names this model tags."""
+    tagged = abstract_model(model_config(load("model", model))).tagged_names()
+    names = []
+    for path in sorted((CONFIGS / "offload").glob("*.yaml")):
+        preset = from_dict(OffloadConfig, load("offload", path.stem))
+        if set(preset.tensors) <= tagged and path.stem != "save_all":
+            names.append(path.stem)
+    return ["save_all", *names]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama_tiny")
@@ -41,46 +100,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = parser.parse_args()
-
-    presets = ["save_all"] + sorted(p.stem for p in (CONFIGS / "offload").glob("*.yaml") if p.stem != "save_all")
-    config = model_config(load("model", args.model))
-    train_config = TrainConfig(steps=args.steps + 1, warmup_steps=0, global_batch_size=args.batch, seq_len=args.seq_len)
-    optimizer = make_optimizer(train_config)
-    mesh = make_mesh(1)
-    batch = np.random.default_rng(0).integers(0, config.vocab_size, (args.batch, args.seq_len + 1), dtype=np.int32)
-
-    with jax.set_mesh(mesh):
-        states, steps, flops = {}, {}, {}
-        for name in presets:
-            policy = from_dict(OffloadConfig, load("offload", name)).policy()
-            step = make_train_step(optimizer, LossSettings(policy, args.dtype), learning_rate_schedule(train_config))
-            state = jax.device_put(init_state(build_model(config, jax.random.key(0)), optimizer), replicated(mesh))
-            device_batch = jax.device_put(batch, batch_sharded(mesh))
-            flops[name] = step.lower(state, device_batch).compile().cost_analysis()["flops"]
-            state, metrics = step(state, device_batch)  # compile and warm up
-            jax.block_until_ready(metrics)
-            states[name], steps[name] = state, step
-
-        times: dict[str, list[float]] = {name: [] for name in presets}
-        for _ in range(args.steps):
-            for name in presets:
-                device_batch = jax.device_put(batch, batch_sharded(mesh))
-                start = time.perf_counter()
-                states[name], metrics = steps[name](states[name], device_batch)
-                jax.block_until_ready(metrics)
-                times[name].append(time.perf_counter() - start)
-
-    tokens = args.batch * args.seq_len
-    table = Table(title=f"{args.model}, batch {args.batch} x seq {args.seq_len}, {args.dtype}, median of {args.steps} steps")
-    for column in ("preset", "GFLOPs/step", "FLOPs vs save_all", "step ms", "tokens/s", "tokens/s vs save_all"):
-        table.add_column(column, justify="left" if column == "preset" else "right")
-    base_time = statistics.median(times["save_all"])
-    for name in presets:
-        step_time = statistics.median(times[name])
-        table.add_row(
-            name, f"{flops[name] / 1e9:.4f}", f"{flops[name] / flops['save_all']:.3f}x",
-            f"{step_time * 1e3:.2f}", f"{tokens / step_time:,.0f}", f"{base_time / step_time:.3f}x",
-        )
+    table = compare_presets(args.model, preset_names(args.model), args.steps, args.batch, args.seq_len, args.dtype)
     Console(width=120).print(table)
 
 

@@ -35,7 +35,14 @@ def main(cfg: DictConfig) -> None:
     try:
         config = load_config(OmegaConf.to_container(cfg, resolve=True))
         prepared = prepare(config, console)
-    except (ConfigError, PolicyError, InsufficientMemoryError, RunDirectoryError, ValueError, FileNotFoundError) as error:
+    except (
+        ConfigError,
+        PolicyError,
+        InsufficientMemoryError,
+        RunDirectoryError,
+        ValueError,
+        FileNotFoundError,
+    ) as error:
         console.print(f"[bold red]error:[/] {error}", highlight=False)
         sys.exit(2)
     train(prepared, OmegaConf.to_yaml(cfg), console)

@@ -39,7 +39,10 @@ def run_launcher(*overrides: str, timeout: float = 300) -> subprocess.CompletedP
     """`python launch/run.py ...` as a user types it."""
     return subprocess.run(
         [sys.executable, str(ROOT / "launch" / "run.py"), *overrides],
-        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
         env={**os.environ, "COLUMNS": "120"},
     )
 

@@ -1,6 +1,5 @@
 """Reading memory placements out of a jaxpr, including the bodies of scans and custom rules."""
 
-import jax
 from jax.extend import core
 
 

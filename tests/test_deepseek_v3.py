@@ -6,7 +6,6 @@ import functools
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -23,8 +22,9 @@ def tiny(scan_layers: bool = True, **overrides):
     model = DeepSeekV3(config, key=jax.random.key(0))
     # Non-zero correction biases, so selection differs from plain top-k on the scores.
     model = eqx.tree_at(
-        lambda m: m.moe_layers.layers.moe.correction_bias, model,
-        0.05 * jax.random.normal(jax.random.key(2), model.moe_layers.layers.moe.correction_bias.shape),
+        lambda m: m.moe_layers.layers.mlp.correction_bias,
+        model,
+        0.05 * jax.random.normal(jax.random.key(2), model.moe_layers.layers.mlp.correction_bias.shape),
     )
     batch = jax.random.randint(jax.random.key(1), (2, 17), 0, config.vocab_size)
     return model, batch
@@ -72,9 +72,24 @@ def test_moe_offload_moves_the_routed_expert_inputs():
 
 def test_model_tags_mla_and_moe_names():
     model, _ = tiny()
-    assert {"query_wa_proj", "mla_q", "kv_wa_proj", "mla_kv", "moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo",
-            "query_proj", "key_proj", "value_proj", "attention_out", "out_proj", "mlpwi_0", "mlpwi_1",
-            "mlpwo", "decoder_layer_input"} == model.tagged_names()
+    assert {
+        "query_wa_proj",
+        "mla_q",
+        "kv_wa_proj",
+        "mla_kv",
+        "moe_mlpwi_0",
+        "moe_mlpwi_1",
+        "moe_mlpwo",
+        "query_proj",
+        "key_proj",
+        "value_proj",
+        "attention_out",
+        "out_proj",
+        "mlpwi_0",
+        "mlpwi_1",
+        "mlpwo",
+        "decoder_layer_input",
+    } == model.tagged_names()
 
 
 def test_mtp_adds_lambda_times_its_loss():
@@ -82,8 +97,9 @@ def test_mtp_adds_lambda_times_its_loss():
     the MTP block's balance term)."""
     with_mtp, batch = tiny()
     without = DeepSeekV3(dataclasses.replace(with_mtp.config, mtp_depth=0), key=jax.random.key(0))
-    without = eqx.tree_at(lambda m: m.moe_layers.layers.moe.correction_bias, without,
-                          with_mtp.moe_layers.layers.moe.correction_bias)
+    without = eqx.tree_at(
+        lambda m: m.moe_layers.layers.mlp.correction_bias, without, with_mtp.moe_layers.layers.mlp.correction_bias
+    )
     policy = preset_policy("minimal_offloaded", with_mtp)
     loss_on, on = with_mtp.training_loss(batch, policy)
     loss_off, off = without.training_loss(batch, policy)
@@ -92,7 +108,8 @@ def test_mtp_adds_lambda_times_its_loss():
     config = with_mtp.config
     balance_mtp = on["balance_loss"] - off["balance_loss"]
     np.testing.assert_allclose(
-        loss_on - loss_off, config.mtp_loss_weight * on["mtp_loss"] + config.balance_loss_weight * balance_mtp,
+        loss_on - loss_off,
+        config.mtp_loss_weight * on["mtp_loss"] + config.balance_loss_weight * balance_mtp,
         rtol=1e-5,
     )
     assert config.mtp_loss_weight == 0.3 and float(on["mtp_loss"]) > 0
@@ -103,8 +120,8 @@ def test_after_step_moves_every_router_bias():
     _, stats = model.training_loss(batch, preset_policy("save_all", model))
     updated = model.after_step(stats)
     load = np.asarray(stats["moe_expert_load"])
-    change = np.asarray(updated.moe_layers.layers.moe.correction_bias - model.moe_layers.layers.moe.correction_bias)
+    change = np.asarray(updated.moe_layers.layers.mlp.correction_bias - model.moe_layers.layers.mlp.correction_bias)
     rate = model.config.bias_update_rate
     np.testing.assert_allclose(change, rate * np.sign(load.mean(axis=-1, keepdims=True) - load), atol=1e-7)
-    mtp_change = updated.mtp[0].block.moe.correction_bias - model.mtp[0].block.moe.correction_bias
+    mtp_change = updated.mtp[0].block.mlp.correction_bias - model.mtp[0].block.mlp.correction_bias
     assert np.abs(np.asarray(mtp_change)).max() == pytest.approx(rate)

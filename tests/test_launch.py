@@ -35,8 +35,13 @@ def test_default_run_learns_the_stdlib(tmp_path):
 def test_per_tensor_override_and_preset(tmp_path):
     run_dir = tmp_path / "run"
     result = run_launcher(
-        "offload=qkv_offload", "offload.tensors.mlpwo=offload", "offload.tensors.query_proj=device",
-        "train.steps=2", "train.warmup_steps=1", "train.eval_every=2", f"run.dir={run_dir}",
+        "offload=qkv_offload",
+        "offload.tensors.mlpwo=offload",
+        "offload.tensors.query_proj=device",
+        "train.steps=2",
+        "train.warmup_steps=1",
+        "train.eval_every=2",
+        f"run.dir={run_dir}",
     )
     assert result.returncode == 0, result.stderr + result.stdout
     groups = json.loads((run_dir / "schedule.json").read_text())["layer_groups"]
@@ -87,8 +92,14 @@ def test_model_too_large_fails_fast(tmp_path):
 
 def test_deepseek_v3_tiny_trains_with_moe_offload(tmp_path):
     run_dir = tmp_path / "run"
-    result = run_launcher("model=deepseek_v3_tiny", "offload=moe_offload", "train.steps=40",
-                          "train.eval_every=40", "train.log_every=20", f"run.dir={run_dir}")
+    result = run_launcher(
+        "model=deepseek_v3_tiny",
+        "offload=moe_offload",
+        "train.steps=40",
+        "train.eval_every=40",
+        "train.log_every=20",
+        f"run.dir={run_dir}",
+    )
     assert result.returncode == 0, result.stderr + result.stdout
     records = read_metrics(run_dir)
     evals = {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}

@@ -8,11 +8,11 @@ import jaxtyping
 import numpy as np
 import pytest
 
+from ferry.loss import next_token_loss
 from ferry.models.llama import Llama
 from ferry.models.registry import parameter_count
 from ferry.nn.norm import RMSNorm
 from ferry.nn.rope import Llama3RopeScaling, rope_frequencies
-from ferry.loss import next_token_loss
 from tests.conftest import load_model_config
 
 

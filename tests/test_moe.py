@@ -5,9 +5,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from ferry.models.deepseek_v3 import _update_bias
-from ferry.nn.moe import DeepSeekMoE, Experts, dense_moe, dropless_moe, route
+from ferry.nn.moe import DeepSeekMoE, Experts, dense_moe, dropless_moe, route, tile_layout
 
 
 def route_by_loop(scores, bias, num_groups, groups_per_token, k, scaling):
@@ -17,7 +18,7 @@ def route_by_loop(scores, bias, num_groups, groups_per_token, k, scaling):
     all_indices, all_weights = [], []
     for t in range(tokens):
         biased = [float(scores[t, e] + bias[e]) for e in range(experts)]
-        group_score = [sum(sorted(biased[g * size:(g + 1) * size], reverse=True)[:2]) for g in range(num_groups)]
+        group_score = [sum(sorted(biased[g * size : (g + 1) * size], reverse=True)[:2]) for g in range(num_groups)]
         kept = sorted(range(num_groups), key=lambda g: (-group_score[g], g))[:groups_per_token]
         candidates = [e for g in kept for e in range(g * size, (g + 1) * size)]
         chosen = sorted(candidates, key=lambda e: (-biased[e], e))[:k]
@@ -71,14 +72,24 @@ def random_problem(tokens=48, experts=8, k=2, dim=16, hidden=24, seed=0):
     return x, indices, weights, Experts(experts, dim, hidden, key=keys[2], std=0.3)
 
 
-def test_dropless_dispatch_equals_dense_masking():
+GROUPED_MATMULS = pytest.mark.parametrize(
+    "tile_rows", [None, 1, 8, 64], ids=lambda t: f"tiles{t}" if t else "ragged_dot"
+)
+
+
+@GROUPED_MATMULS
+def test_dropless_dispatch_equals_dense_masking(tile_rows):
     x, indices, weights, experts = random_problem()
-    np.testing.assert_allclose(dropless_moe(x, indices, weights, experts), dense_moe(x, indices, weights, experts),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        dropless_moe(x, indices, weights, experts, tile_rows=tile_rows),
+        dense_moe(x, indices, weights, experts),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
-
-def test_dropless_gradients_equal_dense_masking():
+@GROUPED_MATMULS
+def test_dropless_gradients_equal_dense_masking(tile_rows):
     """In float64: expert gradients sum over every routed token and reach ~30, where float32's
     different summation orders (grouped vs dense) alone differ by ~1e-5."""
     with jax.enable_x64(True):
@@ -86,18 +97,21 @@ def test_dropless_gradients_equal_dense_masking():
             lambda a: a.astype(jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a, random_problem()
         )
         cotangent = jax.random.normal(jax.random.key(9), x.shape, jnp.float64)
-        grad_sparse = jax.grad(lambda e: jnp.sum(dropless_moe(x, indices, weights, e) * cotangent))(experts)
+        grad_sparse = jax.grad(
+            lambda e: jnp.sum(dropless_moe(x, indices, weights, e, tile_rows=tile_rows) * cotangent)
+        )(experts)
         grad_dense = jax.grad(lambda e: jnp.sum(dense_moe(x, indices, weights, e) * cotangent))(experts)
-        for a, b in zip(jax.tree.leaves(grad_sparse), jax.tree.leaves(grad_dense)):
+        for a, b in zip(jax.tree.leaves(grad_sparse), jax.tree.leaves(grad_dense), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
 
 
-def test_capacity_factor_drops_late_slots_per_expert():
+@GROUPED_MATMULS
+def test_capacity_factor_drops_late_slots_per_expert(tile_rows):
     x, indices, weights, experts = random_problem()
     tokens, k = indices.shape
     num_experts = experts.gate.shape[0]
-    generous = dropless_moe(x, indices, weights, experts, capacity_factor=float(num_experts))
-    np.testing.assert_allclose(generous, dropless_moe(x, indices, weights, experts), rtol=1e-6, atol=1e-7)
+    generous = dropless_moe(x, indices, weights, experts, capacity_factor=float(num_experts), tile_rows=tile_rows)
+    np.testing.assert_array_equal(generous, dropless_moe(x, indices, weights, experts, tile_rows=tile_rows))
 
     capacity_factor = 0.5
     capacity = -(-int(capacity_factor * tokens * k) // num_experts)
@@ -111,8 +125,10 @@ def test_capacity_factor_drops_late_slots_per_expert():
             seen[e] += 1
     assert (kept_weights == 0).any()
     np.testing.assert_allclose(
-        dropless_moe(x, indices, weights, experts, capacity_factor=capacity_factor),
-        dense_moe(x, indices, jnp.asarray(kept_weights), experts), rtol=1e-5, atol=1e-6,
+        dropless_moe(x, indices, weights, experts, capacity_factor=capacity_factor, tile_rows=tile_rows),
+        dense_moe(x, indices, jnp.asarray(kept_weights), experts),
+        rtol=1e-5,
+        atol=1e-6,
     )
 
 
@@ -137,3 +153,12 @@ def test_bias_update_balances_a_skewed_router():
     assert cv(load) < 0.5 * cv(first_load)
     overloaded = np.argmax(np.asarray(first_load))
     assert float(moe.correction_bias[overloaded]) < 0
+
+
+def test_tile_layout_gives_each_tile_one_expert():
+    group_sizes = jnp.array([5, 0, 9, 1], jnp.int32)
+    layout = tile_layout(group_sizes, 15, 4)
+    # Experts padded to 8, 0, 12, 4 rows: tiles 0-1 expert 0, 2-4 expert 2, 5 expert 3.
+    np.testing.assert_array_equal(np.asarray(layout.tile_expert)[:6], [0, 0, 2, 2, 2, 3])
+    np.testing.assert_array_equal(np.asarray(layout.destination), [0, 1, 2, 3, 4, *range(8, 17), 20])
+    assert layout.tile_expert.shape[0] == -(-15 // 4) + 4

@@ -55,7 +55,7 @@ def test_custom_layer_gradients_equal_save_all(name):
     grad = eqx.filter_jit(eqx.filter_grad(scanned_loss))
     expected = grad(blocks, x, Policy.save_all())
     got = grad(blocks, x, Policy.from_dict(POLICIES[name]))
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -115,5 +115,5 @@ def test_pytree_params_and_outputs():
     want = eqx.filter_grad(loss)((params, x), Policy.save_all())
     for policy in (Policy.from_dict({"h": "offload"}), Policy.from_dict({})):
         got = eqx.filter_grad(loss)((params, x), policy)
-        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

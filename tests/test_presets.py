@@ -11,9 +11,9 @@ import pytest
 
 from ferry.models.llama import Llama
 from ferry.models.registry import abstract_model
-from ferry.train.step import LossSettings, batch_loss
 from ferry.offload import PolicyError
-from tests.conftest import MOE_ONLY_PRESETS, PRESETS, load_model_config, load_preset, preset_policy
+from ferry.train.step import LossSettings, batch_loss
+from tests.conftest import MOE_ONLY_PRESETS, PRESETS, load_model_config, preset_policy
 from tests.placements import count_device_puts
 
 
@@ -44,7 +44,15 @@ def compiled(preset: str, scan_layers: bool = True):
 
 def test_presets_are_the_documented_ones():
     assert PRESETS == sorted(
-        ["save_all", "full_remat", "minimal", "qkv_offload", "minimal_offloaded", "decoder_input_offload", "moe_offload"]
+        [
+            "save_all",
+            "full_remat",
+            "minimal",
+            "qkv_offload",
+            "minimal_offloaded",
+            "decoder_input_offload",
+            "moe_offload",
+        ]
     )
 
 

@@ -15,7 +15,11 @@ def test_qkv_offload_schedule(tiny_config):
     q_bytes = 4 * 32 * tiny_config.num_heads * tiny_config.head_dim * 2
     kv_bytes = 4 * 32 * tiny_config.num_kv_heads * tiny_config.head_dim * 2
     assert rows["query_proj"].bytes_per_device == q_bytes
-    assert (rows["key_proj"].placement, rows["key_proj"].forward, rows["key_proj"].backward) == ("offload", "D2H", "H2D")
+    assert (rows["key_proj"].placement, rows["key_proj"].forward, rows["key_proj"].backward) == (
+        "offload",
+        "D2H",
+        "H2D",
+    )
     assert (rows["mlpwo"].placement, rows["mlpwo"].forward) == ("remat", "-")
     layers = tiny_config.num_layers
     totals = schedule.totals()

@@ -49,8 +49,7 @@ class Policy:
         for name, placement in self.placements:
             if placement not in PLACEMENTS:
                 raise PolicyError(
-                    f"tensor {name!r} has placement {placement!r}; "
-                    f"a placement is one of {', '.join(PLACEMENTS)}"
+                    f"tensor {name!r} has placement {placement!r}; a placement is one of {', '.join(PLACEMENTS)}"
                 )
             if name == LAYER_INPUT and placement == "remat":
                 raise PolicyError(
@@ -93,9 +92,14 @@ class Policy:
             )
 
 
+SAVE_ALL = Policy.save_all()
+"""The default policy of a model called directly: no custom VJP, every residual in HBM."""
+
+
 # --------------------------------------------------------------------------------------------
 # The tag context: the engine's only global state, a stack of recorders / injectors that is
 # non-empty only while `offloaded` traces a layer.
+
 
 class _Recorder:
     """Collects tagged values in the order the layer produces them."""
@@ -180,6 +184,7 @@ def tagged_names(fn: Callable[..., Any], *args: Any) -> frozenset[str]:
 # --------------------------------------------------------------------------------------------
 # Memory placement.
 
+
 def _mesh(mesh: Mesh | None) -> Mesh | jax.sharding.AbstractMesh:
     """The mesh to place on: the one given, else the one set by `jax.set_mesh`, else the only
     device's."""
@@ -211,6 +216,7 @@ def to_memory(x: jax.Array, memory_kind: str, mesh: Mesh | None = None) -> jax.A
 
 # --------------------------------------------------------------------------------------------
 # The custom VJP.
+
 
 def offloaded(
     fn: Callable[[Any, jax.Array], Any],
@@ -264,7 +270,7 @@ def offloaded(
 
         def layer_bwd(residuals: Any, cotangent: Any) -> tuple[Any, Any]:
             p, h, saved = residuals
-            injected = [(name, restore(name, value)) for name, value in zip(names, saved)]
+            injected = [(name, restore(name, value)) for name, value in zip(names, saved, strict=True)]
 
             def replay(p: Any, h: jax.Array) -> Any:
                 with _tag_context(_Injector(injected)):

@@ -204,8 +204,14 @@ def schedule_table(schedule: TransferSchedule) -> Any:
         label = f"{group.name} x{group.num_layers}"
         for r in group.residuals:
             table.add_row(
-                label, r.name, "x".join(map(str, r.shape)), r.dtype, format_bytes(r.bytes_per_device),
-                r.placement, r.forward, r.backward,
+                label,
+                r.name,
+                "x".join(map(str, r.shape)),
+                r.dtype,
+                format_bytes(r.bytes_per_device),
+                r.placement,
+                r.forward,
+                r.backward,
             )
             label = ""
         table.add_section()

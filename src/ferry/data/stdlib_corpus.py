@@ -41,5 +41,7 @@ def load_stdlib_corpus(eval_fraction: float, tokenizer: ByteTokenizer, root: Pat
         ids = tokenizer.encode_document(path.read_bytes())
         (held_out if _is_held_out(str(path.relative_to(root)), eval_fraction) else train).append(ids)
     if not train or not held_out:
-        raise ValueError(f"eval_fraction {eval_fraction} leaves the train or held-out split of {len(files)} files empty")
+        raise ValueError(
+            f"eval_fraction {eval_fraction} leaves the train or held-out split of {len(files)} files empty"
+        )
     return Corpus(np.concatenate(train), np.concatenate(held_out), len(files))

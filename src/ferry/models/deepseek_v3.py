@@ -11,6 +11,7 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ferry.loss import next_token_loss
+from ferry.nn.block import DecoderBlock
 from ferry.nn.embedding import Embedding
 from ferry.nn.linear import Linear
 from ferry.nn.mla import MultiHeadLatentAttention
@@ -19,7 +20,7 @@ from ferry.nn.moe import DeepSeekMoE, MoEStats
 from ferry.nn.norm import RMSNorm
 from ferry.nn.rope import YarnScaling
 from ferry.nn.stack import LayerStack
-from ferry.offload import Policy, offloaded
+from ferry.offload import SAVE_ALL, Policy, offloaded
 from ferry.schedule import LayerKind
 
 
@@ -44,6 +45,11 @@ class DeepSeekV3Config:
     groups_per_token: int
     routed_scaling: float = 2.5
     capacity_factor: float | None = None  # None: dropless
+    # Grouped matmul of the routed experts: "ragged_dot" (GPU/TPU grouped GEMM), "tiled"
+    # (tiles of moe_tile_rows rows; what the CPU backend runs without computing every expert),
+    # or "auto": tiled on CPU, ragged_dot elsewhere.
+    moe_matmul: str = "auto"
+    moe_tile_rows: int = 32
     bias_update_rate: float = 0.001  # gamma of the auxiliary-loss-free balancing
     balance_loss_weight: float = 1e-4  # alpha of the sequence-wise balance loss
     mtp_depth: int = 1  # 0 switches multi-token prediction off
@@ -58,74 +64,86 @@ class DeepSeekV3Config:
             if not ok:
                 raise ValueError(message)
 
-        require(0 <= self.num_dense_layers <= self.num_layers,
-                f"num_dense_layers {self.num_dense_layers} must lie in [0, num_layers={self.num_layers}]")
-        require(self.num_experts % self.num_groups == 0,
-                f"num_experts {self.num_experts} is not a multiple of num_groups {self.num_groups}")
-        require(self.num_experts // self.num_groups >= 2,
-                f"each of the {self.num_groups} groups needs at least 2 experts (group score = its top-2 sum)")
-        require(1 <= self.groups_per_token <= self.num_groups,
-                f"groups_per_token {self.groups_per_token} must lie in [1, num_groups={self.num_groups}]")
+        require(
+            0 <= self.num_dense_layers <= self.num_layers,
+            f"num_dense_layers {self.num_dense_layers} must lie in [0, num_layers={self.num_layers}]",
+        )
+        require(
+            self.num_experts % self.num_groups == 0,
+            f"num_experts {self.num_experts} is not a multiple of num_groups {self.num_groups}",
+        )
+        require(
+            self.num_experts // self.num_groups >= 2,
+            f"each of the {self.num_groups} groups needs at least 2 experts (group score = its top-2 sum)",
+        )
+        require(
+            1 <= self.groups_per_token <= self.num_groups,
+            f"groups_per_token {self.groups_per_token} must lie in [1, num_groups={self.num_groups}]",
+        )
         kept = self.groups_per_token * self.num_experts // self.num_groups
-        require(1 <= self.experts_per_token <= kept,
-                f"experts_per_token {self.experts_per_token} must lie in [1, {kept}] (experts in the kept groups)")
+        require(
+            1 <= self.experts_per_token <= kept,
+            f"experts_per_token {self.experts_per_token} must lie in [1, {kept}] (experts in the kept groups)",
+        )
         require(self.qk_rope_dim % 2 == 0, f"qk_rope_dim {self.qk_rope_dim} must be even for rotary embeddings")
         require(self.mtp_depth >= 0, f"mtp_depth must be >= 0, got {self.mtp_depth}")
-        require(self.capacity_factor is None or self.capacity_factor > 0,
-                f"capacity_factor must be positive or null (dropless), got {self.capacity_factor}")
+        require(
+            self.moe_matmul in ("auto", "ragged_dot", "tiled"),
+            f"moe_matmul is {self.moe_matmul!r}; use auto, ragged_dot or tiled",
+        )
+        require(self.moe_tile_rows >= 1, f"moe_tile_rows must be >= 1, got {self.moe_tile_rows}")
+        require(
+            self.capacity_factor is None or self.capacity_factor > 0,
+            f"capacity_factor must be positive or null (dropless), got {self.capacity_factor}",
+        )
 
     def attention(self, key: PRNGKeyArray) -> MultiHeadLatentAttention:
         return MultiHeadLatentAttention(
-            self.dim, self.num_heads, self.q_lora_rank, self.kv_lora_rank, self.qk_nope_dim,
-            self.qk_rope_dim, self.v_dim, self.rope_theta, self.yarn, self.norm_eps, key=key,
+            self.dim,
+            self.num_heads,
+            self.q_lora_rank,
+            self.kv_lora_rank,
+            self.qk_nope_dim,
+            self.qk_rope_dim,
+            self.v_dim,
+            self.rope_theta,
+            self.yarn,
+            self.norm_eps,
+            key=key,
         )
+
+    def moe_tile_rows_or_none(self) -> int | None:
+        """Tile rows for the tiled grouped matmul, or None for `lax.ragged_dot`."""
+        tiled = self.moe_matmul == "tiled" or (self.moe_matmul == "auto" and jax.default_backend() == "cpu")
+        return self.moe_tile_rows if tiled else None
 
     def moe(self, key: PRNGKeyArray) -> DeepSeekMoE:
         return DeepSeekMoE(
-            self.dim, self.moe_mlp_dim, self.num_experts, self.num_shared_experts, self.num_groups,
-            self.groups_per_token, self.experts_per_token, self.routed_scaling, self.capacity_factor, key=key,
+            self.dim,
+            self.moe_mlp_dim,
+            self.num_experts,
+            self.num_shared_experts,
+            self.num_groups,
+            self.groups_per_token,
+            self.experts_per_token,
+            self.routed_scaling,
+            self.capacity_factor,
+            self.moe_tile_rows_or_none(),
+            key=key,
         )
 
 
-class DenseLayer(eqx.Module):
+def dense_layer(config: DeepSeekV3Config, *, key: PRNGKeyArray) -> DecoderBlock:
     """MLA + a SwiGLU feed-forward: DeepSeek-V3's first `num_dense_layers` layers."""
-
-    attention_norm: RMSNorm
-    attention: MultiHeadLatentAttention
-    mlp_norm: RMSNorm
-    mlp: SwiGLU
-
-    def __init__(self, config: DeepSeekV3Config, *, key: PRNGKeyArray):
-        k_attention, k_mlp = jax.random.split(key)
-        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attention = config.attention(k_attention)
-        self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
-        self.mlp = SwiGLU(config.dim, config.dense_mlp_dim, key=k_mlp)
-
-    def __call__(self, x: Float[Array, "batch seq dim"]) -> Float[Array, "batch seq dim"]:
-        x = x + self.attention(self.attention_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
+    k_attention, k_mlp = jax.random.split(key)
+    mlp = SwiGLU(config.dim, config.dense_mlp_dim, key=k_mlp)
+    return DecoderBlock(config.attention(k_attention), mlp, config.dim, config.norm_eps)
 
 
-class MoELayer(eqx.Module):
-    """MLA + DeepSeekMoE (routed experts plus the shared expert)."""
-
-    attention_norm: RMSNorm
-    attention: MultiHeadLatentAttention
-    mlp_norm: RMSNorm
-    moe: DeepSeekMoE
-
-    def __init__(self, config: DeepSeekV3Config, *, key: PRNGKeyArray):
-        k_attention, k_moe = jax.random.split(key)
-        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attention = config.attention(k_attention)
-        self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
-        self.moe = config.moe(k_moe)
-
-    def __call__(self, x: Float[Array, "batch seq dim"]) -> tuple[Float[Array, "batch seq dim"], MoEStats]:
-        x = x + self.attention(self.attention_norm(x))
-        out, stats = self.moe(self.mlp_norm(x))
-        return x + out, stats
+def moe_layer(config: DeepSeekV3Config, *, key: PRNGKeyArray) -> DecoderBlock:
+    """MLA + DeepSeekMoE (routed experts plus the shared expert); returns (h, MoEStats)."""
+    k_attention, k_moe = jax.random.split(key)
+    return DecoderBlock(config.attention(k_attention), config.moe(k_moe), config.dim, config.norm_eps)
 
 
 class MultiTokenPrediction(eqx.Module):
@@ -135,7 +153,7 @@ class MultiTokenPrediction(eqx.Module):
     embedding_norm: RMSNorm
     hidden_norm: RMSNorm
     projection: Linear
-    block: MoELayer
+    block: DecoderBlock
     final_norm: RMSNorm
 
     def __init__(self, config: DeepSeekV3Config, *, key: PRNGKeyArray):
@@ -143,7 +161,7 @@ class MultiTokenPrediction(eqx.Module):
         self.embedding_norm = RMSNorm(config.dim, config.norm_eps)
         self.hidden_norm = RMSNorm(config.dim, config.norm_eps)
         self.projection = Linear(2 * config.dim, config.dim, key=k_projection)
-        self.block = MoELayer(config, key=k_block)
+        self.block = moe_layer(config, key=k_block)
         self.final_norm = RMSNorm(config.dim, config.norm_eps)
 
 
@@ -173,19 +191,27 @@ class DeepSeekV3(eqx.Module):
         num_moe = config.num_layers - config.num_dense_layers
         self.embed = Embedding(config.vocab_size, config.dim, key=k_embed)
         self.dense_layers = (
-            LayerStack(lambda k: DenseLayer(config, key=k), config.num_dense_layers, key=k_dense,
-                       scan_layers=config.scan_layers)
-            if config.num_dense_layers else None
+            LayerStack(
+                lambda k: dense_layer(config, key=k),
+                config.num_dense_layers,
+                key=k_dense,
+                scan_layers=config.scan_layers,
+            )
+            if config.num_dense_layers
+            else None
         )
         self.moe_layers = (
-            LayerStack(lambda k: MoELayer(config, key=k), num_moe, key=k_moe, scan_layers=config.scan_layers)
-            if num_moe else None
+            LayerStack(lambda k: moe_layer(config, key=k), num_moe, key=k_moe, scan_layers=config.scan_layers)
+            if num_moe
+            else None
         )
         self.final_norm = RMSNorm(config.dim, config.norm_eps)
         self.head = Linear(config.dim, config.vocab_size, key=k_head)
-        self.mtp = tuple(
-            MultiTokenPrediction(config, key=k) for k in jax.random.split(k_mtp, config.mtp_depth)
-        ) if config.mtp_depth else ()
+        self.mtp = (
+            tuple(MultiTokenPrediction(config, key=k) for k in jax.random.split(k_mtp, config.mtp_depth))
+            if config.mtp_depth
+            else ()
+        )
         self.config = config
 
     def _stacks(self) -> list[LayerStack]:
@@ -220,9 +246,29 @@ class DeepSeekV3(eqx.Module):
         return x, stats
 
     def __call__(
-        self, tokens: Int[Array, "batch seq"], policy: Policy = Policy.save_all(), mesh: Mesh | None = None
+        self, tokens: Int[Array, "batch seq"], policy: Policy = SAVE_ALL, mesh: Mesh | None = None
     ) -> Float[Array, "batch seq vocab"]:
         return self.head(self.final_norm(self.hidden(tokens, policy, mesh)[0]))
+
+    def multi_token_prediction(
+        self,
+        batch: Int[Array, "batch seq_plus_one"],
+        h: Float[Array, "batch seq dim"],
+        policy: Policy,
+        mesh: Mesh | None,
+    ) -> tuple[Float[Array, " depth"], MoEStats]:
+        """Each MTP depth's cross-entropy (depth k predicts token t + k + 1 from the previous
+        depth's hidden state and the embedding of token t + k) and its MoE block's stats."""
+        seq = batch.shape[1] - 1
+        block = offloaded(lambda layer, x: layer(x), policy, mesh=mesh, check_names=False)
+        losses, stats = [], []
+        for depth, module in enumerate(self.mtp, start=1):
+            embedded = module.embedding_norm(self.embed(batch[:, depth:seq]))
+            joined = jnp.concatenate([embedded, module.hidden_norm(h[:, : seq - depth])], axis=-1)
+            h, block_stats = block(module.block, module.projection(joined))
+            losses.append(next_token_loss(self.head(module.final_norm(h)), batch[:, depth + 1 :])[1])
+            stats.append(block_stats)
+        return jnp.stack(losses), jax.tree.map(lambda *leaves: jnp.stack(leaves), *stats)
 
     def training_loss(
         self,
@@ -231,39 +277,23 @@ class DeepSeekV3(eqx.Module):
         mesh: Mesh | None = None,
         z_loss_weight: float = 0.0,
     ) -> tuple[Float[Array, ""], dict[str, Array]]:
-        """Main next-token loss + alpha x the balance loss of every MoE layer + lambda x the mean
-        of the MTP depths' losses (depth k predicts token t + k + 1)."""
+        """Main next-token loss + alpha x the balance losses of every MoE layer (MTP blocks
+        included) + lambda x the mean of the MTP depths' losses."""
         config = self.config
-        seq = batch.shape[1] - 1
         h, stats = self.hidden(batch[:, :-1], policy, mesh)
         loss, cross_entropy = next_token_loss(self.head(self.final_norm(h)), batch[:, 1:], z_loss_weight)
-        metrics: dict[str, Array] = {"loss": cross_entropy}
-        balance, loads = [], []
+        metrics: dict[str, Array] = {"loss": cross_entropy, "balance_loss": jnp.zeros((), jnp.float32)}
         if stats is not None:
-            balance.append(stats.balance_loss.sum())
-            loads.append(stats.expert_load)
+            metrics["balance_loss"] += stats.balance_loss.sum()
+            metrics["moe_expert_load"] = stats.expert_load
             metrics |= _expert_load_metrics(stats.expert_load, "expert_load")
-        mtp_losses, mtp_loads = [], []
-        block = offloaded(lambda layer, x: layer(x), policy, mesh=mesh, check_names=False)
-        for depth, module in enumerate(self.mtp, start=1):
-            joined = jnp.concatenate(
-                [module.embedding_norm(self.embed(batch[:, depth:seq])), module.hidden_norm(h[:, : seq - depth])], axis=-1
-            )
-            h, block_stats = block(module.block, module.projection(joined))
-            logits = self.head(module.final_norm(h))
-            mtp_losses.append(next_token_loss(logits, batch[:, depth + 1 :])[1])
-            balance.append(block_stats.balance_loss)
-            mtp_loads.append(block_stats.expert_load)
-        if mtp_losses:
-            metrics["mtp_loss"] = jnp.mean(jnp.stack(mtp_losses))
-            metrics["mtp_expert_load"] = jnp.stack(mtp_loads)
+        if self.mtp:
+            mtp_losses, mtp_stats = self.multi_token_prediction(batch, h, policy, mesh)
+            metrics["mtp_loss"] = mtp_losses.mean()
+            metrics["mtp_expert_load"] = mtp_stats.expert_load
+            metrics["balance_loss"] += mtp_stats.balance_loss.sum()
             loss = loss + config.mtp_loss_weight * metrics["mtp_loss"]
-        if balance:
-            metrics["balance_loss"] = jnp.sum(jnp.stack(balance))
-            loss = loss + config.balance_loss_weight * metrics["balance_loss"]
-        if loads:
-            metrics["moe_expert_load"] = loads[0]
-        return loss, metrics
+        return loss + config.balance_loss_weight * metrics["balance_loss"], metrics
 
     def after_step(self, stats: dict[str, Array]) -> "DeepSeekV3":
         """Move each router's correction bias towards balance by the load of this step."""
@@ -271,11 +301,15 @@ class DeepSeekV3(eqx.Module):
         model = self
         if "moe_expert_load" in stats:
             model = eqx.tree_at(
-                lambda m: m.moe_layers.layers.moe, model, _update_bias(model.moe_layers.layers.moe, stats["moe_expert_load"], rate)
+                lambda m: m.moe_layers.layers.mlp,
+                model,
+                _update_bias(model.moe_layers.layers.mlp, stats["moe_expert_load"], rate),
             )
         if "mtp_expert_load" in stats:
             mtp = tuple(
-                eqx.tree_at(lambda m: m.block.moe, module, _update_bias(module.block.moe, stats["mtp_expert_load"][i], rate))
+                eqx.tree_at(
+                    lambda m: m.block.mlp, module, _update_bias(module.block.mlp, stats["mtp_expert_load"][i], rate)
+                )
                 for i, module in enumerate(model.mtp)
             )
             model = eqx.tree_at(lambda m: m.mtp, model, mtp)

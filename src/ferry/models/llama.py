@@ -7,16 +7,17 @@ import jax
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from ferry.loss import next_token_loss
 from ferry.nn.attention import GroupedQueryAttention
+from ferry.nn.block import DecoderBlock
 from ferry.nn.embedding import Embedding
 from ferry.nn.linear import Linear
 from ferry.nn.mlp import SwiGLU
 from ferry.nn.norm import RMSNorm
 from ferry.nn.rope import Llama3RopeScaling
 from ferry.nn.stack import LayerStack
-from ferry.offload import Policy
+from ferry.offload import SAVE_ALL, Policy
 from ferry.schedule import LayerKind
-from ferry.loss import next_token_loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,37 +36,23 @@ class LlamaConfig:
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
-            )
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
 
 
-class LlamaDecoderLayer(eqx.Module):
-    attention_norm: RMSNorm
-    attention: GroupedQueryAttention
-    mlp_norm: RMSNorm
-    mlp: SwiGLU
-
-    def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray):
-        k_attention, k_mlp = jax.random.split(key)
-        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attention = GroupedQueryAttention(
-            config.dim,
-            config.num_heads,
-            config.num_kv_heads,
-            config.head_dim,
-            config.rope_theta,
-            config.rope_scaling,
-            key=k_attention,
-        )
-        self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
-        self.mlp = SwiGLU(config.dim, config.mlp_dim, key=k_mlp)
-
-    def __call__(self, x: Float[Array, "batch seq dim"]) -> Float[Array, "batch seq dim"]:
-        x = x + self.attention(self.attention_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
+def llama_decoder_layer(config: LlamaConfig, *, key: PRNGKeyArray) -> DecoderBlock:
+    k_attention, k_mlp = jax.random.split(key)
+    attention = GroupedQueryAttention(
+        config.dim,
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+        config.rope_theta,
+        config.rope_scaling,
+        key=k_attention,
+    )
+    return DecoderBlock(attention, SwiGLU(config.dim, config.mlp_dim, key=k_mlp), config.dim, config.norm_eps)
 
 
 class Llama(eqx.Module):
@@ -79,7 +66,7 @@ class Llama(eqx.Module):
         k_embed, k_layers, k_head = jax.random.split(key, 3)
         self.embed = Embedding(config.vocab_size, config.dim, key=k_embed)
         self.layers = LayerStack(
-            lambda k: LlamaDecoderLayer(config, key=k),
+            lambda k: llama_decoder_layer(config, key=k),
             config.num_layers,
             key=k_layers,
             scan_layers=config.scan_layers,
@@ -91,7 +78,7 @@ class Llama(eqx.Module):
     def __call__(
         self,
         tokens: Int[Array, "batch seq"],
-        policy: Policy = Policy.save_all(),
+        policy: Policy = SAVE_ALL,
         mesh: Mesh | None = None,
     ) -> Float[Array, "batch seq vocab"]:
         policy.validate(self.tagged_names())

@@ -67,27 +67,71 @@ class Experts(eqx.Module):
         self.down = std * jax.random.normal(kd, (num_experts, hidden, dim), jnp.float32)
 
 
+class TileLayout(eqx.Module):
+    """Where each expert-sorted row goes when every expert's rows are padded to whole tiles."""
+
+    destination: Int[Array, " rows"]  # padded row of each sorted row
+    tile_expert: Int[Array, " tiles"]  # the expert every tile belongs to
+    tile_rows: int = eqx.field(static=True)
+
+
+def tile_layout(group_sizes: Int[Array, " experts"], num_rows: int, tile_rows: int) -> TileLayout:
+    """Pad each expert's group to a multiple of `tile_rows`; at most one partial tile per expert,
+    so ceil(rows / tile) + experts tiles always suffice (a static bound)."""
+    num_experts = group_sizes.shape[0]
+    padded_sizes = -(-group_sizes // tile_rows) * tile_rows
+    padded_ends = jnp.cumsum(padded_sizes)
+    starts = jnp.cumsum(group_sizes) - group_sizes
+    row_expert = jnp.repeat(jnp.arange(num_experts), group_sizes, total_repeat_length=num_rows)
+    destination = padded_ends[row_expert] - padded_sizes[row_expert] + jnp.arange(num_rows) - starts[row_expert]
+    num_tiles = -(-num_rows // tile_rows) + num_experts
+    tile_start = jnp.arange(num_tiles) * tile_rows
+    tile_expert = jnp.minimum(jnp.searchsorted(padded_ends, tile_start, side="right"), num_experts - 1)
+    return TileLayout(destination, tile_expert, tile_rows)
+
+
+def grouped_matmul(
+    x: Float[Array, "rows d_in"],
+    weights: Float[Array, "experts d_in d_out"],
+    group_sizes: Int[Array, " experts"],
+    layout: TileLayout | None,
+) -> Float[Array, "rows d_out"]:
+    """Rows sorted by expert times their expert's matrix. `lax.ragged_dot` (one grouped GEMM on
+    GPU and TPU) when `layout` is None; otherwise tiles of rows, each multiplied by its expert's
+    matrix: XLA's CPU backend expands `ragged_dot` into every expert on every row, tiles don't."""
+    if layout is None:
+        return jax.lax.ragged_dot(x, weights, group_sizes)
+    num_tiles = layout.tile_expert.shape[0]
+    padded = jnp.zeros((num_tiles * layout.tile_rows, x.shape[1]), x.dtype).at[layout.destination].set(x)
+    tiles = padded.reshape(num_tiles, layout.tile_rows, x.shape[1])
+    out = jnp.einsum("tmi,tio->tmo", tiles, weights[layout.tile_expert])
+    return out.reshape(num_tiles * layout.tile_rows, -1)[layout.destination]
+
+
 def dropless_moe(
     x: Float[Array, "tokens dim"],
     indices: Int[Array, "tokens k"],
     weights: Float[Array, "tokens k"],
     experts: Experts,
     capacity_factor: float | None = None,
+    tile_rows: int | None = None,
 ) -> Float[Array, "tokens dim"]:
     """Sort the (token, expert) slots by expert and run each expert on exactly its tokens with
-    grouped matmuls (`lax.ragged_dot`): no token is dropped, no expert sees a token it was not
-    routed. With a `capacity_factor`, slots past ceil(capacity_factor x tokens x k / experts) in an
-    expert's queue get weight zero (dropped), as capacity-based trainers do."""
+    grouped matmuls (`lax.ragged_dot`, or tiles of `tile_rows` rows): no token is dropped, no
+    expert computes a token it was not routed. With a `capacity_factor`, slots past
+    ceil(capacity_factor x tokens x k / experts) in an expert's queue get weight zero (dropped),
+    as capacity-based trainers do."""
     tokens, k = indices.shape
     num_experts = experts.gate.shape[0]
     slot_expert = indices.reshape(-1)
     order = jnp.argsort(slot_expert, stable=True)
     slot_token = order // k
     group_sizes = jnp.bincount(slot_expert, length=num_experts).astype(jnp.int32)
+    layout = None if tile_rows is None else tile_layout(group_sizes, tokens * k, tile_rows)
     sorted_x = x[slot_token]
-    gate = tag(jax.lax.ragged_dot(sorted_x, experts.gate, group_sizes), "moe_mlpwi_0")
-    up = tag(jax.lax.ragged_dot(sorted_x, experts.up, group_sizes), "moe_mlpwi_1")
-    out = tag(jax.lax.ragged_dot(jax.nn.silu(gate) * up, experts.down, group_sizes), "moe_mlpwo")
+    gate = tag(grouped_matmul(sorted_x, experts.gate, group_sizes, layout), "moe_mlpwi_0")
+    up = tag(grouped_matmul(sorted_x, experts.up, group_sizes, layout), "moe_mlpwi_1")
+    out = tag(grouped_matmul(jax.nn.silu(gate) * up, experts.down, group_sizes, layout), "moe_mlpwo")
     slot_weight = weights.reshape(-1)[order]
     if capacity_factor is not None:
         capacity = -(-int(capacity_factor * tokens * k) // num_experts)
@@ -131,6 +175,7 @@ class DeepSeekMoE(eqx.Module):
     experts_per_token: int = eqx.field(static=True)
     routed_scaling: float = eqx.field(static=True)
     capacity_factor: float | None = eqx.field(static=True)
+    tile_rows: int | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -143,6 +188,7 @@ class DeepSeekMoE(eqx.Module):
         experts_per_token: int,
         routed_scaling: float,
         capacity_factor: float | None,
+        tile_rows: int | None = None,
         *,
         key: PRNGKeyArray,
     ):
@@ -154,6 +200,7 @@ class DeepSeekMoE(eqx.Module):
         self.num_groups, self.groups_per_token = num_groups, groups_per_token
         self.experts_per_token, self.routed_scaling = experts_per_token, routed_scaling
         self.capacity_factor = capacity_factor
+        self.tile_rows = tile_rows
 
     def __call__(self, x: Float[Array, "batch seq dim"]) -> tuple[Float[Array, "batch seq dim"], MoEStats]:
         batch, seq, dim = x.shape
@@ -167,7 +214,9 @@ class DeepSeekMoE(eqx.Module):
             self.experts_per_token,
             self.routed_scaling,
         )
-        routed = dropless_moe(x.reshape(batch * seq, dim), indices, weights, self.experts, self.capacity_factor)
+        routed = dropless_moe(
+            x.reshape(batch * seq, dim), indices, weights, self.experts, self.capacity_factor, self.tile_rows
+        )
         out = routed.reshape(x.shape) + self.shared(x)
         load = jnp.bincount(indices.reshape(-1), length=scores.shape[-1]).astype(jnp.float32)
         stats = MoEStats(sequence_balance_loss(scores, indices.reshape(batch, seq, -1)), load)

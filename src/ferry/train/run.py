@@ -22,8 +22,8 @@ from ferry.data.stdlib_corpus import Corpus, load_stdlib_corpus
 from ferry.data.tokenizer import ByteTokenizer
 from ferry.memory import check_fits
 from ferry.metrics import MetricsWriter
-from ferry.offload import Policy
 from ferry.models.registry import TINY_MODELS, abstract_model, build_model, parameter_count, size_summary
+from ferry.offload import Policy
 from ferry.schedule import TransferSchedule, model_schedule, schedule_table
 from ferry.sharding import batch_sharded, make_mesh, replicated
 from ferry.train.config import FerryConfig
@@ -91,7 +91,8 @@ def prepare(config: FerryConfig, console: Console) -> PreparedRun:
     corpus = _check_data(config, ByteTokenizer())
     console.print(
         f"model {config.model_name}: {num_parameters:,} parameters; "
-        f"corpus: {corpus.num_documents} stdlib files, {len(corpus.train):,} train / {len(corpus.eval):,} held-out tokens"
+        f"corpus: {corpus.num_documents} stdlib files, "
+        f"{len(corpus.train):,} train / {len(corpus.eval):,} held-out tokens"
     )
     return PreparedRun(config, corpus, schedule, policy, resolve_run_dir(config))
 
@@ -125,14 +126,20 @@ def train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
 
     metrics = MetricsWriter(run_dir / "metrics.jsonl")
     with jax.set_mesh(mesh):
-        state = jax.device_put(init_state(build_model(config.model, jax.random.key(tc.seed)), optimizer), replicated(mesh))
+        state = jax.device_put(
+            init_state(build_model(config.model, jax.random.key(tc.seed)), optimizer), replicated(mesh)
+        )
         eval_batches = [
             jax.device_put(b, batch_sharded(mesh)) for b in itertools.islice(iter(held_out), tc.eval_batches)
         ]
         metrics.write({"step": 0, "eval_loss": evaluate(eval_step, state.model, eval_batches)})
         progress = Progress(
-            TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[status]}"),
-            TimeRemainingColumn(), console=console,
+            TextColumn("step"),
+            MofNCompleteColumn(),
+            BarColumn(),
+            TextColumn("{task.fields[status]}"),
+            TimeRemainingColumn(),
+            console=console,
         )
         with progress:
             task = progress.add_task("train", total=tc.steps, status="compiling")

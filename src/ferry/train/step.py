@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 from collections.abc import Callable
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ import optax
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
-from ferry.offload import Policy
+from ferry.offload import SAVE_ALL, Policy
 from ferry.precision import cast_floating
 
 
@@ -30,7 +31,7 @@ def init_state(model: eqx.Module, optimizer: optax.GradientTransformation) -> Tr
 class LossSettings:
     """Everything about the loss that is fixed for a run (static under jit)."""
 
-    policy: Policy = Policy.save_all()
+    policy: Policy = SAVE_ALL
     compute_dtype: str = "float32"
     z_loss_weight: float = 0.0
     mesh: Mesh | None = None
