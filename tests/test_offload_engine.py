@@ -1,5 +1,7 @@
 """The engine on layers that are not ferry's: gradients, placement, and errors."""
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -117,3 +119,15 @@ def test_pytree_params_and_outputs():
         got = eqx.filter_grad(loss)((params, x), policy)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_policy_is_an_immutable_mapping():
+    policy = Policy.from_dict({"block_in": "offload", LAYER_INPUT: "offload"})
+    assert dict(policy) == {"block_in": "offload", LAYER_INPUT: "offload"}
+    assert policy["block_in"] == "offload" and len(policy) == 2 and "block_out" not in policy
+    assert policy.placement("block_out") == "remat"
+    assert Policy.from_dict({}).placement(LAYER_INPUT) == "device"
+    assert policy == Policy.from_dict({LAYER_INPUT: "offload", "block_in": "offload"})
+    assert hash(policy) == hash(Policy.from_dict({LAYER_INPUT: "offload", "block_in": "offload"}))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        policy.placements = ()

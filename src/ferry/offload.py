@@ -34,12 +34,13 @@ class PolicyError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class Policy:
-    """Where each tagged activation lives between the forward and the backward pass.
+class Policy(Mapping[str, str]):
+    """Where each tagged activation lives between the forward and the backward pass: an
+    immutable mapping from the tensor names it mentions to their placement.
 
-    Names not mentioned are rematerialised (the layer input: kept on device). `keep_all`
-    disables the custom VJP altogether, so JAX's own autodiff keeps every residual in HBM:
-    the `save_all` reference every other policy is compared against.
+    Names not mentioned are rematerialised (the layer input: kept on device); `placement(name)`
+    answers for any name. `keep_all` disables the custom VJP altogether, so JAX's own autodiff
+    keeps every residual in HBM: the `save_all` reference every other policy is compared against.
     """
 
     placements: tuple[tuple[str, str], ...] = ()
@@ -78,9 +79,18 @@ class Policy:
         default = "device" if name == LAYER_INPUT else "remat"
         return dict(self.placements).get(name, default)
 
+    def __getitem__(self, name: str) -> str:
+        return dict(self.placements)[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for name, _ in self.placements)
+
+    def __len__(self) -> int:
+        return len(self.placements)
+
     @property
     def names(self) -> frozenset[str]:
-        return frozenset(name for name, _ in self.placements)
+        return frozenset(self)
 
     def validate(self, tagged: frozenset[str] | set[str]) -> None:
         """Refuse names the model never tags, listing the ones it does tag."""
