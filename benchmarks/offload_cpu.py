@@ -49,7 +49,7 @@ def compare_presets(model: str, presets: list[str], steps: int, batch_size: int,
             step = make_train_step(optimizer, LossSettings(policy, dtype), learning_rate_schedule(train_config))
             state = jax.device_put(init_state(build_model(config, jax.random.key(0)), optimizer), replicated(mesh))
             device_batch = jax.device_put(batch, batch_sharded(mesh))
-            flops[name] = step.lower(state, device_batch).compile().cost_analysis()["flops"]
+            flops[name] = step.lower(state, device_batch).compile().compiled.cost_analysis()["flops"]
             state, metrics = step(state, device_batch)  # compile and warm up
             jax.block_until_ready(metrics)
             states[name], step_fns[name] = state, step

@@ -245,9 +245,6 @@ def offloaded(
     if policy.keep_all:
         return fn
 
-    def split(params: Any) -> tuple[Any, Any]:
-        return eqx.partition(params, eqx.is_inexact_array)
-
     def save(name: str, value: jax.Array) -> jax.Array | None:
         placement = policy.placement(name)
         if placement == "offload":
@@ -260,7 +257,7 @@ def offloaded(
         return value
 
     def call(params: Any, x: jax.Array) -> Any:
-        diff, static = split(params)
+        diff, static = eqx.partition(params, eqx.is_inexact_array)
         names: list[str] = []  # the tag order of the forward pass; residuals must be arrays
 
         def layer_fn(p: Any, h: jax.Array) -> Any:

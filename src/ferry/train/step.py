@@ -1,11 +1,9 @@
 """The train state and the one jitted train step (forward, loss, gradients, AdamW update)."""
 
 import dataclasses
-import functools
 from collections.abc import Callable
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
@@ -51,10 +49,10 @@ def make_train_step(
     settings: LossSettings,
     learning_rate: optax.Schedule,
 ) -> Callable[[TrainState, Int[Array, "batch seq_plus_one"]], tuple[TrainState, dict[str, Array]]]:
-    """The jitted step. The state (a pytree of arrays only: static fields live in its treedef) is
-    donated, so parameters and optimizer moments are updated in place; the batch is not."""
+    """The one jitted step. Its arguments are donated: parameters and optimizer moments are
+    updated in place, and the batch buffer is consumed (place a fresh batch every step)."""
 
-    @functools.partial(jax.jit, donate_argnums=0)
+    @eqx.filter_jit(donate="all")
     def train_step(state: TrainState, batch: Int[Array, "batch seq_plus_one"]) -> tuple[TrainState, dict[str, Array]]:
         (loss, stats), grads = eqx.filter_value_and_grad(batch_loss, has_aux=True)(state.model, batch, settings)
         params = eqx.filter(state.model, eqx.is_inexact_array)
