@@ -59,8 +59,12 @@ class LayerGroup:
 
 @dataclasses.dataclass(frozen=True)
 class TransferSchedule:
+    """Residuals per micro step (what HBM holds at once); copies per optimizer step, which runs
+    `micro_steps` micro batches."""
+
     policy_name: str
     groups: tuple[LayerGroup, ...]
+    micro_steps: int = 1
 
     @property
     def residuals(self) -> tuple[Residual, ...]:
@@ -76,8 +80,8 @@ class TransferSchedule:
 
     @property
     def device_to_host_bytes(self) -> int:
-        """Bytes each device copies to pinned host in one step's forward pass."""
-        return self._bytes("offload")
+        """Bytes each device copies to pinned host in one step's forward passes."""
+        return self.micro_steps * self._bytes("offload")
 
     @property
     def host_to_device_bytes(self) -> int:
@@ -101,6 +105,7 @@ class TransferSchedule:
     def totals(self) -> dict[str, int]:
         return {
             "num_layers": self.num_layers,
+            "micro_steps": self.micro_steps,
             "device_to_host_bytes_per_step": self.device_to_host_bytes,
             "host_to_device_bytes_per_step": self.host_to_device_bytes,
             "device_residual_bytes_per_step": self.device_bytes,
@@ -170,7 +175,13 @@ def transfer_schedule(
 
 
 def model_schedule(
-    model: Any, policy: Policy, batch_per_device: int, seq_len: int, dtype: Any, policy_name: str = "custom"
+    model: Any,
+    policy: Policy,
+    batch_per_device: int,
+    seq_len: int,
+    dtype: Any,
+    policy_name: str = "custom",
+    micro_steps: int = 1,
 ) -> TransferSchedule:
     """The schedule of `model`'s decoder layers (run in `dtype`) on a [batch_per_device, seq_len]
     batch, one group per kind of layer (`model.layer_kinds()`). `model` may be abstract."""
@@ -183,7 +194,7 @@ def model_schedule(
 
         x = jax.ShapeDtypeStruct((batch_per_device, seq_len - group.seq_shrink, model.config.dim), dtype)
         groups.append(LayerGroup(group.name, group.num_layers, layer_residuals(one_layer, model, x, policy)))
-    return TransferSchedule(policy_name, tuple(groups))
+    return TransferSchedule(policy_name, tuple(groups), micro_steps)
 
 
 def format_bytes(n: float) -> str:
@@ -217,9 +228,10 @@ def schedule_table(schedule: TransferSchedule) -> Any:
         table.add_section()
     t = schedule.totals()
     table.caption = (
-        f"per step, {t['num_layers']} layers: D2H {format_bytes(t['device_to_host_bytes_per_step'])}, "
+        f"per step ({t['micro_steps']} micro x {t['num_layers']} layers): "
+        f"D2H {format_bytes(t['device_to_host_bytes_per_step'])}, "
         f"H2D {format_bytes(t['host_to_device_bytes_per_step'])}, "
-        f"kept in HBM {format_bytes(t['device_residual_bytes_per_step'])}, "
+        f"kept in HBM per micro step {format_bytes(t['device_residual_bytes_per_step'])}, "
         f"HBM saved vs save_all {format_bytes(t['hbm_bytes_saved_vs_save_all'])}"
     )
     return table

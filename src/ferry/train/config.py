@@ -12,6 +12,7 @@ from ferry.offload import Policy
 class TrainConfig:
     steps: int = 200
     global_batch_size: int = 8
+    micro_batch_size: int | None = None  # per device; None: the whole batch in one micro step
     seq_len: int = 128
     learning_rate: float = 3e-3
     warmup_steps: int = 20
@@ -28,10 +29,27 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 4
 
+    @property
+    def micro_steps(self) -> int:
+        """Micro batches accumulated per optimizer step."""
+        return 1 if self.micro_batch_size is None else self.global_batch_size // self.micro_batch_size
+
+    @property
+    def rows_per_micro_step(self) -> int:
+        return self.global_batch_size // self.micro_steps
+
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch_size", "seq_len", "log_every", "eval_every", "eval_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be at least 1, got {getattr(self, name)}")
+        if self.micro_batch_size is not None and (
+            self.micro_batch_size < 1 or self.global_batch_size % self.micro_batch_size
+        ):
+            raise ValueError(
+                f"train.global_batch_size {self.global_batch_size} is not a multiple of "
+                f"train.micro_batch_size {self.micro_batch_size} x data-parallel size 1; "
+                "choose a micro batch that divides the global batch"
+            )
         if self.warmup_steps < 0 or self.warmup_steps > self.steps:
             raise ValueError(f"train.warmup_steps {self.warmup_steps} must lie in [0, train.steps={self.steps}]")
         if self.compute_dtype not in ("float32", "bfloat16"):

@@ -86,7 +86,13 @@ def prepare(config: FerryConfig, console: Console) -> PreparedRun:
     policy = config.offload.policy(model.tagged_names())
     dtype = jnp.dtype(config.train.compute_dtype)
     schedule = model_schedule(
-        model, policy, config.train.global_batch_size, config.train.seq_len, dtype, config.offload.name
+        model,
+        policy,
+        config.train.rows_per_micro_step,
+        config.train.seq_len,
+        dtype,
+        config.offload.name,
+        micro_steps=config.train.micro_steps,
     )
     corpus = _check_data(config, ByteTokenizer())
     console.print(
@@ -118,7 +124,7 @@ def train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
     mesh = make_mesh(1)
     optimizer = make_optimizer(tc)
     settings = LossSettings(prepared.policy, tc.compute_dtype, tc.z_loss_weight)
-    train_step = make_train_step(optimizer, settings, learning_rate_schedule(tc))
+    train_step = make_train_step(optimizer, settings, learning_rate_schedule(tc), tc.micro_steps)
     eval_step = make_eval_step(settings)
     train_batches = iter(PackedBatches(corpus.train, tc.global_batch_size, tc.seq_len, config.data.seed))
     held_out = PackedBatches(corpus.eval, tc.global_batch_size, tc.seq_len, config.data.seed, shuffle=False)

@@ -2,8 +2,10 @@
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
@@ -44,24 +46,47 @@ def batch_loss(
     return compute_model.training_loss(batch, settings.policy, settings.mesh, settings.z_loss_weight)
 
 
+def accumulated_loss_and_grad(
+    model: eqx.Module, batch: Int[Array, "batch seq_plus_one"], settings: LossSettings, micro_steps: int
+) -> tuple[tuple[Float[Array, ""], dict[str, Array]], Any]:
+    """Loss, statistics and gradients of the whole batch, computed `micro_steps` rows-slices at a
+    time with `lax.scan` (gradient accumulation); all are means over the micro batches, which equal
+    the whole batch's means because the slices are equal."""
+    value_and_grad = eqx.filter_value_and_grad(batch_loss, has_aux=True)
+    if micro_steps == 1:
+        return value_and_grad(model, batch, settings)
+    micro_batches = batch.reshape(micro_steps, batch.shape[0] // micro_steps, batch.shape[1])
+    out_shapes = eqx.filter_eval_shape(value_and_grad, model, micro_batches[0], settings)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shapes)
+
+    def accumulate(total: Any, micro_batch: jax.Array) -> tuple[Any, None]:
+        out = value_and_grad(model, micro_batch, settings)
+        return jax.tree.map(jnp.add, total, out), None
+
+    total, _ = jax.lax.scan(accumulate, zeros, micro_batches)
+    return jax.tree.map(lambda x: x / micro_steps, total)
+
+
 def make_train_step(
     optimizer: optax.GradientTransformation,
     settings: LossSettings,
     learning_rate: optax.Schedule,
+    micro_steps: int = 1,
 ) -> Callable[[TrainState, Int[Array, "batch seq_plus_one"]], tuple[TrainState, dict[str, Array]]]:
-    """The one jitted step. Its arguments are donated: parameters and optimizer moments are
-    updated in place, and the batch buffer is consumed (place a fresh batch every step)."""
+    """The one jitted step, accumulating gradients over `micro_steps` micro batches. Its arguments
+    are donated: parameters and optimizer moments are updated in place, and the batch buffer is
+    consumed (place a fresh batch every step)."""
 
     @eqx.filter_jit(donate="all")
     def train_step(state: TrainState, batch: Int[Array, "batch seq_plus_one"]) -> tuple[TrainState, dict[str, Array]]:
-        (loss, stats), grads = eqx.filter_value_and_grad(batch_loss, has_aux=True)(state.model, batch, settings)
+        (loss, stats), grads = accumulated_loss_and_grad(state.model, batch, settings, micro_steps)
         params = eqx.filter(state.model, eqx.is_inexact_array)
         updates, opt_state = optimizer.update(grads, state.opt_state, params)
         model = eqx.apply_updates(state.model, updates).after_step(stats)  # e.g. router biases
         metrics = {name: value for name, value in stats.items() if value.ndim == 0}
         metrics |= {
             "total_loss": loss,
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             "learning_rate": learning_rate(state.step),
         }
         return TrainState(model, opt_state, state.step + 1), metrics

@@ -1,0 +1,39 @@
+"""Gradient accumulation: 4 micro batches of 2 give the same training as 1 batch of 8."""
+
+import jax
+import numpy as np
+import pytest
+
+from ferry.models.registry import build_model
+from ferry.train.config import TrainConfig
+from ferry.train.optimizer import learning_rate_schedule, make_optimizer
+from ferry.train.step import LossSettings, init_state, make_train_step
+from tests.conftest import load_model_config, preset_policy
+
+
+def losses(model_name: str, micro_batch_size: int | None, steps: int) -> list[float]:
+    config = load_model_config(model_name)
+    train = TrainConfig(steps=steps, warmup_steps=1, global_batch_size=8, micro_batch_size=micro_batch_size, seq_len=16)
+    optimizer = make_optimizer(train)
+    model = build_model(config, jax.random.key(0))
+    settings = LossSettings(preset_policy("minimal_offloaded", model), "float32")
+    step = make_train_step(optimizer, settings, learning_rate_schedule(train), train.micro_steps)
+    state = init_state(model, optimizer)
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(steps):
+        batch = rng.integers(0, config.vocab_size, (8, 17), dtype=np.int32)
+        state, metrics = step(state, batch)
+        out.append(float(metrics["loss"]))
+    return out
+
+
+@pytest.mark.parametrize("model_name, steps", [("llama_tiny", 10), ("deepseek_v3_tiny", 3)])
+def test_four_micro_batches_of_two_equal_one_batch_of_eight(model_name, steps):
+    np.testing.assert_allclose(losses(model_name, 2, steps), losses(model_name, None, steps), rtol=1e-5)
+
+
+def test_micro_batch_must_divide_the_global_batch():
+    with pytest.raises(ValueError, match="global_batch_size 10 is not a multiple of train.micro_batch_size 4"):
+        TrainConfig(global_batch_size=10, micro_batch_size=4)
+    assert TrainConfig(global_batch_size=8, micro_batch_size=2).micro_steps == 4
