@@ -2,7 +2,7 @@
 FLOPs and tokens/s, as ratios to save_all), then the dropless grouped-matmul MoE against a dense
 all-experts MoE at 8, 32 and 64 experts (FLOPs and forward+backward time).
 
-    python benchmarks/deepseek_cpu.py [--steps 20] [--tokens 4096]
+    python benchmarks/deepseek_cpu.py [--steps 20] [--tokens 4096]   (or python -m benchmarks.deepseek_cpu)
 
 The MoE comparison runs the dropless dispatch two ways: tiles of rows, each multiplied by its
 expert's matrix (what ferry runs on CPU), and `lax.ragged_dot` (ferry's choice on GPU/TPU, where it
@@ -12,14 +12,19 @@ table shows). "model FLOPs" are those of the expert matmuls: k of E experts per 
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.offload_cpu import compare_presets, preset_names
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.offload_cpu import compare_presets, preset_names  # noqa: E402
 from ferry.nn.moe import Experts, dense_moe, dropless_moe, route
 
 TILE_ROWS = 32
