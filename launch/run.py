@@ -16,6 +16,7 @@ from rich.console import Console
 from ferry.config import ConfigError
 from ferry.memory import InsufficientMemoryError
 from ferry.offload import PolicyError
+from ferry.platform import apply_platform
 from ferry.train.config import load_config
 from ferry.train.run import RunDirectoryError, prepare, train
 
@@ -34,6 +35,12 @@ def main(cfg: DictConfig) -> None:
     console = Console()
     try:
         config = load_config(OmegaConf.to_container(cfg, resolve=True))
+        variables = apply_platform(config.platform)  # before JAX starts its backend
+        console.print(
+            f"platform {config.platform.name}: "
+            + (", ".join(f"{k}={v}" for k, v in variables.items()) or "no extra flags"),
+            highlight=False,
+        )
         prepared = prepare(config, console)
     except (
         ConfigError,

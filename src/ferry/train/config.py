@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from ferry.config import ConfigError, from_dict
 from ferry.models.registry import model_config
 from ferry.offload import Policy
+from ferry.platform import PlatformConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,11 +104,12 @@ class FerryConfig:
     offload: OffloadConfig
     data: DataConfig
     run: RunConfig
+    platform: PlatformConfig = PlatformConfig()
 
 
 def load_config(node: Mapping) -> FerryConfig:
     """Validate a resolved Hydra config (a plain dict) into frozen dataclasses."""
-    known = {"model", "train", "offload", "data", "run"}
+    known = {"model", "train", "offload", "data", "run", "platform"}
     unknown = sorted(set(node) - known)
     if unknown:
         raise ConfigError(f"unknown top-level config key(s) {unknown}; known: {sorted(known)}")
@@ -119,4 +121,5 @@ def load_config(node: Mapping) -> FerryConfig:
         offload=from_dict(OffloadConfig, node.get("offload", {}), "offload"),
         data=from_dict(DataConfig, node.get("data", {}), "data"),
         run=from_dict(RunConfig, node.get("run", {}), "run"),
+        platform=from_dict(PlatformConfig, node.get("platform", {}), "platform"),
     )

@@ -1,0 +1,53 @@
+"""Platform configs: XLA flags reach the backend only when applied before it starts."""
+
+import subprocess
+import sys
+
+import jax
+import pytest
+from omegaconf import OmegaConf
+
+from ferry.config import from_dict
+from ferry.platform import PlatformConfig, apply_platform
+from tests.conftest import CONFIGS, ROOT, run_launcher
+
+
+def load_platform(name: str) -> PlatformConfig:
+    return from_dict(PlatformConfig, OmegaConf.to_container(OmegaConf.load(CONFIGS / "platform" / f"{name}.yaml")))
+
+
+def test_gpu_flags_and_host_pool():
+    gpu = load_platform("gpu")
+    assert gpu.flag_string() == (
+        "--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_pipelined_host_offloading=false "
+        "--xla_gpu_memory_limit_slop_factor=95"
+    )
+    env = gpu.environment({"XLA_FLAGS": "--xla_dump_to=/tmp/dump"})
+    assert env["XLA_FLAGS"].endswith(" --xla_dump_to=/tmp/dump")  # the user's own flags are kept, read last
+    assert env["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] == "64"
+    assert load_platform("tpu").flag_variable == "LIBTPU_INIT_ARGS"
+    assert load_platform("cpu").environment({}) == {}
+
+
+def test_flags_take_effect_before_the_backend_starts():
+    code = (
+        "import jax; from ferry.platform import PlatformConfig, apply_platform; "
+        "apply_platform(PlatformConfig('cpu', {'xla_force_host_platform_device_count': 3})); "
+        "print(jax.device_count())"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.stdout.strip() == "3", result.stderr
+
+
+def test_applying_after_the_backend_started_is_refused():
+    jax.devices()
+    with pytest.raises(RuntimeError, match="already started"):
+        apply_platform(load_platform("gpu"))
+
+
+def test_launcher_prints_the_platform(tmp_path):
+    result = run_launcher("platform=gpu", "train.steps=1", "train.warmup_steps=0", f"run.dir={tmp_path / 'run'}")
+    assert result.returncode == 0, result.stderr + result.stdout
+    assert (
+        "platform gpu: XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=64, XLA_FLAGS=--xla_gpu_enable_latency_hiding" in result.stdout
+    )
