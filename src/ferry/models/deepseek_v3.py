@@ -236,7 +236,8 @@ class DeepSeekV3(eqx.Module):
         self, tokens: Int[Array, "batch seq"], policy: Policy, mesh: Mesh | None = None
     ) -> tuple[Float[Array, "batch seq dim"], MoEStats | None]:
         """The last decoder layer's output (before the final norm) and the MoE layers' stats."""
-        policy.validate(self.tagged_names())
+        if policy.names:  # tracing the layers for their names is needless when none are placed
+            policy.validate(self.tagged_names())
         x = self.embed(tokens)
         if self.dense_layers is not None:
             x, _ = self.dense_layers(x, policy, mesh)

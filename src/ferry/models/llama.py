@@ -81,7 +81,8 @@ class Llama(eqx.Module):
         policy: Policy = SAVE_ALL,
         mesh: Mesh | None = None,
     ) -> Float[Array, "batch seq vocab"]:
-        policy.validate(self.tagged_names())
+        if policy.names:  # tracing the layers for their names is needless when none are placed
+            policy.validate(self.tagged_names())
         x, _ = self.layers(self.embed(tokens), policy, mesh)
         return self.head(self.final_norm(x))
 
