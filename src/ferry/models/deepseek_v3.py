@@ -19,7 +19,7 @@ from ferry.nn.mlp import SwiGLU
 from ferry.nn.moe import DeepSeekMoE, MoEStats
 from ferry.nn.norm import RMSNorm
 from ferry.nn.rope import YarnScaling
-from ferry.nn.stack import LayerStack
+from ferry.nn.stack import LayerStack, stack_trees
 from ferry.offload import SAVE_ALL, Policy, offloaded
 from ferry.schedule import LayerKind
 
@@ -269,7 +269,7 @@ class DeepSeekV3(eqx.Module):
             h, block_stats = block(module.block, module.projection(joined))
             losses.append(next_token_loss(self.head(module.final_norm(h)), batch[:, depth + 1 :])[1])
             stats.append(block_stats)
-        return jnp.stack(losses), jax.tree.map(lambda *leaves: jnp.stack(leaves), *stats)
+        return jnp.stack(losses), stack_trees(stats)
 
     def training_loss(
         self,

@@ -42,15 +42,20 @@ def abstract_model(config: Any) -> eqx.Module:
     return eqx.filter_eval_shape(build_model, config, jax.random.key(0))
 
 
-def parameter_count(config: Any) -> int:
-    leaves = jax.tree.leaves(abstract_model(config))
-    shapes = [leaf.shape for leaf in leaves if isinstance(leaf, jax.ShapeDtypeStruct)]
+def count_parameters(model: eqx.Module) -> int:
+    """Parameters of a model, concrete or abstract (see `abstract_model`)."""
+    shapes = [leaf.shape for leaf in jax.tree.leaves(model) if hasattr(leaf, "shape")]
     return int(sum(np.prod(shape, dtype=np.int64) for shape in shapes))
 
 
-def size_summary(config: Any) -> str:
-    """E.g. "682.64B parameters (671.03B without MTP)"."""
-    total = f"{parameter_count(config) / 1e9:.2f}B parameters"
+def parameter_count(config: Any) -> int:
+    return count_parameters(abstract_model(config))
+
+
+def size_summary(config: Any, num_parameters: int | None = None) -> str:
+    """E.g. "682.64B parameters (671.03B without MTP)"; pass `num_parameters` if known."""
+    num_parameters = parameter_count(config) if num_parameters is None else num_parameters
+    total = f"{num_parameters / 1e9:.2f}B parameters"
     if getattr(config, "mtp_depth", 0):
         without = parameter_count(dataclasses.replace(config, mtp_depth=0))
         return f"{total} ({without / 1e9:.2f}B without MTP)"

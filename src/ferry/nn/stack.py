@@ -57,7 +57,7 @@ class LayerStack(eqx.Module):
         for index in range(self.num_layers):
             x, stats = run(self.layer(index), x)
             all_stats.append(stats)
-        return x, jax.tree.map(lambda *leaves: jnp.stack(leaves), *all_stats)
+        return x, stack_trees(all_stats)
 
 
 def _split_output(layer_fn: Callable[[Any, jax.Array], Any]) -> Callable[[Any, jax.Array], tuple[jax.Array, Any]]:
@@ -66,3 +66,8 @@ def _split_output(layer_fn: Callable[[Any, jax.Array], Any]) -> Callable[[Any, j
         return out if isinstance(out, tuple) else (out, None)
 
     return call
+
+
+def stack_trees(trees: list[Any]) -> Any:
+    """Stack same-structured pytrees leaf by leaf along a new leading axis (what `scan` returns)."""
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)

@@ -22,7 +22,7 @@ from ferry.data.stdlib_corpus import Corpus, load_stdlib_corpus
 from ferry.data.tokenizer import ByteTokenizer
 from ferry.memory import check_fits
 from ferry.metrics import MetricsWriter
-from ferry.models.registry import TINY_MODELS, abstract_model, build_model, parameter_count, size_summary
+from ferry.models.registry import TINY_MODELS, abstract_model, build_model, count_parameters, size_summary
 from ferry.offload import Policy
 from ferry.schedule import TransferSchedule, model_schedule, schedule_table
 from ferry.sharding import batch_sharded, make_mesh, replicated
@@ -74,15 +74,15 @@ class PreparedRun:
 
 def prepare(config: FerryConfig, console: Console) -> PreparedRun:
     """Every check that can refuse the run, cheapest first; allocates no model, writes nothing."""
-    num_parameters = parameter_count(config.model)
+    model = abstract_model(config.model)  # traced once, shapes only
+    num_parameters = count_parameters(model)
     tiny = TINY_MODELS[type(config.model)]
     check_fits(
         config.model_name,
         num_parameters,
-        size_summary(config.model),
+        size_summary(config.model, num_parameters),
         f"Use model={tiny} on this machine, or run on devices whose memory holds it.",
     )
-    model = abstract_model(config.model)
     policy = config.offload.policy(model.tagged_names())
     dtype = jnp.dtype(config.train.compute_dtype)
     schedule = model_schedule(
@@ -157,7 +157,7 @@ def train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
                     record = {k: float(v) for k, v in step_metrics.items()}  # blocks on the step
                     now = time.perf_counter()
                     step_time = (now - last_time) / (step - last_step)
-                    last_time, last_step = now, step
+                    last_step = step
                     record |= {"step": step, "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time}
                     if step == 1:
                         record["includes_compile"] = True

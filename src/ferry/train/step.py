@@ -97,6 +97,6 @@ def make_train_step(
 def make_eval_step(settings: LossSettings) -> Callable[[eqx.Module, Int[Array, "batch seq_plus_one"]], Array]:
     @eqx.filter_jit
     def eval_step(model: eqx.Module, batch: Int[Array, "batch seq_plus_one"]) -> Array:
-        return batch_loss(model, batch, dataclasses.replace(settings, policy=Policy.save_all()))[1]["loss"]
+        return batch_loss(model, batch, dataclasses.replace(settings, policy=SAVE_ALL))[1]["loss"]
 
     return eval_step
