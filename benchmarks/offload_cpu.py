@@ -39,7 +39,7 @@ def compare_presets(model: str, presets: list[str], steps: int, batch_size: int,
     abstract = abstract_model(config)
     train_config = TrainConfig(steps=steps + 1, warmup_steps=0, global_batch_size=batch_size, seq_len=seq_len)
     optimizer = make_optimizer(train_config)
-    mesh = make_mesh(1)
+    mesh = make_mesh()
     batch = np.random.default_rng(0).integers(0, config.vocab_size, (batch_size, seq_len + 1), dtype=np.int32)
 
     with jax.set_mesh(mesh):

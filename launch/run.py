@@ -10,9 +10,11 @@ import sys
 from pathlib import Path
 
 import hydra
+import jax
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
+from ferry import distributed
 from ferry.config import ConfigError
 from ferry.memory import InsufficientMemoryError
 from ferry.offload import PolicyError
@@ -36,9 +38,12 @@ def main(cfg: DictConfig) -> None:
     try:
         config = load_config(OmegaConf.to_container(cfg, resolve=True))
         variables = apply_platform(config.platform)  # before JAX starts its backend
+        processes = distributed.initialize(config.distributed)  # likewise
+        console = Console(quiet=jax.process_index() != 0)  # process 0 speaks for the run
         console.print(
             f"platform {config.platform.name}: "
-            + (", ".join(f"{k}={v}" for k, v in variables.items()) or "no extra flags"),
+            + (", ".join(f"{k}={v}" for k, v in variables.items()) or "no extra flags")
+            + f"; {processes}",
             highlight=False,
         )
         prepared = prepare(config, console)
@@ -50,7 +55,7 @@ def main(cfg: DictConfig) -> None:
         ValueError,
         FileNotFoundError,
     ) as error:
-        console.print(f"[bold red]error:[/] {error}", highlight=False)
+        Console().print(f"[bold red]error:[/] {error}", highlight=False)
         sys.exit(2)
     train(prepared, OmegaConf.to_yaml(cfg), console)
 

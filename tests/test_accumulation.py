@@ -17,7 +17,7 @@ def losses(model_name: str, micro_batch_size: int | None, steps: int) -> list[fl
     optimizer = make_optimizer(train)
     model = build_model(config, jax.random.key(0))
     settings = LossSettings(preset_policy("minimal_offloaded", model), "float32")
-    step = make_train_step(optimizer, settings, learning_rate_schedule(train), train.micro_steps)
+    step = make_train_step(optimizer, settings, learning_rate_schedule(train), train.micro_steps())
     state = init_state(model, optimizer)
     rng = np.random.default_rng(0)
     out = []
@@ -33,7 +33,15 @@ def test_four_micro_batches_of_two_equal_one_batch_of_eight(model_name, steps):
     np.testing.assert_allclose(losses(model_name, 2, steps), losses(model_name, None, steps), rtol=1e-5)
 
 
-def test_micro_batch_must_divide_the_global_batch():
-    with pytest.raises(ValueError, match="global_batch_size 10 is not a multiple of train.micro_batch_size 4"):
-        TrainConfig(global_batch_size=10, micro_batch_size=4)
-    assert TrainConfig(global_batch_size=8, micro_batch_size=2).micro_steps == 4
+def test_micro_batch_x_data_parallel_must_divide_the_global_batch():
+    with pytest.raises(
+        ValueError,
+        match=r"global_batch_size 24 is not a multiple of train.micro_batch_size 4 x data-parallel size 4 \(data x fsdp x expert of mesh data=2",
+    ):
+        TrainConfig(global_batch_size=24, micro_batch_size=4).check_batch(4, "data=2 x fsdp=2 x tensor=1 x expert=1")
+    with pytest.raises(ValueError, match="global_batch_size 6 is not a multiple of the data-parallel size 4"):
+        TrainConfig(global_batch_size=6).check_batch(4, "data=4")
+    train = TrainConfig(global_batch_size=1024, micro_batch_size=8)
+    assert train.micro_steps(128) == 1  # micro 8 on 128 devices: no accumulation
+    assert train.micro_steps(8) == 16
+    assert train.micro_steps() == 128 and train.rows_per_micro_step(8) == 64

@@ -22,6 +22,10 @@ import equinox as eqx
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ferry.sharding import activation_spec, constrain
+
+Axes = tuple[str | None, ...] | None
+
 Placement = Literal["device", "offload", "remat"]
 PLACEMENTS: tuple[str, ...] = ("device", "offload", "remat")
 LAYER_INPUT = "decoder_layer_input"
@@ -112,13 +116,15 @@ SAVE_ALL = Policy.save_all()
 
 
 class _Recorder:
-    """Collects tagged values in the order the layer produces them."""
+    """Collects tagged values (and their logical axes) in the order the layer produces them."""
 
     def __init__(self) -> None:
         self.values: list[tuple[str, jax.Array]] = []
+        self.axes: list[Axes] = []
 
-    def __call__(self, x: jax.Array, name: str) -> jax.Array:
+    def __call__(self, x: jax.Array, name: str, axes: Axes) -> jax.Array:
         self.values.append((name, x))
+        self.axes.append(axes)
         return x
 
 
@@ -129,7 +135,7 @@ class _Injector:
         self.saved = saved
         self.position = 0
 
-    def __call__(self, x: jax.Array, name: str) -> jax.Array:
+    def __call__(self, x: jax.Array, name: str, axes: Axes) -> jax.Array:
         if self.position >= len(self.saved):
             raise RuntimeError(f"tag {name!r} appeared in the replay but not in the forward pass")
         saved_name, saved = self.saved[self.position]
@@ -151,11 +157,15 @@ def _tag_context(handler: _Recorder | _Injector) -> Iterator[None]:
         _TAG_CONTEXT.pop()
 
 
-def tag(x: jax.Array, name: str) -> jax.Array:
-    """Name an activation so an offload policy can place it. Identity outside `offloaded`."""
+def tag(x: jax.Array, name: str, axes: Axes = None) -> jax.Array:
+    """Name an activation so an offload policy can place it. `axes` names its dimensions
+    logically (e.g. `("batch", "seq", "mlp")`; default: batch-major) so that under a mesh its
+    sharding is pinned by the activation rules, and its host copy is sharded the same way. The
+    value is unchanged: outside `offloaded` and without a mesh, `tag` is the identity."""
+    x = constrain(x, axes)
     if not _TAG_CONTEXT:
         return x
-    return _TAG_CONTEXT[-1](x, name)
+    return _TAG_CONTEXT[-1](x, name, axes)
 
 
 @jax.custom_jvp
@@ -172,10 +182,15 @@ def _inject_jvp(primals: tuple[jax.Array, jax.Array], tangents: tuple[Any, Any])
 
 def record_tags(fn: Callable[..., Any], *args: Any) -> tuple[Any, list[tuple[str, jax.Array]]]:
     """Run `fn(*args)` and return its output with the (name, value) of every tag it passed."""
+    out, values, _ = _record_tags_and_axes(fn, *args)
+    return out, values
+
+
+def _record_tags_and_axes(fn: Callable[..., Any], *args: Any) -> tuple[Any, list[tuple[str, jax.Array]], list[Axes]]:
     recorder = _Recorder()
     with _tag_context(recorder):
         out = fn(*args)
-    return out, recorder.values
+    return out, recorder.values, recorder.axes
 
 
 def tagged_names(fn: Callable[..., Any], *args: Any) -> frozenset[str]:
@@ -211,17 +226,22 @@ def _mesh(mesh: Mesh | None) -> Mesh | jax.sharding.AbstractMesh:
     )
 
 
-def _spec_of(x: jax.Array) -> PartitionSpec:
-    """The value's own partition spec, so its host copy is sharded exactly like it."""
+def spec_of(x: jax.Array, axes: Axes, mesh: Mesh | jax.sharding.AbstractMesh) -> PartitionSpec:
+    """The value's own partition spec, so its host copy is sharded exactly like it: the spec in
+    its type where the mesh axes are explicit (sharding in types), else the spec its logical
+    axes give under the activation rules, which `tag` already pinned the value to."""
     sharding = getattr(jax.typeof(x), "sharding", None)
-    if isinstance(sharding, NamedSharding) and not sharding.mesh.empty:
+    if isinstance(sharding, NamedSharding) and not sharding.mesh.empty and any(e is not None for e in sharding.spec):
         return sharding.spec
-    return PartitionSpec()
+    if mesh.size == 1:
+        return PartitionSpec()
+    return activation_spec(x, axes, mesh)
 
 
-def to_memory(x: jax.Array, memory_kind: str, mesh: Mesh | None = None) -> jax.Array:
+def to_memory(x: jax.Array, memory_kind: str, mesh: Mesh | None = None, axes: Axes = None) -> jax.Array:
     """`device_put` a value to `memory_kind` ("pinned_host" or "device") keeping its sharding."""
-    return jax.device_put(x, NamedSharding(_mesh(mesh), _spec_of(x), memory_kind=memory_kind))
+    target = _mesh(mesh)
+    return jax.device_put(x, NamedSharding(target, spec_of(x, axes, target), memory_kind=memory_kind))
 
 
 # --------------------------------------------------------------------------------------------
@@ -245,20 +265,21 @@ def offloaded(
     if policy.keep_all:
         return fn
 
-    def save(name: str, value: jax.Array) -> jax.Array | None:
+    def save(name: str, value: jax.Array, axes: Axes) -> jax.Array | None:
         placement = policy.placement(name)
         if placement == "offload":
-            return to_memory(value, "pinned_host", mesh)
+            return to_memory(value, "pinned_host", mesh, axes)
         return value if placement == "device" else None
 
-    def restore(name: str, value: jax.Array | None) -> jax.Array | None:
+    def restore(name: str, value: jax.Array | None, axes: Axes) -> jax.Array | None:
         if policy.placement(name) == "offload":
-            return to_memory(value, "device", mesh)
+            return to_memory(value, "device", mesh, axes)
         return value
 
     def call(params: Any, x: jax.Array) -> Any:
         diff, static = eqx.partition(params, eqx.is_inexact_array)
         names: list[str] = []  # the tag order of the forward pass; residuals must be arrays
+        axes: list[Axes] = []
 
         def layer_fn(p: Any, h: jax.Array) -> Any:
             return fn(eqx.combine(p, static), h)
@@ -268,22 +289,23 @@ def offloaded(
             return layer_fn(p, h)
 
         def layer_fwd(p: Any, h: jax.Array) -> tuple[Any, Any]:
-            out, values = record_tags(layer_fn, p, h)
+            out, values, value_axes = _record_tags_and_axes(layer_fn, p, h)
             names[:] = [name for name, _ in values]
+            axes[:] = value_axes
             if check_names:
                 policy.validate(set(names))
-            saved = [save(name, value) for name, value in values]
-            return out, (p, save(LAYER_INPUT, h), saved)
+            saved = [save(name, value, a) for (name, value), a in zip(values, axes, strict=True)]
+            return out, (p, save(LAYER_INPUT, h, None), saved)
 
         def layer_bwd(residuals: Any, cotangent: Any) -> tuple[Any, Any]:
             p, h, saved = residuals
-            injected = [(name, restore(name, value)) for name, value in zip(names, saved, strict=True)]
+            injected = [(name, restore(name, value, a)) for name, value, a in zip(names, saved, axes, strict=True)]
 
             def replay(p: Any, h: jax.Array) -> Any:
                 with _tag_context(_Injector(injected)):
                     return layer_fn(p, h)
 
-            _, vjp = jax.vjp(replay, p, restore(LAYER_INPUT, h))
+            _, vjp = jax.vjp(replay, p, restore(LAYER_INPUT, h, None))
             return vjp(cotangent)
 
         layer.defvjp(layer_fwd, layer_bwd)

@@ -19,10 +19,13 @@ class PlatformConfig:
     name: str = "cpu"
     xla_flags: Mapping[str, object] = dataclasses.field(default_factory=dict)
     env: Mapping[str, object] = dataclasses.field(default_factory=dict)
+    cpu_devices: int | None = None  # CPU only: split the host into this many virtual devices
 
     def __post_init__(self) -> None:
         if self.name not in _FLAG_VARIABLE:
             raise ValueError(f"platform.name is {self.name!r}; use one of {', '.join(_FLAG_VARIABLE)}")
+        if self.cpu_devices is not None and (self.name != "cpu" or self.cpu_devices < 1):
+            raise ValueError(f"platform.cpu_devices={self.cpu_devices} needs platform=cpu and a count of at least 1")
 
     @property
     def flag_variable(self) -> str:
@@ -30,7 +33,10 @@ class PlatformConfig:
 
     def flag_string(self) -> str:
         """The flags as XLA parses them: --name=value, booleans lower-case."""
-        return " ".join(f"--{name}={_flag_value(value)}" for name, value in sorted(self.xla_flags.items()))
+        flags = dict(self.xla_flags)
+        if self.cpu_devices is not None:
+            flags["xla_force_host_platform_device_count"] = self.cpu_devices
+        return " ".join(f"--{name}={_flag_value(value)}" for name, value in sorted(flags.items()))
 
     def environment(self, current: Mapping[str, str]) -> dict[str, str]:
         """The variables to set: the flags appended to any the user already exported (so an

@@ -1,21 +1,221 @@
-"""The device mesh and the shardings of the train state and the batches."""
+"""The device mesh and the logical-axis rules that shard parameters, optimizer state and
+activations over it.
+
+The mesh has four named axes, each of size 1 when unused: `data` (pure data parallelism),
+`fsdp` (data parallelism whose parameters and optimizer moments are sharded, gathered layer by
+layer), `tensor` (heads and MLP columns split across devices) and `expert` (MoE experts split
+across devices; outside the experts it is one more data-parallel axis). Every dimension is named
+by a *logical* axis (`embed`, `heads`, `batch`...); the two rule tables below map logical axes to
+mesh axes, one for parameters and one for activations, as MaxText's `logical_axis_rules` do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor", "expert")
+BATCH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
+"""The mesh axes a batch is split over; their product is the data-parallel size."""
 
-def make_mesh(num_devices: int = 1) -> Mesh:
-    """A data-parallel mesh over the first `num_devices` devices (auto sharding inside jit)."""
+LogicalAxes = tuple[str | None, ...]
+
+PARAM_RULES: Mapping[str, tuple[str, ...]] = {
+    "embed": ("fsdp",),
+    "latent": ("fsdp",),
+    "heads": ("tensor",),
+    "mlp": ("tensor",),
+    "vocab": ("tensor",),
+    "experts": ("expert",),
+}
+ACTIVATION_RULES: Mapping[str, tuple[str, ...]] = {
+    "batch": BATCH_AXES,
+    "heads": ("tensor",),
+    "mlp": ("tensor",),
+    "vocab": ("tensor",),
+}
+
+# The logical axes of the activations the layers tag.
+EMBED: LogicalAxes = ("batch", "seq", "embed")
+HEADS: LogicalAxes = ("batch", "seq", "heads")  # heads x head_dim, flattened
+SPLIT_HEADS: LogicalAxes = ("batch", "seq", "heads", None)
+MLP: LogicalAxes = ("batch", "seq", "mlp")
+LATENT: LogicalAxes = ("batch", "seq", None)  # MLA's low-rank projections, not split
+
+PARAM_AXES: tuple[tuple[str, LogicalAxes], ...] = (
+    # (regex on the parameter's path, logical axes of its trailing dimensions). The first match
+    # wins; a stacked layer's leading layer axis is never sharded; unmatched arrays are replicated.
+    (r"\.embed\.weight$", (None, "embed")),
+    (r"\.head\.weight$", ("embed", "vocab")),
+    (r"\.attention\.(query|key|value)\.weight$", ("embed", "heads")),
+    (r"\.attention\.(q_b|kv_b)\.weight$", ("latent", "heads")),
+    (r"\.attention\.(q_a|kv_a)\.weight$", ("embed", None)),
+    (r"\.attention\.out\.weight$", ("heads", "embed")),
+    (r"\.(wi_0|wi_1)\.weight$", ("embed", "mlp")),
+    (r"\.wo\.weight$", ("mlp", "embed")),
+    (r"\.experts\.(gate|up)$", ("experts", "embed", "mlp")),
+    (r"\.experts\.down$", ("experts", "mlp", "embed")),
+    (r"\.router$", ("embed", None)),
+    (r"\.projection\.weight$", (None, "embed")),
+)
+
+
+class MeshError(ValueError):
+    """A mesh that does not fit the devices, the model or the batch."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Sizes of the four mesh axes; their product must equal the number of devices."""
+
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+    expert: int = 1
+
+    def __post_init__(self) -> None:
+        for axis in MESH_AXES:
+            if getattr(self, axis) < 1:
+                raise MeshError(f"mesh.{axis} must be at least 1, got {getattr(self, axis)}")
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return {axis: getattr(self, axis) for axis in MESH_AXES}
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.shape.values())
+
+    @property
+    def data_parallel(self) -> int:
+        """How many ways a batch is split: data x fsdp x expert."""
+        return self.data * self.fsdp * self.expert
+
+    def describe(self) -> str:
+        return " x ".join(f"{axis}={size}" for axis, size in self.shape.items())
+
+
+def make_mesh(config: MeshConfig | None = None) -> Mesh:
+    """The run's mesh over all devices (of every process), axes in `MESH_AXES` order, auto
+    sharding inside jit: XLA's partitioner inserts the collectives."""
+    config = config or MeshConfig()
     available = jax.device_count()
-    if num_devices > available:
-        raise ValueError(f"the mesh needs {num_devices} devices but {available} are available")
-    return jax.make_mesh((num_devices,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:num_devices])
+    if config.num_devices != available:
+        raise MeshError(
+            f"the mesh {config.describe()} has {config.num_devices} devices but {available} are available; "
+            f"choose mesh sizes whose product is {available}"
+        )
+    return jax.make_mesh(
+        tuple(config.shape.values()), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=jax.devices()
+    )
+
+
+def mesh_axes(logical: str | None, rules: Mapping[str, tuple[str, ...]], mesh: Any) -> tuple[str, ...]:
+    """The mesh axes a logical axis maps to, keeping only axes the mesh has."""
+    if logical is None:
+        return ()
+    return tuple(axis for axis in rules.get(logical, ()) if axis in mesh.axis_names)
+
+
+def logical_spec(axes: Sequence[str | None], rules: Mapping[str, tuple[str, ...]], mesh: Any) -> PartitionSpec:
+    """The partition spec of an array whose dimensions are named `axes`; a mesh axis is used by at
+    most one dimension (the first that asks for it)."""
+    used: set[str] = set()
+    entries: list[str | tuple[str, ...] | None] = []
+    for logical in axes:
+        chosen = tuple(axis for axis in mesh_axes(logical, rules, mesh) if axis not in used)
+        used.update(chosen)
+        entries.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)
+    return PartitionSpec(*entries)
+
+
+def param_logical_axes(path: str, ndim: int) -> LogicalAxes:
+    """The logical axes of the parameter at `path` (leading stacked-layer axes unnamed)."""
+    for pattern, axes in PARAM_AXES:
+        if re.search(pattern, path) and ndim >= len(axes):
+            return (None,) * (ndim - len(axes)) + axes
+    return (None,) * ndim
+
+
+def _axis_size(mesh: Any, entry: str | tuple[str, ...] | None) -> int:
+    names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+    return math.prod(mesh.shape[name] for name in names)
+
+
+def param_spec(path: str, shape: tuple[int, ...], mesh: Any) -> PartitionSpec:
+    """A parameter's (or its optimizer moment's) spec; a dimension its mesh axes do not divide is
+    an error naming both."""
+    spec = logical_spec(param_logical_axes(path, len(shape)), PARAM_RULES, mesh)
+    for dim, (size, entry) in enumerate(zip(shape, spec, strict=False)):
+        if size % _axis_size(mesh, entry):
+            raise MeshError(
+                f"parameter {path} has shape {shape}: dimension {dim} ({size}) is not divisible by "
+                f"mesh axis {entry} of size {_axis_size(mesh, entry)}; choose a mesh size that divides it"
+            )
+    return spec
+
+
+def tree_shardings(tree: Any, mesh: Mesh) -> Any:
+    """A NamedSharding for every array leaf of `tree` (a model, or a whole train state whose
+    optimizer moments mirror the model's paths), by the parameter rules."""
+
+    def sharding(path: Any, leaf: Any) -> Any:
+        shape = tuple(getattr(leaf, "shape", ()))
+        return NamedSharding(mesh, param_spec(jax.tree_util.keystr(path), shape, mesh))
+
+    return jax.tree_util.tree_map_with_path(sharding, tree)
+
+
+def batch_spec(mesh: Any) -> PartitionSpec:
+    """Rows of a [batch, ...] array split over every batch axis the mesh has."""
+    return logical_spec(("batch",), ACTIVATION_RULES, mesh)
+
+
+def batch_sharded(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, batch_spec(mesh))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def batch_sharded(mesh: Mesh) -> NamedSharding:
-    """Rows of a [batch, seq] array split over the `data` axis."""
-    return NamedSharding(mesh, PartitionSpec("data"))
+def activation_spec(x: jax.Array, axes: Sequence[str | None] | None, mesh: Any) -> PartitionSpec:
+    """The spec of an activation named `axes` (default: batch-major, `batch` then unsharded). A
+    mesh axis that does not divide its dimension is left out, so odd shapes stay legal."""
+    axes = tuple(axes) if axes is not None else ("batch",) + (None,) * (x.ndim - 1)
+    if len(axes) != x.ndim:
+        raise ValueError(f"logical axes {axes} name {len(axes)} dimensions of an array of shape {x.shape}")
+    entries = []
+    for size, entry in zip(x.shape, logical_spec(axes, ACTIVATION_RULES, mesh), strict=True):
+        entries.append(entry if entry is not None and size % _axis_size(mesh, entry) == 0 else None)
+    return PartitionSpec(*entries)
+
+
+def context_mesh() -> Any:
+    """The mesh set by `jax.set_mesh`, or None outside one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty else mesh
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None] | None = None) -> jax.Array:
+    """Pin an activation's sharding to its logical axes under the context mesh (identity outside
+    one, and on a single device)."""
+    mesh = context_mesh()
+    if mesh is None or mesh.size == 1 or _is_manual(mesh):
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, activation_spec(x, axes, mesh)))
+
+
+def _is_manual(mesh: Any) -> bool:
+    return any(t == AxisType.Manual for t in mesh.axis_types)
+
+
+def check_divisible(what: str, size: int, axis: str, axis_size: int, fix: str) -> None:
+    if size % axis_size:
+        raise MeshError(f"{what} ({size}) is not divisible by mesh.{axis}={axis_size}; {fix}")

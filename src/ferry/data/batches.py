@@ -27,13 +27,18 @@ class PackedBatches:
             return np.arange(self.num_windows)
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
 
-    def __iter__(self) -> Iterator[np.ndarray]:
+    def window_ids(self) -> Iterator[np.ndarray]:
+        """The windows of each batch, in order: cheap, so every process walks the same order and
+        builds only its own rows with `window_batch`."""
         epoch = 0
         while True:
             order = self._order(epoch)
             for start in range(0, len(order) - self.batch_size + 1, self.batch_size):
-                yield self.window_batch(order[start : start + self.batch_size])
+                yield order[start : start + self.batch_size]
             epoch += 1
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return (self.window_batch(windows) for windows in self.window_ids())
 
     def window_batch(self, windows: np.ndarray) -> np.ndarray:
         offsets = windows[:, None] * self.seq_len + np.arange(self.seq_len + 1)[None, :]

@@ -97,6 +97,19 @@ class DeepSeekV3Config:
             f"capacity_factor must be positive or null (dropless), got {self.capacity_factor}",
         )
 
+    def mesh_dims(self) -> list[tuple[str, int, str]]:
+        """(config field, size, mesh axis) of every dimension the sharding rules split."""
+        return [
+            ("model.num_heads", self.num_heads, "tensor"),
+            ("model.dense_mlp_dim", self.dense_mlp_dim, "tensor"),
+            ("model.moe_mlp_dim", self.moe_mlp_dim, "tensor"),
+            ("model.vocab_size", self.vocab_size, "tensor"),
+            ("model.num_experts", self.num_experts, "expert"),
+            ("model.dim", self.dim, "fsdp"),
+            ("model.q_lora_rank", self.q_lora_rank, "fsdp"),
+            ("model.kv_lora_rank", self.kv_lora_rank, "fsdp"),
+        ]
+
     def attention(self, key: PRNGKeyArray) -> MultiHeadLatentAttention:
         return MultiHeadLatentAttention(
             self.dim,

@@ -40,6 +40,16 @@ class LlamaConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
 
+    def mesh_dims(self) -> list[tuple[str, int, str]]:
+        """(config field, size, mesh axis) of every dimension the sharding rules split."""
+        return [
+            ("model.num_heads", self.num_heads, "tensor"),
+            ("model.num_kv_heads", self.num_kv_heads, "tensor"),
+            ("model.mlp_dim", self.mlp_dim, "tensor"),
+            ("model.vocab_size", self.vocab_size, "tensor"),
+            ("model.dim", self.dim, "fsdp"),
+        ]
+
 
 def llama_decoder_layer(config: LlamaConfig, *, key: PRNGKeyArray) -> DecoderBlock:
     k_attention, k_mlp = jax.random.split(key)

@@ -9,6 +9,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from ferry.nn.linear import Linear
 from ferry.nn.rope import Llama3RopeScaling, apply_rope, rope_frequencies
 from ferry.offload import tag
+from ferry.sharding import EMBED, HEADS
 
 
 def causal_attention(
@@ -62,11 +63,11 @@ class GroupedQueryAttention(eqx.Module):
     def __call__(self, x: Float[Array, "batch seq dim"]) -> Float[Array, "batch seq dim"]:
         batch, seq, _ = x.shape
         heads = (batch, seq, -1, self.head_dim)
-        q = tag(self.query(x), "query_proj").reshape(heads)
-        k = tag(self.key(x), "key_proj").reshape(heads)
-        v = tag(self.value(x), "value_proj").reshape(heads)
+        q = tag(self.query(x), "query_proj", HEADS).reshape(heads)
+        k = tag(self.key(x), "key_proj", HEADS).reshape(heads)
+        v = tag(self.value(x), "value_proj", HEADS).reshape(heads)
         frequencies = rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
         q, k = apply_rope(q, frequencies), apply_rope(k, frequencies)
         context = causal_attention(q, k, v, scale=float(np.sqrt(1.0 / self.head_dim)))
-        context = tag(context.reshape(batch, seq, self.num_heads * self.head_dim), "attention_out")
-        return tag(self.out(context), "out_proj")
+        context = tag(context.reshape(batch, seq, self.num_heads * self.head_dim), "attention_out", HEADS)
+        return tag(self.out(context), "out_proj", EMBED)

@@ -5,6 +5,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from ferry.sharding import constrain
+
 
 class Embedding(eqx.Module):
     weight: Float[Array, "vocab dim"]
@@ -13,4 +15,7 @@ class Embedding(eqx.Module):
         self.weight = std * jax.random.normal(key, (vocab_size, dim), jnp.float32)
 
     def __call__(self, tokens: Int[Array, "*batch"]) -> Float[Array, "*batch dim"]:
-        return jnp.take(self.weight, tokens, axis=0)
+        """Under a mesh the (FSDP-sharded) table is gathered whole first, so every device looks up
+        its own rows locally; XLA's partitioner cannot reshard a gather sharded along the table."""
+        table = constrain(self.weight, (None, None))
+        return constrain(jnp.take(table, tokens, axis=0))

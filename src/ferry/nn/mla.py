@@ -13,6 +13,7 @@ from ferry.nn.linear import Linear
 from ferry.nn.norm import RMSNorm
 from ferry.nn.rope import YarnScaling, apply_rope, yarn_frequencies, yarn_mscale
 from ferry.offload import tag
+from ferry.sharding import EMBED, HEADS, LATENT, SPLIT_HEADS
 
 
 class MultiHeadLatentAttention(eqx.Module):
@@ -69,19 +70,19 @@ class MultiHeadLatentAttention(eqx.Module):
         def rope(t: jax.Array) -> jax.Array:
             return apply_rope(t, frequencies, interleaved=True, cos_sin_scale=cos_sin_scale)
 
-        q_latent = tag(self.q_a(x), "query_wa_proj")
-        q = tag(self.q_b(self.q_a_norm(q_latent)), "mla_q").reshape(batch, seq, self.num_heads, -1)
+        q_latent = tag(self.q_a(x), "query_wa_proj", LATENT)
+        q = tag(self.q_b(self.q_a_norm(q_latent)), "mla_q", HEADS).reshape(batch, seq, self.num_heads, -1)
         q_nope, q_rope = jnp.split(q, [self.qk_nope_dim], axis=-1)
-        query = tag(jnp.concatenate([q_nope, rope(q_rope)], axis=-1), "query_proj")
+        query = tag(jnp.concatenate([q_nope, rope(q_rope)], axis=-1), "query_proj", SPLIT_HEADS)
 
-        kv_latent = tag(self.kv_a(x), "kv_wa_proj")
+        kv_latent = tag(self.kv_a(x), "kv_wa_proj", LATENT)
         latent, k_rope = jnp.split(kv_latent, [self.kv_lora_rank], axis=-1)
-        kv = tag(self.kv_b(self.kv_a_norm(latent)), "mla_kv").reshape(batch, seq, self.num_heads, -1)
+        kv = tag(self.kv_b(self.kv_a_norm(latent)), "mla_kv", HEADS).reshape(batch, seq, self.num_heads, -1)
         k_nope, value = jnp.split(kv, [self.qk_nope_dim], axis=-1)
         k_rope = jnp.broadcast_to(rope(k_rope[:, :, None, :]), (batch, seq, self.num_heads, self.qk_rope_dim))
-        key = tag(jnp.concatenate([k_nope, k_rope], axis=-1), "key_proj")
-        value = tag(value, "value_proj")
+        key = tag(jnp.concatenate([k_nope, k_rope], axis=-1), "key_proj", SPLIT_HEADS)
+        value = tag(value, "value_proj", SPLIT_HEADS)
 
         context = causal_attention(query, key, value, scale=self.softmax_scale())
-        context = tag(context.reshape(batch, seq, self.num_heads * self.v_dim), "attention_out")
-        return tag(self.out(context), "out_proj")
+        context = tag(context.reshape(batch, seq, self.num_heads * self.v_dim), "attention_out", HEADS)
+        return tag(self.out(context), "out_proj", EMBED)

@@ -6,6 +6,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from ferry.nn.linear import Linear
 from ferry.offload import tag
+from ferry.sharding import EMBED, MLP
 
 
 class SwiGLU(eqx.Module):
@@ -20,6 +21,6 @@ class SwiGLU(eqx.Module):
         self.wo = Linear(hidden, dim, key=ko)
 
     def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
-        gate = tag(self.wi_0(x), "mlpwi_0")
-        up = tag(self.wi_1(x), "mlpwi_1")
-        return tag(self.wo(jax.nn.silu(gate) * up), "mlpwo")
+        gate = tag(self.wi_0(x), "mlpwi_0", MLP)
+        up = tag(self.wi_1(x), "mlpwi_1", MLP)
+        return tag(self.wo(jax.nn.silu(gate) * up), "mlpwo", EMBED)

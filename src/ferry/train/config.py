@@ -7,6 +7,7 @@ from ferry.config import ConfigError, from_dict
 from ferry.models.registry import model_config
 from ferry.offload import Policy
 from ferry.platform import PlatformConfig
+from ferry.sharding import MeshConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,29 +31,41 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 4
 
-    @property
-    def micro_steps(self) -> int:
-        """Micro batches accumulated per optimizer step."""
-        return 1 if self.micro_batch_size is None else self.global_batch_size // self.micro_batch_size
+    def micro_steps(self, data_parallel: int = 1) -> int:
+        """Micro batches accumulated per optimizer step when a batch is split `data_parallel` ways."""
+        if self.micro_batch_size is None:
+            return 1
+        return self.global_batch_size // (self.micro_batch_size * data_parallel)
 
-    @property
-    def rows_per_micro_step(self) -> int:
-        return self.global_batch_size // self.micro_steps
+    def rows_per_micro_step(self, data_parallel: int = 1) -> int:
+        """Rows of one micro step, over all devices."""
+        return self.global_batch_size // self.micro_steps(data_parallel)
+
+    def check_batch(self, data_parallel: int, mesh_description: str) -> None:
+        """The global batch must split into micro batches over the data-parallel devices."""
+        per_step = (self.micro_batch_size or 1) * data_parallel
+        if self.global_batch_size % per_step:
+            what = (
+                f"train.micro_batch_size {self.micro_batch_size} x data-parallel size {data_parallel}"
+                if self.micro_batch_size is not None
+                else f"the data-parallel size {data_parallel}"
+            )
+            raise ValueError(
+                f"train.global_batch_size {self.global_batch_size} is not a multiple of {what} "
+                f"(data x fsdp x expert of mesh {mesh_description}); choose a global batch that is"
+            )
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch_size", "seq_len", "log_every", "eval_every", "eval_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be at least 1, got {getattr(self, name)}")
-        if self.micro_batch_size is not None and (
-            self.micro_batch_size < 1 or self.global_batch_size % self.micro_batch_size
-        ):
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ValueError(f"train.micro_batch_size must be at least 1, got {self.micro_batch_size}")
+        if self.warmup_steps < 0 or self.warmup_steps >= self.steps:
             raise ValueError(
-                f"train.global_batch_size {self.global_batch_size} is not a multiple of "
-                f"train.micro_batch_size {self.micro_batch_size} x data-parallel size 1; "
-                "choose a micro batch that divides the global batch"
+                f"train.warmup_steps {self.warmup_steps} must lie in [0, train.steps={self.steps}): "
+                "the cosine decay needs at least one step after the warmup"
             )
-        if self.warmup_steps < 0 or self.warmup_steps > self.steps:
-            raise ValueError(f"train.warmup_steps {self.warmup_steps} must lie in [0, train.steps={self.steps}]")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"train.compute_dtype is {self.compute_dtype!r}; use float32 or bfloat16")
 
@@ -95,6 +108,32 @@ class RunConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """One process per host (multi-controller JAX). Leave everything unset on one host; under
+    SLURM `jax.distributed.initialize()` reads the job's environment by itself."""
+
+    coordinator_address: str | None = None  # host:port of process 0
+    num_processes: int | None = None
+    process_id: int | None = None
+
+    def __post_init__(self) -> None:
+        given = [v is not None for v in (self.coordinator_address, self.num_processes, self.process_id)]
+        if any(given) and not all(given):
+            raise ValueError(
+                "distributed.coordinator_address, distributed.num_processes and distributed.process_id "
+                "go together: set all three, or none (single host, or SLURM)"
+            )
+        if all(given) and not 0 <= self.process_id < self.num_processes:
+            raise ValueError(
+                f"distributed.process_id {self.process_id} must lie in [0, num_processes={self.num_processes})"
+            )
+
+    @property
+    def explicit(self) -> bool:
+        return self.coordinator_address is not None
+
+
+@dataclasses.dataclass(frozen=True)
 class FerryConfig:
     """A whole run, as resolved from Hydra: `model` is the family's own config dataclass."""
 
@@ -105,11 +144,13 @@ class FerryConfig:
     data: DataConfig
     run: RunConfig
     platform: PlatformConfig = PlatformConfig()
+    mesh: MeshConfig = MeshConfig()
+    distributed: DistributedConfig = DistributedConfig()
 
 
 def load_config(node: Mapping) -> FerryConfig:
     """Validate a resolved Hydra config (a plain dict) into frozen dataclasses."""
-    known = {"model", "train", "offload", "data", "run", "platform"}
+    known = {"model", "train", "offload", "data", "run", "platform", "mesh", "distributed"}
     unknown = sorted(set(node) - known)
     if unknown:
         raise ConfigError(f"unknown top-level config key(s) {unknown}; known: {sorted(known)}")
@@ -122,4 +163,6 @@ def load_config(node: Mapping) -> FerryConfig:
         data=from_dict(DataConfig, node.get("data", {}), "data"),
         run=from_dict(RunConfig, node.get("run", {}), "run"),
         platform=from_dict(PlatformConfig, node.get("platform", {}), "platform"),
+        mesh=from_dict(MeshConfig, node.get("mesh", {}), "mesh"),
+        distributed=from_dict(DistributedConfig, node.get("distributed", {}), "distributed"),
     )

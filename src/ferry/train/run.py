@@ -14,6 +14,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -25,10 +26,10 @@ from ferry.metrics import MetricsWriter
 from ferry.models.registry import TINY_MODELS, abstract_model, build_model, count_parameters, size_summary
 from ferry.offload import Policy
 from ferry.schedule import TransferSchedule, model_schedule, schedule_table
-from ferry.sharding import batch_sharded, make_mesh, replicated
+from ferry.sharding import batch_sharded, check_divisible, make_mesh, tree_shardings
 from ferry.train.config import FerryConfig
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer
-from ferry.train.step import LossSettings, init_state, make_eval_step, make_train_step
+from ferry.train.step import LossSettings, TrainState, init_state, make_eval_step, make_train_step
 
 
 class RunDirectoryError(FileExistsError):
@@ -61,15 +62,27 @@ def _check_data(config: FerryConfig, tokenizer: ByteTokenizer) -> Corpus:
     return load_stdlib_corpus(config.data.eval_fraction, tokenizer)
 
 
+def _check_mesh(config: FerryConfig, model: eqx.Module) -> Mesh:
+    """The mesh, once it fits the devices, the model's dimensions and the batch."""
+    mesh = make_mesh(config.mesh)
+    axes = config.mesh.shape
+    for what, size, axis in config.model.mesh_dims():
+        check_divisible(what, size, axis, axes[axis], f"choose a mesh.{axis} that divides {size}")
+    config.train.check_batch(config.mesh.data_parallel, config.mesh.describe())
+    tree_shardings(model, mesh)  # any other parameter dimension its axes do not divide
+    return mesh
+
+
 @dataclasses.dataclass(frozen=True)
 class PreparedRun:
-    """A run whose config, memory estimate, data and offload policy have all been accepted."""
+    """A run whose config, memory estimate, mesh, data and offload policy have all been accepted."""
 
     config: FerryConfig
     corpus: Corpus
     schedule: TransferSchedule
     policy: Policy
     run_dir: Path
+    mesh: Mesh
 
 
 def prepare(config: FerryConfig, console: Console) -> PreparedRun:
@@ -83,16 +96,18 @@ def prepare(config: FerryConfig, console: Console) -> PreparedRun:
         size_summary(config.model, num_parameters),
         f"Use model={tiny} on this machine, or run on devices whose memory holds it.",
     )
+    mesh = _check_mesh(config, model)
     policy = config.offload.policy(model.tagged_names())
     dtype = jnp.dtype(config.train.compute_dtype)
+    data_parallel = config.mesh.data_parallel
     schedule = model_schedule(
         model,
         policy,
-        config.train.rows_per_micro_step,
+        config.train.rows_per_micro_step(data_parallel) // data_parallel,
         config.train.seq_len,
         dtype,
         config.offload.name,
-        micro_steps=config.train.micro_steps,
+        micro_steps=config.train.micro_steps(data_parallel),
     )
     corpus = _check_data(config, ByteTokenizer())
     console.print(
@@ -100,7 +115,12 @@ def prepare(config: FerryConfig, console: Console) -> PreparedRun:
         f"corpus: {corpus.num_documents} stdlib files, "
         f"{len(corpus.train):,} train / {len(corpus.eval):,} held-out tokens"
     )
-    return PreparedRun(config, corpus, schedule, policy, resolve_run_dir(config))
+    console.print(
+        f"mesh {config.mesh.describe()} over {jax.device_count()} {jax.devices()[0].platform} devices "
+        f"in {jax.process_count()} process(es); micro steps per step: {config.train.micro_steps(data_parallel)}",
+        highlight=False,
+    )
+    return PreparedRun(config, corpus, schedule, policy, resolve_run_dir(config), mesh)
 
 
 def write_start_files(run_dir: Path, config_yaml: str, schedule: TransferSchedule) -> None:
@@ -113,32 +133,56 @@ def evaluate(eval_step: Any, model: eqx.Module, batches: list[jax.Array]) -> flo
     return float(np.mean([float(eval_step(model, batch)) for batch in batches]))
 
 
+def device_batch(source: PackedBatches, windows: np.ndarray, mesh: Mesh) -> jax.Array:
+    """The global [batch, seq + 1] array of `windows`, rows split over the batch axes. Each
+    process builds only the rows its own devices hold."""
+    shape = (len(windows), source.seq_len + 1)
+    return jax.make_array_from_callback(
+        shape, batch_sharded(mesh), lambda index: source.window_batch(windows[index[0]])[:, index[1]]
+    )
+
+
+def initial_state(config: FerryConfig, optimizer: Any, mesh: Mesh) -> tuple[TrainState, Any]:
+    """The train state built on the devices in its sharding (no host copy of the whole model),
+    and that sharding; the random init is the same on every mesh."""
+
+    def make() -> TrainState:
+        return init_state(build_model(config.model, jax.random.key(config.train.seed)), optimizer)
+
+    abstract = eqx.filter_eval_shape(make)
+    shapes, static = eqx.partition(abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    sharding = tree_shardings(shapes, mesh)
+    arrays = jax.jit(lambda: eqx.partition(make(), eqx.is_array)[0], out_shardings=sharding)()
+    return eqx.combine(arrays, static), sharding
+
+
 def train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
     """Run training as prepared; return the run directory."""
     config, corpus, schedule, run_dir = prepared.config, prepared.corpus, prepared.schedule, prepared.run_dir
     console.print(schedule_table(schedule))
-    write_start_files(run_dir, config_yaml, schedule)
-    console.print(f"run directory: {run_dir}")
+    if is_main_process():
+        write_start_files(run_dir, config_yaml, schedule)
+        console.print(f"run directory: {run_dir}")
 
     tc = config.train
-    mesh = make_mesh(1)
+    mesh = prepared.mesh
     optimizer = make_optimizer(tc)
     settings = LossSettings(prepared.policy, tc.compute_dtype, tc.z_loss_weight)
-    train_step = make_train_step(optimizer, settings, learning_rate_schedule(tc), tc.micro_steps)
     eval_step = make_eval_step(settings)
-    train_batches = iter(PackedBatches(corpus.train, tc.global_batch_size, tc.seq_len, config.data.seed))
+    train_source = PackedBatches(corpus.train, tc.global_batch_size, tc.seq_len, config.data.seed)
+    train_windows = train_source.window_ids()
     held_out = PackedBatches(corpus.eval, tc.global_batch_size, tc.seq_len, config.data.seed, shuffle=False)
     tokens_per_step = tc.global_batch_size * tc.seq_len
 
-    metrics = MetricsWriter(run_dir / "metrics.jsonl")
+    metrics = MetricsWriter(run_dir / "metrics.jsonl") if is_main_process() else None
     with jax.set_mesh(mesh):
-        state = jax.device_put(
-            init_state(build_model(config.model, jax.random.key(tc.seed)), optimizer), replicated(mesh)
-        )
+        state, state_sharding = initial_state(config, optimizer, mesh)
+        micro_steps = tc.micro_steps(config.mesh.data_parallel)
+        train_step = make_train_step(optimizer, settings, learning_rate_schedule(tc), micro_steps, state_sharding)
         eval_batches = [
-            jax.device_put(b, batch_sharded(mesh)) for b in itertools.islice(iter(held_out), tc.eval_batches)
+            device_batch(held_out, w, mesh) for w in itertools.islice(held_out.window_ids(), tc.eval_batches)
         ]
-        metrics.write({"step": 0, "eval_loss": evaluate(eval_step, state.model, eval_batches)})
+        write_metrics(metrics, {"step": 0, "eval_loss": evaluate(eval_step, state.model, eval_batches)})
         progress = Progress(
             TextColumn("step"),
             MofNCompleteColumn(),
@@ -146,12 +190,13 @@ def train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
             TextColumn("{task.fields[status]}"),
             TimeRemainingColumn(),
             console=console,
+            disable=not is_main_process(),
         )
         with progress:
             task = progress.add_task("train", total=tc.steps, status="compiling")
             last_time, last_step = time.perf_counter(), 0
             for step in range(1, tc.steps + 1):
-                batch = jax.device_put(next(train_batches), batch_sharded(mesh))
+                batch = device_batch(train_source, next(train_windows), mesh)
                 state, step_metrics = train_step(state, batch)
                 if step == 1 or step % tc.log_every == 0 or step == tc.steps:
                     record = {k: float(v) for k, v in step_metrics.items()}  # blocks on the step
@@ -164,10 +209,21 @@ def train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
                     if step % tc.eval_every == 0 or step == tc.steps:
                         record["eval_loss"] = evaluate(eval_step, state.model, eval_batches)
                         record["eval_perplexity"] = float(np.exp(record["eval_loss"]))
-                    metrics.write(record)
+                    write_metrics(metrics, record)
                     status = f"loss {record['loss']:.3f}  {record['tokens_per_s']:,.0f} tok/s"
                     progress.update(task, status=status)
                     last_time = time.perf_counter()  # evaluation and logging are not step time
                 progress.advance(task)
-    metrics.close()
+    if metrics is not None:
+        metrics.close()
     return run_dir
+
+
+def is_main_process() -> bool:
+    """Process 0 writes the run directory, the metrics and (later) checkpoints."""
+    return jax.process_index() == 0
+
+
+def write_metrics(writer: MetricsWriter | None, record: dict[str, Any]) -> None:
+    if writer is not None:
+        writer.write(record)

@@ -72,10 +72,12 @@ def make_train_step(
     settings: LossSettings,
     learning_rate: optax.Schedule,
     micro_steps: int = 1,
+    state_sharding: Any = None,
 ) -> Callable[[TrainState, Int[Array, "batch seq_plus_one"]], tuple[TrainState, dict[str, Array]]]:
     """The one jitted step, accumulating gradients over `micro_steps` micro batches. Its arguments
     are donated: parameters and optimizer moments are updated in place, and the batch buffer is
-    consumed (place a fresh batch every step)."""
+    consumed (place a fresh batch every step). `state_sharding` (the shardings of the state's
+    arrays) pins the new state to the old one's layout, so the step compiles once."""
 
     @eqx.filter_jit(donate="all")
     def train_step(state: TrainState, batch: Int[Array, "batch seq_plus_one"]) -> tuple[TrainState, dict[str, Array]]:
@@ -89,7 +91,11 @@ def make_train_step(
             "grad_norm": optax.tree.norm(grads),
             "learning_rate": learning_rate(state.step),
         }
-        return TrainState(model, opt_state, state.step + 1), metrics
+        new_state = TrainState(model, opt_state, state.step + 1)
+        if state_sharding is not None:
+            arrays, static = eqx.partition(new_state, eqx.is_array)
+            new_state = eqx.combine(jax.lax.with_sharding_constraint(arrays, state_sharding), static)
+        return new_state, metrics
 
     return train_step
 
