@@ -21,3 +21,20 @@ def count_device_puts(jaxpr, memory_kind: str) -> int:
         for sub in _sub_jaxprs(eqn):
             count += count_device_puts(sub, memory_kind)
     return count
+
+
+def host_copies(jaxpr):
+    """Every `device_put` to pinned host in `jaxpr` (recursively), as (target sharding, value
+    moved, the equation that produced the value or None when it is an input of the jaxpr)."""
+    producers = {}
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "device_put":
+            for value, target in zip(eqn.invars, eqn.params["devices"], strict=True):
+                if getattr(target, "memory_kind", None) == "pinned_host":
+                    found.append((target, value, producers.get(value)))
+        for out in eqn.outvars:
+            producers[out] = eqn
+        for sub in _sub_jaxprs(eqn):
+            found += host_copies(sub)
+    return found

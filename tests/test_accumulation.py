@@ -34,10 +34,8 @@ def test_four_micro_batches_of_two_equal_one_batch_of_eight(model_name, steps):
 
 
 def test_micro_batch_x_data_parallel_must_divide_the_global_batch():
-    with pytest.raises(
-        ValueError,
-        match=r"global_batch_size 24 is not a multiple of train.micro_batch_size 4 x data-parallel size 4 \(data x fsdp x expert of mesh data=2",
-    ):
+    message = r"global_batch_size 24 is not a multiple of train.micro_batch_size 4 x data-parallel size 4 \(data x"
+    with pytest.raises(ValueError, match=message):
         TrainConfig(global_batch_size=24, micro_batch_size=4).check_batch(4, "data=2 x fsdp=2 x tensor=1 x expert=1")
     with pytest.raises(ValueError, match="global_batch_size 6 is not a multiple of the data-parallel size 4"):
         TrainConfig(global_batch_size=6).check_batch(4, "data=4")

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import equinox as eqx
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ferry.sharding import activation_spec, constrain
 
@@ -241,7 +241,10 @@ def spec_of(x: jax.Array, axes: Axes, mesh: Mesh | jax.sharding.AbstractMesh) ->
 def to_memory(x: jax.Array, memory_kind: str, mesh: Mesh | None = None, axes: Axes = None) -> jax.Array:
     """`device_put` a value to `memory_kind` ("pinned_host" or "device") keeping its sharding."""
     target = _mesh(mesh)
-    return jax.device_put(x, NamedSharding(target, spec_of(x, axes, target), memory_kind=memory_kind))
+    spec = spec_of(x, axes, target)
+    if target.size > 1 and all(t == AxisType.Auto for t in target.axis_types):
+        x = jax.lax.with_sharding_constraint(x, NamedSharding(target, spec))  # the device value's spec, pinned
+    return jax.device_put(x, NamedSharding(target, spec, memory_kind=memory_kind))
 
 
 # --------------------------------------------------------------------------------------------

@@ -204,16 +204,13 @@ def context_mesh() -> Any:
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None] | None = None) -> jax.Array:
-    """Pin an activation's sharding to its logical axes under the context mesh (identity outside
-    one, and on a single device)."""
+    """Pin an activation's sharding to its logical axes under the context mesh. Only auto axes
+    are pinned: with explicit axes the sharding is part of the value's type already. Identity
+    outside a mesh and on a single device."""
     mesh = context_mesh()
-    if mesh is None or mesh.size == 1 or _is_manual(mesh):
+    if mesh is None or mesh.size == 1 or any(t != AxisType.Auto for t in mesh.axis_types):
         return x
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, activation_spec(x, axes, mesh)))
-
-
-def _is_manual(mesh: Any) -> bool:
-    return any(t == AxisType.Manual for t in mesh.axis_types)
 
 
 def check_divisible(what: str, size: int, axis: str, axis_size: int, fix: str) -> None:

@@ -7,6 +7,7 @@ import datetime
 import itertools
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,10 @@ class RunDirectoryError(FileExistsError):
 
 
 def resolve_run_dir(config: FerryConfig) -> Path:
+    """The new run's directory; only process 0 checks it (it alone writes there, and the others
+    would otherwise see the files it has just written)."""
+    if not is_main_process():
+        return Path(config.run.dir or config.run.root)
     if config.run.dir is not None:
         path = Path(config.run.dir)
         if path.exists() and any(path.iterdir()):
@@ -63,12 +68,12 @@ def _check_data(config: FerryConfig, tokenizer: ByteTokenizer) -> Corpus:
 
 
 def _check_mesh(config: FerryConfig, model: eqx.Module) -> Mesh:
-    """The mesh, once it fits the devices, the model's dimensions and the batch."""
-    mesh = make_mesh(config.mesh)
+    """The mesh, once it fits the model's dimensions, the batch and the devices."""
     axes = config.mesh.shape
     for what, size, axis in config.model.mesh_dims():
         check_divisible(what, size, axis, axes[axis], f"choose a mesh.{axis} that divides {size}")
     config.train.check_batch(config.mesh.data_parallel, config.mesh.describe())
+    mesh = make_mesh(config.mesh)
     tree_shardings(model, mesh)  # any other parameter dimension its axes do not divide
     return mesh
 
@@ -133,13 +138,14 @@ def evaluate(eval_step: Any, model: eqx.Module, batches: list[jax.Array]) -> flo
     return float(np.mean([float(eval_step(model, batch)) for batch in batches]))
 
 
-def device_batch(source: PackedBatches, windows: np.ndarray, mesh: Mesh) -> jax.Array:
-    """The global [batch, seq + 1] array of `windows`, rows split over the batch axes. Each
-    process builds only the rows its own devices hold."""
-    shape = (len(windows), source.seq_len + 1)
-    return jax.make_array_from_callback(
-        shape, batch_sharded(mesh), lambda index: source.window_batch(windows[index[0]])[:, index[1]]
-    )
+def device_batch(rows: Callable[[slice], np.ndarray], shape: tuple[int, int], mesh: Mesh) -> jax.Array:
+    """The global batch of `shape`, rows split over the batch axes; `rows(slice)` builds a block
+    of rows, and each process builds only the blocks its own devices hold."""
+    return jax.make_array_from_callback(shape, batch_sharded(mesh), lambda index: rows(index[0])[:, index[1]])
+
+
+def window_rows(source: PackedBatches, windows: np.ndarray) -> Callable[[slice], np.ndarray]:
+    return lambda rows: source.window_batch(windows[rows])
 
 
 def initial_state(config: FerryConfig, optimizer: Any, mesh: Mesh) -> tuple[TrainState, Any]:
@@ -173,6 +179,7 @@ def train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
     train_windows = train_source.window_ids()
     held_out = PackedBatches(corpus.eval, tc.global_batch_size, tc.seq_len, config.data.seed, shuffle=False)
     tokens_per_step = tc.global_batch_size * tc.seq_len
+    batch_shape = (tc.global_batch_size, tc.seq_len + 1)
 
     metrics = MetricsWriter(run_dir / "metrics.jsonl") if is_main_process() else None
     with jax.set_mesh(mesh):
@@ -180,7 +187,8 @@ def train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
         micro_steps = tc.micro_steps(config.mesh.data_parallel)
         train_step = make_train_step(optimizer, settings, learning_rate_schedule(tc), micro_steps, state_sharding)
         eval_batches = [
-            device_batch(held_out, w, mesh) for w in itertools.islice(held_out.window_ids(), tc.eval_batches)
+            device_batch(window_rows(held_out, w), batch_shape, mesh)
+            for w in itertools.islice(held_out.window_ids(), tc.eval_batches)
         ]
         write_metrics(metrics, {"step": 0, "eval_loss": evaluate(eval_step, state.model, eval_batches)})
         progress = Progress(
@@ -196,7 +204,7 @@ def train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
             task = progress.add_task("train", total=tc.steps, status="compiling")
             last_time, last_step = time.perf_counter(), 0
             for step in range(1, tc.steps + 1):
-                batch = device_batch(train_source, next(train_windows), mesh)
+                batch = device_batch(window_rows(train_source, next(train_windows)), batch_shape, mesh)
                 state, step_metrics = train_step(state, batch)
                 if step == 1 or step % tc.log_every == 0 or step == tc.steps:
                     record = {k: float(v) for k, v in step_metrics.items()}  # blocks on the step

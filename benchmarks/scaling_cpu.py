@@ -1,0 +1,127 @@
+"""Mesh layouts side by side on 8 virtual CPU devices: compiled collective bytes per device, FLOPs
+per device and step time of the real train step, for the tiny models, measured in one run.
+
+    python benchmarks/scaling_cpu.py [--model llama_tiny] [--steps 10] [--batch 16] [--seq-len 128]
+
+Each layout goes through the same `prepare` and train-state code as `launch/run.py`; collective
+bytes are read from the compiled HLO, weighted by the layer loop's trip count. The 8 devices share
+this machine's cores, so step times compare layouts' overheads, not scaling: ratios are against
+pure data parallelism (data=8), which moves only the gradients.
+"""
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+from tempfile import TemporaryDirectory
+
+from ferry.platform import PlatformConfig, apply_platform
+
+DEVICES = 8
+LAYOUTS = {
+    "llama_tiny": ["data=8", "fsdp=8", "data=2 fsdp=2 tensor=2", "data=4 tensor=2", "fsdp=4 tensor=2"],
+    "deepseek_v3_tiny": ["data=8", "fsdp=8", "data=2 fsdp=2 tensor=2", "fsdp=2 expert=4", "expert=8"],
+}
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def measure(model: str, layout: str, steps: int, batch: int, seq_len: int, root: Path) -> dict:
+    import jax
+    import numpy as np
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    from rich.console import Console
+
+    from ferry.hlo_stats import collective_bytes
+    from ferry.train.config import load_config
+    from ferry.train.optimizer import learning_rate_schedule, make_optimizer
+    from ferry.train.run import device_batch, initial_state, prepare
+    from ferry.train.step import LossSettings, make_train_step
+
+    overrides = [f"model={model}", f"train.global_batch_size={batch}", f"train.seq_len={seq_len}"]
+    overrides += [f"mesh.{axis}" for axis in layout.split()] + [f"run.dir={root / layout.replace(' ', '_')}"]
+    with initialize_config_dir(str(CONFIGS), version_base=None):
+        cfg = compose("train", overrides=[*overrides, f"train.steps={steps + 1}", f"platform.cpu_devices={DEVICES}"])
+    prepared = prepare(load_config(OmegaConf.to_container(cfg, resolve=True)), Console(quiet=True))
+    config, mesh = prepared.config, prepared.mesh
+    optimizer = make_optimizer(config.train)
+    settings = LossSettings(prepared.policy, config.train.compute_dtype)
+    tokens = np.random.default_rng(0).integers(0, 256, (batch, seq_len + 1), dtype=np.int32)  # the same for all
+
+    def batch_array() -> jax.Array:
+        return device_batch(lambda rows: tokens[rows], tokens.shape, mesh)
+
+    with jax.set_mesh(mesh):
+        state, sharding = initial_state(config, optimizer, mesh)
+        step = make_train_step(optimizer, settings, learning_rate_schedule(config.train), 1, sharding)
+        compiled = step.lower(state, batch_array()).compile()
+        collectives = collective_bytes(compiled.as_text())
+        flops = compiled.cost_analysis()["flops"]
+        state, metrics = step(state, batch_array())  # warm up
+        jax.block_until_ready(metrics)
+        times = []
+        for _ in range(steps):
+            fresh_batch = batch_array()  # the step donates its batch
+            start = time.perf_counter()
+            state, metrics = step(state, fresh_batch)
+            jax.block_until_ready(metrics)
+            times.append(time.perf_counter() - start)
+    return {"collectives": collectives, "flops": flops, "step_s": statistics.median(times)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="one of the tiny models (default: both)")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=128)
+    args = parser.parse_args()
+    apply_platform(PlatformConfig("cpu", cpu_devices=DEVICES))  # before JAX starts
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=140)
+    for model in [args.model] if args.model else list(LAYOUTS):
+        with TemporaryDirectory() as root:
+            results = {
+                layout: measure(model, layout, args.steps, args.batch, args.seq_len, Path(root))
+                for layout in LAYOUTS[model]
+            }
+        base = results[LAYOUTS[model][0]]
+        title = (
+            f"{model} on {DEVICES} CPU devices, batch {args.batch} x seq {args.seq_len}, median of {args.steps} steps"
+        )
+        table = Table(title=title)
+        for column in (
+            "mesh",
+            "all-gather MiB",
+            "all-reduce MiB",
+            "reduce-scatter MiB",
+            "other MiB",
+            "total vs data=8",
+            "GFLOPs/device",
+            "step ms",
+            "time vs data=8",
+        ):
+            table.add_column(column, justify="left" if column == "mesh" else "right")
+        for layout, r in results.items():
+            c = r["collectives"]
+            other = sum(v for k, v in c.items() if k not in ("all-gather", "all-reduce", "reduce-scatter"))
+            total, base_total = sum(c.values()), sum(base["collectives"].values())
+            table.add_row(
+                layout,
+                *(f"{c.get(k, 0) / 2**20:.2f}" for k in ("all-gather", "all-reduce", "reduce-scatter")),
+                f"{other / 2**20:.2f}",
+                f"{total / base_total:.2f}x",
+                f"{r['flops'] / 1e9:.3f}",
+                f"{r['step_s'] * 1e3:.1f}",
+                f"{r['step_s'] / base['step_s']:.2f}x",
+            )
+        console.print(table)
+
+
+if __name__ == "__main__":
+    main()

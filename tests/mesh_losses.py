@@ -1,0 +1,47 @@
+"""Train several runs in one process, as `launch/run.py` would, and print their losses as JSON.
+
+    python -m tests.mesh_losses --cpu-devices 8 --root DIR --common "model=llama_tiny ..." \
+        --run "mesh.data=2 mesh.fsdp=2 mesh.tensor=2" --run "mesh.fsdp=2 mesh.expert=4"
+
+Each run composes the Hydra config from the common and its own overrides and goes through
+`prepare` and `train`; the virtual CPU devices are created once, before JAX starts.
+"""
+
+import argparse
+import json
+import shlex
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from rich.console import Console
+
+from ferry.platform import PlatformConfig, apply_platform
+from ferry.train.config import load_config
+from ferry.train.run import prepare, train
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cpu-devices", type=int, required=True)
+    parser.add_argument("--root", type=Path, required=True)
+    parser.add_argument("--common", default="")
+    parser.add_argument("--run", action="append", required=True)
+    args = parser.parse_args()
+    apply_platform(PlatformConfig("cpu", cpu_devices=args.cpu_devices))
+    losses = []
+    with initialize_config_dir(str(CONFIGS), version_base=None):
+        for index, run in enumerate(args.run):
+            overrides = shlex.split(args.common) + shlex.split(run) + [f"run.dir={args.root / str(index)}"]
+            cfg = compose("train", overrides=[*overrides, f"platform.cpu_devices={args.cpu_devices}"])
+            config = load_config(OmegaConf.to_container(cfg, resolve=True))
+            run_dir = train(prepare(config, Console(quiet=True)), OmegaConf.to_yaml(cfg), Console(quiet=True))
+            records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            losses.append([r["loss"] for r in records if "loss" in r])
+    print(json.dumps(losses))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""Collective bytes read from HLO text, weighted by the trip counts of the loops around them."""
+
+from ferry.hlo_stats import collective_bytes, execution_counts, shape_bytes
+
+MODULE = """HloModule jit_step, entry_computation_layout={(f32[3,4,16]{2,1,0})->f32[]}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  ROOT %sum = f32[] add(%x, %y)
+}
+
+%layer_body (param: (s32[], f32[2,16])) -> (s32[], f32[2,16]) {
+  %slice = f32[4,16]{1,0} fusion(%param), kind=kLoop, calls=%fused_slice
+  %all-gather.1 = f32[16,16]{1,0} all-gather(%slice), channel_id=1, dimensions={0}
+  %all-reduce.2 = (f32[16,16]{1,0}, bf16[8]{0}) all-reduce(%a, %b), channel_id=2, to_apply=%add
+  ROOT %tuple = (s32[], f32[2,16]) tuple(%i, %h)
+}
+
+%layer_cond (param: (s32[], f32[2,16])) -> pred[] {
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%fused_slice (p: (s32[], f32[2,16])) -> f32[4,16] {
+  ROOT %s = f32[4,16]{1,0} dynamic-slice(%p)
+}
+
+ENTRY %main (p0: f32[3,4,16]) -> f32[] {
+  %while.1 = (s32[], f32[2,16]{1,0}) while(%init), condition=%layer_cond, body=%layer_body, \
+backend_config={"known_trip_count":{"n":"3"}}
+  %rs-start = ((f32[8,16]{1,0}), f32[2,16]{1,0}) reduce-scatter-start(%g), channel_id=3, dimensions={0}
+  %rs-done = f32[2,16]{1,0} reduce-scatter-done(%rs-start)
+  ROOT %out = f32[] reduce(%x, %zero), to_apply=%add
+}
+"""
+
+
+def test_shape_bytes_reads_arrays_and_tuples():
+    assert shape_bytes("f32[8,64]{1,0}") == 8 * 64 * 4
+    assert shape_bytes("(bf16[2,2]{1,0}, s32[])") == 8 + 4
+    assert shape_bytes("pred[]") == 1
+
+
+def test_loop_bodies_run_trip_count_times():
+    counts = execution_counts(MODULE)
+    assert counts["main"] == 1 and counts["layer_body"] == 3 and counts["fused_slice"] == 3
+
+
+def test_collective_bytes_weight_each_collective_by_its_loop():
+    totals = collective_bytes(MODULE)
+    assert totals["all-gather"] == 3 * 16 * 16 * 4
+    assert totals["all-reduce"] == 3 * (16 * 16 * 4 + 8 * 2)
+    assert totals["reduce-scatter"] == 2 * 16 * 4  # the async pair counts once, by its result
+    assert set(totals) == {"all-gather", "all-reduce", "reduce-scatter"}

@@ -1,0 +1,68 @@
+"""Training on meshes of 8 virtual CPU devices gives the losses of one device: FSDP, tensor and
+expert parallelism, with offloading presets on and gradient accumulation."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT, run_launcher
+from tests.test_launch import read_metrics
+
+COMMON = (
+    "train.steps=10 train.warmup_steps=2 train.log_every=1 train.compute_dtype=float32 "
+    "train.global_batch_size=8 train.seq_len=32 train.eval_batches=1"
+)
+
+
+def mesh_losses(cpu_devices: int, common: str, runs: list[str], root) -> list[list[float]]:
+    command = [sys.executable, "-m", "tests.mesh_losses", f"--cpu-devices={cpu_devices}", f"--root={root}"]
+    command += [f"--common={common}"] + [f"--run={run}" for run in runs]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    "model, preset",
+    [("llama_tiny", "minimal_offloaded"), ("deepseek_v3_tiny", "moe_offload")],
+)
+def test_meshes_train_like_one_device(model, preset, tmp_path):
+    common = f"model={model} offload={preset} {COMMON}"
+    (reference,) = mesh_losses(1, common, [""], tmp_path / "one")
+    sharded = mesh_losses(
+        8,
+        common,
+        [
+            "mesh.data=2 mesh.fsdp=2 mesh.tensor=2",
+            "mesh.fsdp=2 mesh.expert=4",
+            "mesh.data=2 mesh.fsdp=2 mesh.tensor=2 train.micro_batch_size=1",  # 2 micro steps of 4 rows
+        ],
+        tmp_path / "eight",
+    )
+    assert len(reference) == 10
+    for losses in sharded:
+        np.testing.assert_allclose(losses, reference, rtol=1e-5)
+
+
+def test_two_processes_train_like_one(tmp_path):
+    """Two processes on localhost with one CPU device each, one mesh over both (CPU collectives
+    through gloo), train like a single process on one device."""
+    common = [*COMMON.split(), "model=llama_tiny", "offload=minimal_offloaded"]
+    single = run_launcher(*common, f"run.dir={tmp_path / 'single'}")
+    assert single.returncode == 0, single.stderr + single.stdout
+    two = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "local.py"), "--processes=2", "--", *common, "mesh.data=2"]
+        + [f"run.dir={tmp_path / 'two'}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert two.returncode == 0, two.stderr[-4000:] + two.stdout[-4000:]
+    assert "process 0 of 2" in two.stdout and "over 2 cpu devices in 2 process(es)" in " ".join(two.stdout.split())
+    losses = [[r["loss"] for r in read_metrics(tmp_path / name) if "loss" in r] for name in ("single", "two")]
+    assert len(losses[0]) == 10
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)

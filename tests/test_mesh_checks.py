@@ -1,0 +1,55 @@
+"""A mesh that does not fit the devices, the model or the batch is refused before anything is
+compiled, with a message naming the numbers."""
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from rich.console import Console
+
+from ferry.sharding import MeshConfig, MeshError, param_spec
+from ferry.train.config import load_config
+from ferry.train.run import prepare
+from tests.conftest import CONFIGS, run_launcher
+
+
+def prepare_with(*overrides: str):
+    with initialize_config_dir(str(CONFIGS), version_base=None):
+        cfg = compose("train", overrides=list(overrides))
+    return prepare(load_config(OmegaConf.to_container(cfg, resolve=True)), Console(quiet=True))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["mesh.tensor=8"], r"model.num_heads \(4\) is not divisible by mesh.tensor=8"),
+        (["mesh.tensor=4"], r"model.num_kv_heads \(2\) is not divisible by mesh.tensor=4"),
+        (["model=deepseek_v3_tiny", "mesh.expert=3"], r"model.num_experts \(16\) is not divisible by mesh.expert=3"),
+        (
+            ["mesh.data=2", "mesh.fsdp=2", "train.global_batch_size=6"],
+            r"global_batch_size 6 is not a multiple of the data-parallel size 4 \(data x fsdp x expert",
+        ),
+        (
+            ["mesh.data=2", "train.global_batch_size=8", "train.micro_batch_size=3"],
+            r"not a multiple of train.micro_batch_size 3 x data-parallel size 2",
+        ),
+        (["mesh.data=2"], r"the mesh data=2 x fsdp=1 x tensor=1 x expert=1 has 2 devices but 1 are available"),
+    ],
+)
+def test_bad_mesh_is_refused_naming_the_numbers(overrides, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        prepare_with(*overrides, f"run.dir={tmp_path / 'run'}")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_parameter_dimension_the_mesh_does_not_divide_names_the_parameter():
+    mesh = MeshConfig(fsdp=3)
+    fake = type("Mesh", (), {"axis_names": ("data", "fsdp", "tensor", "expert"), "shape": mesh.shape})()
+    with pytest.raises(MeshError, match=r"parameter .layers.mlp.wo.weight has shape \(2, 192, 64\): dimension 2"):
+        param_spec(".layers.mlp.wo.weight", (2, 192, 64), fake)
+
+
+def test_launcher_refuses_a_bad_mesh_before_compiling(tmp_path):
+    result = run_launcher("mesh.tensor=3", f"run.dir={tmp_path / 'run'}")
+    assert result.returncode == 2
+    assert "model.num_heads (4) is not divisible by mesh.tensor=3" in " ".join(result.stdout.split())
+    assert not (tmp_path / "run").exists()
