@@ -47,6 +47,28 @@ def run_launcher(*overrides: str, timeout: float = 300) -> subprocess.CompletedP
     )
 
 
+class Background:
+    """A command running in the background, its output going to files (a full pipe would stall
+    it while the test waits on something else)."""
+
+    def __init__(self, command: list[str], log_dir: Path):
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.stdout_path, self.stderr_path = log_dir / "stdout.txt", log_dir / "stderr.txt"
+        with open(self.stdout_path, "w") as out, open(self.stderr_path, "w") as err:
+            env = {**os.environ, "COLUMNS": "120"}
+            self.process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=err, text=True, env=env)
+
+    def wait(self, timeout: float = 900) -> tuple[int, str, str]:
+        """(exit code, stdout, stderr) once the command has finished."""
+        code = self.process.wait(timeout=timeout)
+        return code, self.stdout_path.read_text(), self.stderr_path.read_text()
+
+
+def start_launcher(*overrides: str, log_dir: Path) -> Background:
+    """`python launch/run.py ...` in the background."""
+    return Background([sys.executable, str(ROOT / "launch" / "run.py"), *overrides], log_dir)
+
+
 @pytest.fixture(scope="session")
 def tiny_config():
     return load_model_config("llama_tiny")

@@ -8,21 +8,26 @@ import sys
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT, run_launcher
+from tests.conftest import ROOT, Background, start_launcher
 from tests.test_launch import read_metrics
 
 COMMON = (
     "train.steps=10 train.warmup_steps=2 train.log_every=1 train.compute_dtype=float32 "
-    "train.global_batch_size=8 train.seq_len=32 train.eval_batches=1"
+    "train.global_batch_size=8 train.seq_len=32 train.eval_batches=0"
 )
 
 
-def mesh_losses(cpu_devices: int, common: str, runs: list[str], root) -> list[list[float]]:
+def start_mesh_losses(cpu_devices: int, common: str, runs: list[str], root) -> Background:
+    """Train `runs` in one process of `cpu_devices` devices (see tests/mesh_losses.py)."""
     command = [sys.executable, "-m", "tests.mesh_losses", f"--cpu-devices={cpu_devices}", f"--root={root}"]
     command += [f"--common={common}"] + [f"--run={run}" for run in runs]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return Background(command, root / "logs")
+
+
+def losses_of(background: Background) -> list[list[float]]:
+    code, stdout, stderr = background.wait()
+    assert code == 0, stderr[-4000:]
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize(
@@ -31,17 +36,12 @@ def mesh_losses(cpu_devices: int, common: str, runs: list[str], root) -> list[li
 )
 def test_meshes_train_like_one_device(model, preset, tmp_path):
     common = f"model={model} offload={preset} {COMMON}"
-    (reference,) = mesh_losses(1, common, [""], tmp_path / "one")
-    sharded = mesh_losses(
-        8,
-        common,
-        [
-            "mesh.data=2 mesh.fsdp=2 mesh.tensor=2",
-            "mesh.fsdp=2 mesh.expert=4",
-            "mesh.data=2 mesh.fsdp=2 mesh.tensor=2 train.micro_batch_size=1",  # 2 micro steps of 4 rows
-        ],
-        tmp_path / "eight",
-    )
+    runs = ["mesh.data=2 mesh.fsdp=2 mesh.tensor=2", "mesh.fsdp=2 mesh.expert=4"]
+    if model == "llama_tiny":  # accumulation on a mesh: 2 micro steps of 4 rows (model-independent)
+        runs.append("mesh.data=2 mesh.fsdp=2 mesh.tensor=2 train.micro_batch_size=1")
+    one_device = start_mesh_losses(1, common, [""], tmp_path / "one")  # both processes run at once
+    sharded = losses_of(start_mesh_losses(8, common, runs, tmp_path / "eight"))
+    (reference,) = losses_of(one_device)
     assert len(reference) == 10
     for losses in sharded:
         np.testing.assert_allclose(losses, reference, rtol=1e-5)
@@ -51,8 +51,7 @@ def test_two_processes_train_like_one(tmp_path):
     """Two processes on localhost with one CPU device each, one mesh over both (CPU collectives
     through gloo), train like a single process on one device."""
     common = [*COMMON.split(), "model=llama_tiny", "offload=minimal_offloaded"]
-    single = run_launcher(*common, f"run.dir={tmp_path / 'single'}")
-    assert single.returncode == 0, single.stderr + single.stdout
+    single = start_launcher(*common, f"run.dir={tmp_path / 'single'}", log_dir=tmp_path / "logs")  # alongside
     two = subprocess.run(
         [sys.executable, str(ROOT / "launch" / "local.py"), "--processes=2", "--", *common, "mesh.data=2"]
         + [f"run.dir={tmp_path / 'two'}"],
@@ -62,6 +61,8 @@ def test_two_processes_train_like_one(tmp_path):
         timeout=600,
     )
     assert two.returncode == 0, two.stderr[-4000:] + two.stdout[-4000:]
+    code, _, stderr = single.wait()
+    assert code == 0, stderr[-4000:]
     assert "process 0 of 2" in two.stdout and "over 2 cpu devices in 2 process(es)" in " ".join(two.stdout.split())
     losses = [[r["loss"] for r in read_metrics(tmp_path / name) if "loss" in r] for name in ("single", "two")]
     assert len(losses[0]) == 10

@@ -29,7 +29,7 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     eval_every: int = 50
-    eval_batches: int = 4
+    eval_batches: int = 4  # 0: no evaluation
 
     def micro_steps(self, data_parallel: int = 1) -> int:
         """Micro batches accumulated per optimizer step when a batch is split `data_parallel` ways."""
@@ -56,9 +56,11 @@ class TrainConfig:
             )
 
     def __post_init__(self) -> None:
-        for name in ("steps", "global_batch_size", "seq_len", "log_every", "eval_every", "eval_batches"):
+        for name in ("steps", "global_batch_size", "seq_len", "log_every", "eval_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be at least 1, got {getattr(self, name)}")
+        if self.eval_batches < 0:
+            raise ValueError(f"train.eval_batches must be 0 (no evaluation) or more, got {self.eval_batches}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"train.micro_batch_size must be at least 1, got {self.micro_batch_size}")
         if self.warmup_steps < 0 or self.warmup_steps >= self.steps:

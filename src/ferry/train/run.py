@@ -190,7 +190,8 @@ def train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
             device_batch(window_rows(held_out, w), batch_shape, mesh)
             for w in itertools.islice(held_out.window_ids(), tc.eval_batches)
         ]
-        write_metrics(metrics, {"step": 0, "eval_loss": evaluate(eval_step, state.model, eval_batches)})
+        if eval_batches:
+            write_metrics(metrics, {"step": 0, "eval_loss": evaluate(eval_step, state.model, eval_batches)})
         progress = Progress(
             TextColumn("step"),
             MofNCompleteColumn(),
@@ -214,7 +215,7 @@ def train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
                     record |= {"step": step, "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time}
                     if step == 1:
                         record["includes_compile"] = True
-                    if step % tc.eval_every == 0 or step == tc.steps:
+                    if eval_batches and (step % tc.eval_every == 0 or step == tc.steps):
                         record["eval_loss"] = evaluate(eval_step, state.model, eval_batches)
                         record["eval_perplexity"] = float(np.exp(record["eval_loss"]))
                     write_metrics(metrics, record)
