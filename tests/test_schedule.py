@@ -1,10 +1,14 @@
 """The transfer schedule's table and totals for llama_tiny."""
 
 import jax.numpy as jnp
+import pytest
+from jax.sharding import AbstractMesh, AxisType
 
 from ferry.models.registry import abstract_model
+from ferry.offload import Policy
 from ferry.schedule import model_schedule
-from tests.conftest import preset_policy
+from ferry.sharding import MESH_AXES
+from tests.conftest import load_model_config, preset_policy
 
 
 def test_qkv_offload_schedule(tiny_config):
@@ -37,3 +41,20 @@ def test_save_all_keeps_everything(tiny_config):
     schedule = model_schedule(model, preset_policy("save_all", model), 1, 8, jnp.float32)
     assert {r.placement for r in schedule.residuals} == {"device"}
     assert schedule.hbm_saved_bytes == 0 and schedule.device_to_host_bytes == 0
+
+
+@pytest.mark.parametrize(
+    "shape, mla_q_width, moe_rows",
+    [((8, 1, 1, 1), 96, 128), ((1, 2, 1, 4), 96, 4 * 128), ((2, 2, 2, 1), 48, 128)],
+)
+def test_schedule_is_sized_per_device_of_the_mesh(shape, mla_q_width, moe_rows):
+    """Tensor parallelism halves what a device holds of a head-split residual; expert parallelism
+    makes a device hold the routed slots of its whole expert group."""
+    mesh = AbstractMesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 4)
+    model = abstract_model(load_model_config("deepseek_v3_tiny"))
+    policy = Policy.from_dict({name: "offload" for name in model.tagged_names()})
+    moe = model_schedule(model, policy, 1, 32, jnp.bfloat16, mesh=mesh).groups[1]
+    shapes = {r.name: r.shape for r in moe.residuals}
+    assert shapes["decoder_layer_input"] == (1, 32, 64)
+    assert shapes["mla_q"] == (1, 32, mla_q_width)
+    assert shapes["moe_mlpwi_0"] == (moe_rows, 32)  # 32 tokens x top-4 slots per device

@@ -182,11 +182,12 @@ def _inject_jvp(primals: tuple[jax.Array, jax.Array], tangents: tuple[Any, Any])
 
 def record_tags(fn: Callable[..., Any], *args: Any) -> tuple[Any, list[tuple[str, jax.Array]]]:
     """Run `fn(*args)` and return its output with the (name, value) of every tag it passed."""
-    out, values, _ = _record_tags_and_axes(fn, *args)
+    out, values, _ = record_tags_and_axes(fn, *args)
     return out, values
 
 
-def _record_tags_and_axes(fn: Callable[..., Any], *args: Any) -> tuple[Any, list[tuple[str, jax.Array]], list[Axes]]:
+def record_tags_and_axes(fn: Callable[..., Any], *args: Any) -> tuple[Any, list[tuple[str, jax.Array]], list[Axes]]:
+    """`record_tags`, with the logical axes each tag gave (None where it gave none)."""
     recorder = _Recorder()
     with _tag_context(recorder):
         out = fn(*args)
@@ -292,7 +293,7 @@ def offloaded(
             return layer_fn(p, h)
 
         def layer_fwd(p: Any, h: jax.Array) -> tuple[Any, Any]:
-            out, values, value_axes = _record_tags_and_axes(layer_fn, p, h)
+            out, values, value_axes = record_tags_and_axes(layer_fn, p, h)
             names[:] = [name for name, _ in values]
             axes[:] = value_axes
             if check_names:

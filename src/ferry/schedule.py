@@ -15,8 +15,9 @@ import equinox as eqx
 import jax
 from rich.table import Table
 
-from ferry.offload import LAYER_INPUT, Policy, record_tags
+from ferry.offload import LAYER_INPUT, Policy, record_tags_and_axes
 from ferry.precision import cast_floating
+from ferry.sharding import activation_spec, data_parallel_size, shard_shape
 
 _DIRECTIONS = {"offload": ("D2H", "H2D"), "device": ("-", "-"), "remat": ("-", "-")}
 
@@ -129,28 +130,38 @@ def layer_residuals(
     params: Any,
     layer_input: jax.ShapeDtypeStruct,
     policy: Policy,
+    mesh: Any = None,
 ) -> tuple[Residual, ...]:
     """The residuals of `layer_fn(params, x)` under `policy`, in the order the layer produces
-    them (the layer input first). `layer_input` is one device's input; `params` may be abstract
-    (ShapeDtypeStructs), since nothing is computed."""
-    recorded: list[tuple[str, jax.ShapeDtypeStruct]] = []
+    them (the layer input first), with the shape one device holds. Without a mesh `layer_input`
+    is one device's input; with one it is the global input, the layer is traced under the mesh
+    (so the MoE takes its expert-parallel path) and each residual is split by the spec of its
+    logical axes. `params` may be abstract (ShapeDtypeStructs): nothing is computed."""
+    recorded: list[tuple[str, jax.ShapeDtypeStruct, Any]] = []
 
     def record(params: Any, x: jax.Array) -> Any:
-        out, values = record_tags(layer_fn, params, x)
-        recorded.extend((name, jax.ShapeDtypeStruct(v.shape, v.dtype)) for name, v in values)
+        out, values, axes = record_tags_and_axes(layer_fn, params, x)
+        recorded.extend((n, jax.ShapeDtypeStruct(v.shape, v.dtype), a) for (n, v), a in zip(values, axes, strict=True))
         return out
 
-    eqx.filter_eval_shape(record, params, layer_input)
+    if mesh is None or mesh.size == 1:
+        eqx.filter_eval_shape(record, params, layer_input)
+    else:
+        with jax.sharding.use_abstract_mesh(getattr(mesh, "abstract_mesh", mesh)):
+            eqx.filter_eval_shape(record, params, layer_input)
     residuals = []
-    for name, value in [(LAYER_INPUT, layer_input), *recorded]:
+    for name, value, axes in [(LAYER_INPUT, layer_input, None), *recorded]:
         placement = policy.placement(name)
         forward, backward = _DIRECTIONS[placement]
+        shape = tuple(value.shape)
+        if mesh is not None and mesh.size > 1:
+            shape = shard_shape(shape, activation_spec(value, axes, mesh), mesh)
         residuals.append(
             Residual(
                 name=name,
-                shape=tuple(value.shape),
+                shape=shape,
                 dtype=str(value.dtype),
-                bytes_per_device=math.prod(value.shape) * value.dtype.itemsize,
+                bytes_per_device=math.prod(shape) * value.dtype.itemsize,
                 placement=placement,
                 forward=forward,
                 backward=backward,
@@ -182,9 +193,13 @@ def model_schedule(
     dtype: Any,
     policy_name: str = "custom",
     micro_steps: int = 1,
+    mesh: Any = None,
 ) -> TransferSchedule:
     """The schedule of `model`'s decoder layers (run in `dtype`) on a [batch_per_device, seq_len]
-    batch, one group per kind of layer (`model.layer_kinds()`). `model` may be abstract."""
+    batch per device, one group per kind of layer (`model.layer_kinds()`), sized per device of
+    `mesh` when given (tensor and expert parallelism change what a device holds). `model` may be
+    abstract."""
+    data_parallel = 1 if mesh is None else data_parallel_size(mesh)
     policy.validate(model.tagged_names())
     groups = []
     for group in model.layer_kinds():
@@ -192,8 +207,9 @@ def model_schedule(
         def one_layer(model: Any, x: jax.Array, run=group.run) -> Any:
             return run(cast_floating(model, dtype), x)
 
-        x = jax.ShapeDtypeStruct((batch_per_device, seq_len - group.seq_shrink, model.config.dim), dtype)
-        groups.append(LayerGroup(group.name, group.num_layers, layer_residuals(one_layer, model, x, policy)))
+        shape = (batch_per_device * data_parallel, seq_len - group.seq_shrink, model.config.dim)
+        residuals = layer_residuals(one_layer, model, jax.ShapeDtypeStruct(shape, dtype), policy, mesh)
+        groups.append(LayerGroup(group.name, group.num_layers, residuals))
     return TransferSchedule(policy_name, tuple(groups), micro_steps)
 
 

@@ -177,6 +177,11 @@ def batch_spec(mesh: Any) -> PartitionSpec:
     return logical_spec(("batch",), ACTIVATION_RULES, mesh)
 
 
+def data_parallel_size(mesh: Any) -> int:
+    """How many ways the mesh splits a batch (the product of its batch axes)."""
+    return _axis_size(mesh, batch_spec(mesh)[0])
+
+
 def batch_sharded(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, batch_spec(mesh))
 
@@ -185,7 +190,7 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def activation_spec(x: jax.Array, axes: Sequence[str | None] | None, mesh: Any) -> PartitionSpec:
+def activation_spec(x: jax.Array | jax.ShapeDtypeStruct, axes: Sequence[str | None] | None, mesh: Any) -> PartitionSpec:
     """The spec of an activation named `axes` (default: batch-major, `batch` then unsharded). A
     mesh axis that does not divide its dimension is left out, so odd shapes stay legal."""
     axes = tuple(axes) if axes is not None else ("batch",) + (None,) * (x.ndim - 1)
@@ -195,6 +200,12 @@ def activation_spec(x: jax.Array, axes: Sequence[str | None] | None, mesh: Any) 
     for size, entry in zip(x.shape, logical_spec(axes, ACTIVATION_RULES, mesh), strict=True):
         entries.append(entry if entry is not None and size % _axis_size(mesh, entry) == 0 else None)
     return PartitionSpec(*entries)
+
+
+def shard_shape(shape: Sequence[int], spec: PartitionSpec, mesh: Any) -> tuple[int, ...]:
+    """The shape one device holds of an array of `shape` split by `spec`."""
+    entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+    return tuple(size // _axis_size(mesh, entry) for size, entry in zip(shape, entries, strict=True))
 
 
 def context_mesh() -> Any:

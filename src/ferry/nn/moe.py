@@ -6,7 +6,6 @@ Weights map one-to-one onto Hugging Face's `DeepseekV3MoE`: `gate.weight`,
 expert axis), `shared_experts`.
 """
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +17,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ferry.nn.mlp import SwiGLU
 from ferry.offload import tag
-from ferry.sharding import batch_spec, check_divisible, context_mesh
+from ferry.sharding import batch_spec, check_divisible, context_mesh, data_parallel_size
 
 
 def route(
@@ -195,17 +194,11 @@ def dropless_moe(
     per device (`expert_parallel_moe`), unless the tokens do not split evenly over the batch axes
     (abstract traces with a toy shape), where XLA partitions the single-device dispatch."""
     mesh = context_mesh()
-    if mesh is not None and mesh.size > 1 and x.shape[0] % _batch_shards(mesh) == 0:
+    if mesh is not None and mesh.size > 1 and x.shape[0] % data_parallel_size(mesh) == 0:
         return expert_parallel_moe(x, indices, weights, experts, mesh, capacity_factor, tile_rows)
     num_experts = experts.gate.shape[0]
     d = dispatch(x, indices, weights, 0, num_experts, num_experts, capacity_factor, tile_rows)
     return combine(expert_ffn(d, experts, _local_matmul), d, x.shape[0])
-
-
-def _batch_shards(mesh: Any) -> int:
-    entry = batch_spec(mesh)[0]
-    names = () if entry is None else (entry,) if isinstance(entry, str) else entry
-    return math.prod(mesh.shape[name] for name in names)
 
 
 def expert_parallel_moe(

@@ -113,6 +113,7 @@ def prepare(config: FerryConfig, console: Console) -> PreparedRun:
         dtype,
         config.offload.name,
         micro_steps=config.train.micro_steps(data_parallel),
+        mesh=mesh,
     )
     corpus = _check_data(config, ByteTokenizer())
     console.print(
