@@ -36,9 +36,11 @@ def losses_of(background: Background) -> list[list[float]]:
 )
 def test_meshes_train_like_one_device(model, preset, tmp_path):
     common = f"model={model} offload={preset} {COMMON}"
-    runs = ["mesh.data=2 mesh.fsdp=2 mesh.tensor=2", "mesh.fsdp=2 mesh.expert=4"]
-    if model == "llama_tiny":  # accumulation on a mesh: 2 micro steps of 4 rows (model-independent)
-        runs.append("mesh.data=2 mesh.fsdp=2 mesh.tensor=2 train.micro_batch_size=1")
+    runs = [
+        "mesh.data=2 mesh.fsdp=2 mesh.tensor=2",
+        "mesh.fsdp=2 mesh.expert=4",
+        "mesh.data=2 mesh.fsdp=2 mesh.tensor=2 train.micro_batch_size=1",  # accumulating 2 micro steps of 4
+    ]
     one_device = start_mesh_losses(1, common, [""], tmp_path / "one")  # both processes run at once
     sharded = losses_of(start_mesh_losses(8, common, runs, tmp_path / "eight"))
     (reference,) = losses_of(one_device)
