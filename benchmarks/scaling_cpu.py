@@ -40,9 +40,19 @@ def measure(model: str, layout: str, steps: int, batch: int, seq_len: int, root:
     from ferry.train.step import LossSettings, make_train_step
 
     overrides = [f"model={model}", f"train.global_batch_size={batch}", f"train.seq_len={seq_len}"]
-    overrides += [f"mesh.{axis}" for axis in layout.split()] + [f"run.dir={root / layout.replace(' ', '_')}"]
+    overrides += [f"mesh.{axis}" for axis in layout.split()] + [
+        f"run.dir={root / layout.replace(' ', '_').replace('=', '')}"
+    ]
     with initialize_config_dir(str(CONFIGS), version_base=None):
-        cfg = compose("train", overrides=[*overrides, f"train.steps={steps + 1}", f"platform.cpu_devices={DEVICES}"])
+        cfg = compose(
+            "train",
+            overrides=[
+                *overrides,
+                f"train.steps={steps + 1}",
+                "train.warmup_steps=1",
+                f"platform.cpu_devices={DEVICES}",
+            ],
+        )
     prepared = prepare(load_config(OmegaConf.to_container(cfg, resolve=True)), Console(quiet=True))
     config, mesh = prepared.config, prepared.mesh
     optimizer = make_optimizer(config.train)
@@ -55,7 +65,7 @@ def measure(model: str, layout: str, steps: int, batch: int, seq_len: int, root:
     with jax.set_mesh(mesh):
         state, sharding = initial_state(config, optimizer, mesh)
         step = make_train_step(optimizer, settings, learning_rate_schedule(config.train), 1, sharding)
-        compiled = step.lower(state, batch_array()).compile()
+        compiled = step.lower(state, batch_array()).compile().compiled
         collectives = collective_bytes(compiled.as_text())
         flops = compiled.cost_analysis()["flops"]
         state, metrics = step(state, batch_array())  # warm up

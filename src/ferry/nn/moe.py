@@ -6,6 +6,7 @@ Weights map one-to-one onto Hugging Face's `DeepseekV3MoE`: `gate.weight`,
 expert axis), `shared_experts`.
 """
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -180,6 +181,22 @@ def _local_matmul(x: jax.Array, weights: jax.Array, d: Dispatch) -> jax.Array:
     return grouped_matmul(x, weights, d.group_sizes, d.layout)
 
 
+def per_device_tokens(fn: Callable[[jax.Array, jax.Array], Any]) -> Callable[[jax.Array, jax.Array], Any]:
+    """`fn(tokens, shared)`, token-wise independent, run on each device's own tokens under a mesh:
+    XLA's partitioner would otherwise gather every token to run `top_k` and its scatter."""
+    mesh = context_mesh()
+    if mesh is None or mesh.size == 1:
+        return fn
+
+    def call(tokens: jax.Array, shared: jax.Array) -> Any:
+        if tokens.shape[0] % data_parallel_size(mesh):
+            return fn(tokens, shared)
+        rows = batch_spec(mesh)
+        return jax.shard_map(fn, mesh=mesh, in_specs=(rows, PartitionSpec()), out_specs=rows)(tokens, shared)
+
+    return call
+
+
 def dropless_moe(
     x: Float[Array, "tokens dim"],
     indices: Int[Array, "tokens k"],
@@ -304,14 +321,14 @@ class DeepSeekMoE(eqx.Module):
         batch, seq, dim = x.shape
         scores = jax.nn.sigmoid(x.astype(jnp.float32) @ self.router.astype(jnp.float32))
         flat_scores = scores.reshape(batch * seq, -1)
-        indices, weights = route(
-            flat_scores,
-            self.correction_bias.astype(jnp.float32),
-            self.num_groups,
-            self.groups_per_token,
-            self.experts_per_token,
-            self.routed_scaling,
+        select = functools.partial(
+            route,
+            num_groups=self.num_groups,
+            groups_per_token=self.groups_per_token,
+            experts_per_token=self.experts_per_token,
+            routed_scaling=self.routed_scaling,
         )
+        indices, weights = per_device_tokens(select)(flat_scores, self.correction_bias.astype(jnp.float32))
         routed = dropless_moe(
             x.reshape(batch * seq, dim), indices, weights, self.experts, self.capacity_factor, self.tile_rows
         )
