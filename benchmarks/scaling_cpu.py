@@ -4,7 +4,8 @@ per device and step time of the real train step, for the tiny models, measured i
     python benchmarks/scaling_cpu.py [--model llama_tiny] [--steps 10] [--batch 16] [--seq-len 128]
 
 Each layout goes through the same `prepare` and train-state code as `launch/run.py`; collective
-bytes are read from the compiled HLO, weighted by the layer loop's trip count. The 8 devices share
+bytes are read from the compiled HLO, weighted by the layer loop's trip count; steps are timed
+round-robin across layouts and the median is reported. The 8 devices share
 this machine's cores, so step times compare layouts' overheads, not scaling: ratios are against
 pure data parallelism (data=8), which moves only the gradients.
 """
@@ -26,58 +27,60 @@ LAYOUTS = {
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
-def measure(model: str, layout: str, steps: int, batch: int, seq_len: int, root: Path) -> dict:
-    import jax
-    import numpy as np
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-    from rich.console import Console
+class Layout:
+    """One mesh layout's compiled train step, its state, and what the compiler says about it."""
 
-    from ferry.hlo_stats import collective_bytes
-    from ferry.train.config import load_config
-    from ferry.train.optimizer import learning_rate_schedule, make_optimizer
-    from ferry.train.run import device_batch, initial_state, prepare
-    from ferry.train.step import LossSettings, make_train_step
+    def __init__(self, model: str, layout: str, batch: int, seq_len: int, root: Path):
+        import jax
+        import numpy as np
+        from hydra import compose, initialize_config_dir
+        from omegaconf import OmegaConf
+        from rich.console import Console
 
-    overrides = [f"model={model}", f"train.global_batch_size={batch}", f"train.seq_len={seq_len}"]
-    overrides += [f"mesh.{axis}" for axis in layout.split()] + [
-        f"run.dir={root / layout.replace(' ', '_').replace('=', '')}"
-    ]
-    with initialize_config_dir(str(CONFIGS), version_base=None):
-        cfg = compose(
-            "train",
-            overrides=[
-                *overrides,
-                f"train.steps={steps + 1}",
-                "train.warmup_steps=1",
-                f"platform.cpu_devices={DEVICES}",
-            ],
-        )
-    prepared = prepare(load_config(OmegaConf.to_container(cfg, resolve=True)), Console(quiet=True))
-    config, mesh = prepared.config, prepared.mesh
-    optimizer = make_optimizer(config.train)
-    settings = LossSettings(prepared.policy, config.train.compute_dtype)
-    tokens = np.random.default_rng(0).integers(0, 256, (batch, seq_len + 1), dtype=np.int32)  # the same for all
+        from ferry.hlo_stats import collective_bytes
+        from ferry.train.config import load_config
+        from ferry.train.optimizer import learning_rate_schedule, make_optimizer
+        from ferry.train.run import device_batch, initial_state, prepare
+        from ferry.train.step import LossSettings, make_train_step
 
-    def batch_array() -> jax.Array:
-        return device_batch(lambda rows: tokens[rows], tokens.shape, mesh)
+        overrides = [f"model={model}", f"train.global_batch_size={batch}", f"train.seq_len={seq_len}"]
+        overrides += [f"mesh.{axis}" for axis in layout.split()]
+        overrides += [f"run.dir={root / layout.replace(' ', '_').replace('=', '')}", "train.warmup_steps=1"]
+        with initialize_config_dir(str(CONFIGS), version_base=None):
+            cfg = compose("train", overrides=[*overrides, f"platform.cpu_devices={DEVICES}"])
+        prepared = prepare(load_config(OmegaConf.to_container(cfg, resolve=True)), Console(quiet=True))
+        config, self.mesh = prepared.config, prepared.mesh
+        optimizer = make_optimizer(config.train)
+        settings = LossSettings(prepared.policy, config.train.compute_dtype)
+        tokens = np.random.default_rng(0).integers(0, 256, (batch, seq_len + 1), dtype=np.int32)  # same for all
+        self.batch = lambda: device_batch(lambda rows: tokens[rows], tokens.shape, self.mesh)
+        with jax.set_mesh(self.mesh):
+            self.state, sharding = initial_state(config, optimizer, self.mesh)
+            self.step = make_train_step(optimizer, settings, learning_rate_schedule(config.train), 1, sharding)
+            compiled = self.step.lower(self.state, self.batch()).compile().compiled
+        self.collectives = collective_bytes(compiled.as_text())
+        self.flops = compiled.cost_analysis()["flops"]
+        self.times: list[float] = []
+        self.run_once()  # warm up
 
-    with jax.set_mesh(mesh):
-        state, sharding = initial_state(config, optimizer, mesh)
-        step = make_train_step(optimizer, settings, learning_rate_schedule(config.train), 1, sharding)
-        compiled = step.lower(state, batch_array()).compile().compiled
-        collectives = collective_bytes(compiled.as_text())
-        flops = compiled.cost_analysis()["flops"]
-        state, metrics = step(state, batch_array())  # warm up
-        jax.block_until_ready(metrics)
-        times = []
-        for _ in range(steps):
-            fresh_batch = batch_array()  # the step donates its batch
+    def run_once(self) -> float:
+        import jax
+
+        with jax.set_mesh(self.mesh):
+            batch = self.batch()  # the step donates its batch
             start = time.perf_counter()
-            state, metrics = step(state, fresh_batch)
+            self.state, metrics = self.step(self.state, batch)
             jax.block_until_ready(metrics)
-            times.append(time.perf_counter() - start)
-    return {"collectives": collectives, "flops": flops, "step_s": statistics.median(times)}
+        return time.perf_counter() - start
+
+
+def compare_layouts(model: str, steps: int, batch: int, seq_len: int, root: Path) -> dict[str, Layout]:
+    """Build every layout, then time their steps round-robin, so machine noise hits all alike."""
+    layouts = {layout: Layout(model, layout, batch, seq_len, root) for layout in LAYOUTS[model]}
+    for _ in range(steps):
+        for layout in layouts.values():
+            layout.times.append(layout.run_once())
+    return layouts
 
 
 def main() -> None:
@@ -96,10 +99,7 @@ def main() -> None:
     console = Console(width=140)
     for model in [args.model] if args.model else list(LAYOUTS):
         with TemporaryDirectory() as root:
-            results = {
-                layout: measure(model, layout, args.steps, args.batch, args.seq_len, Path(root))
-                for layout in LAYOUTS[model]
-            }
+            results = compare_layouts(model, args.steps, args.batch, args.seq_len, Path(root))
         base = results[LAYOUTS[model][0]]
         title = (
             f"{model} on {DEVICES} CPU devices, batch {args.batch} x seq {args.seq_len}, median of {args.steps} steps"
@@ -117,18 +117,19 @@ def main() -> None:
             "time vs data=8",
         ):
             table.add_column(column, justify="left" if column == "mesh" else "right")
+        base_time = statistics.median(base.times)
         for layout, r in results.items():
-            c = r["collectives"]
+            c, step_s = r.collectives, statistics.median(r.times)
             other = sum(v for k, v in c.items() if k not in ("all-gather", "all-reduce", "reduce-scatter"))
-            total, base_total = sum(c.values()), sum(base["collectives"].values())
+            total, base_total = sum(c.values()), sum(base.collectives.values())
             table.add_row(
                 layout,
                 *(f"{c.get(k, 0) / 2**20:.2f}" for k in ("all-gather", "all-reduce", "reduce-scatter")),
                 f"{other / 2**20:.2f}",
                 f"{total / base_total:.2f}x",
-                f"{r['flops'] / 1e9:.3f}",
-                f"{r['step_s'] * 1e3:.1f}",
-                f"{r['step_s'] / base['step_s']:.2f}x",
+                f"{r.flops / 1e9:.3f}",
+                f"{step_s * 1e3:.1f}",
+                f"{step_s / base_time:.2f}x",
             )
         console.print(table)
 

@@ -3,13 +3,17 @@ compiled, with a message naming the numbers."""
 
 import pytest
 from hydra import compose, initialize_config_dir
+from jax.sharding import AbstractMesh, AxisType
 from omegaconf import OmegaConf
 from rich.console import Console
 
-from ferry.sharding import MeshConfig, MeshError, param_spec
-from ferry.train.config import load_config
+from ferry.distributed import under_slurm
+from ferry.models.registry import abstract_model, count_parameters
+from ferry.platform import PlatformConfig
+from ferry.sharding import MESH_AXES, MeshConfig, MeshError, param_spec, parameters_per_device
+from ferry.train.config import DistributedConfig, load_config
 from ferry.train.run import prepare
-from tests.conftest import CONFIGS, run_launcher
+from tests.conftest import CONFIGS, load_model_config, run_launcher
 
 
 def prepare_with(*overrides: str):
@@ -53,3 +57,28 @@ def test_launcher_refuses_a_bad_mesh_before_compiling(tmp_path):
     assert result.returncode == 2
     assert "model.num_heads (4) is not divisible by mesh.tensor=3" in " ".join(result.stdout.split())
     assert not (tmp_path / "run").exists()
+
+
+def test_distributed_settings_go_together_and_slurm_is_recognised():
+    with pytest.raises(ValueError, match="go together: set all three, or none"):
+        DistributedConfig(coordinator_address="localhost:1234")
+    with pytest.raises(ValueError, match=r"process_id 2 must lie in \[0, num_processes=2\)"):
+        DistributedConfig("localhost:1234", 2, 2)
+    assert under_slurm({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "16"})
+    assert not under_slurm({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"})  # an interactive single task
+    assert not under_slurm({})
+
+
+def test_cpu_devices_belong_to_the_cpu_platform():
+    assert "--xla_force_host_platform_device_count=8" in PlatformConfig("cpu", cpu_devices=8).flag_string()
+    with pytest.raises(ValueError, match="platform.cpu_devices=8 needs platform=cpu"):
+        PlatformConfig("gpu", cpu_devices=8)
+
+
+def test_fsdp_divides_what_each_device_holds():
+    """The memory check counts one device's share: FSDP over 8 splits every matrix 8 ways;
+    the norm scales (2 per layer and the final one, 64 each) stay whole."""
+    model = abstract_model(load_model_config("llama_tiny"))
+    mesh = AbstractMesh((1, 8, 1, 1), MESH_AXES, axis_types=(AxisType.Auto,) * 4)
+    norms = (2 * 2 + 1) * 64
+    assert parameters_per_device(model, mesh) == (count_parameters(model) - norms) // 8 + norms

@@ -20,14 +20,16 @@ def available_bytes() -> tuple[int, str]:
     return psutil.virtual_memory().available, "host RAM available to the CPU backend"
 
 
-def check_fits(model_name: str, num_parameters: int, size: str, suggestion: str) -> None:
-    """Refuse a model whose training state alone exceeds memory; `size` describes its size."""
-    needed = num_parameters * TRAINING_BYTES_PER_PARAMETER
+def check_fits(model_name: str, parameters_per_device: int, size: str, suggestion: str) -> None:
+    """Refuse a model whose training state alone exceeds this host's memory; `size` describes
+    the model, `parameters_per_device` is what one device holds of it under the mesh."""
+    devices = len(jax.local_devices())
+    needed = parameters_per_device * TRAINING_BYTES_PER_PARAMETER * devices
     have, where = available_bytes()
     if needed > have:
         raise InsufficientMemoryError(
             f"model {model_name} has {size}: its fp32 parameters, "
-            f"gradients, AdamW state and bf16 compute copy need {needed / 2**30:,.1f} GiB "
-            f"({TRAINING_BYTES_PER_PARAMETER} B per parameter, before activations), but this machine "
-            f"has {have / 2**30:,.1f} GiB ({where}). {suggestion}"
+            f"gradients, AdamW state and bf16 compute copy need {needed / 2**30:,.1f} GiB on this host's "
+            f"{devices} device(s) with this mesh ({TRAINING_BYTES_PER_PARAMETER} B per parameter, before "
+            f"activations), but this machine has {have / 2**30:,.1f} GiB ({where}). {suggestion}"
         )

@@ -172,6 +172,15 @@ def tree_shardings(tree: Any, mesh: Mesh) -> Any:
     return jax.tree_util.tree_map_with_path(sharding, tree)
 
 
+def parameters_per_device(tree: Any, mesh: Any) -> int:
+    """How many of `tree`'s parameters (a model, concrete or abstract) one device holds."""
+    total = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        shape = tuple(getattr(leaf, "shape", ()))
+        total += math.prod(shard_shape(shape, param_spec(jax.tree_util.keystr(path), shape, mesh), mesh))
+    return total
+
+
 def batch_spec(mesh: Any) -> PartitionSpec:
     """Rows of a [batch, ...] array split over every batch axis the mesh has."""
     return logical_spec(("batch",), ACTIVATION_RULES, mesh)

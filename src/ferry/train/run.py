@@ -27,7 +27,7 @@ from ferry.metrics import MetricsWriter
 from ferry.models.registry import TINY_MODELS, abstract_model, build_model, count_parameters, size_summary
 from ferry.offload import Policy
 from ferry.schedule import TransferSchedule, model_schedule, schedule_table
-from ferry.sharding import batch_sharded, check_divisible, make_mesh, tree_shardings
+from ferry.sharding import batch_sharded, check_divisible, make_mesh, parameters_per_device, tree_shardings
 from ferry.train.config import FerryConfig
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer
 from ferry.train.step import LossSettings, TrainState, init_state, make_eval_step, make_train_step
@@ -94,14 +94,14 @@ def prepare(config: FerryConfig, console: Console) -> PreparedRun:
     """Every check that can refuse the run, cheapest first; allocates no model, writes nothing."""
     model = abstract_model(config.model)  # traced once, shapes only
     num_parameters = count_parameters(model)
+    mesh = _check_mesh(config, model)
     tiny = TINY_MODELS[type(config.model)]
     check_fits(
         config.model_name,
-        num_parameters,
+        parameters_per_device(model, mesh),
         size_summary(config.model, num_parameters),
-        f"Use model={tiny} on this machine, or run on devices whose memory holds it.",
+        f"Use model={tiny} on this machine, or shard it (mesh.fsdp) over devices whose memory holds it.",
     )
-    mesh = _check_mesh(config, model)
     policy = config.offload.policy(model.tagged_names())
     dtype = jnp.dtype(config.train.compute_dtype)
     data_parallel = config.mesh.data_parallel
