@@ -15,12 +15,12 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from ferry import distributed
-from ferry.config import ConfigError
+from ferry.config import ConfigError, from_dict
 from ferry.memory import InsufficientMemoryError
 from ferry.offload import PolicyError
 from ferry.platform import apply_platform
-from ferry.train.config import load_config
-from ferry.train.run import RunDirectoryError, prepare, train
+from ferry.train.config import FerryConfig, OffloadConfig, load_config
+from ferry.train.run import RunDirectoryError, prepare, resolve_run_dir, train
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 _TENSOR_OVERRIDE = re.compile(r"^offload\.tensors\.\w+=")
@@ -37,6 +37,8 @@ def main(cfg: DictConfig) -> None:
     console = Console()
     try:
         config = load_config(OmegaConf.to_container(cfg, resolve=True))
+        if config.mode == "plan":
+            sys.exit(plan(config, console))
         variables = apply_platform(config.platform)  # before JAX starts its backend
         processes = distributed.initialize(config.distributed)  # likewise
         console = Console(quiet=jax.process_index() != 0)  # process 0 speaks for the run
@@ -47,17 +49,40 @@ def main(cfg: DictConfig) -> None:
             highlight=False,
         )
         prepared = prepare(config, console)
-    except (
-        ConfigError,
-        PolicyError,
-        InsufficientMemoryError,
-        RunDirectoryError,
-        ValueError,
-        FileNotFoundError,
-    ) as error:
-        Console().print(f"[bold red]error:[/] {error}", highlight=False)
-        sys.exit(2)
+    except REFUSALS as error:
+        refuse(error)
     train(prepared, OmegaConf.to_yaml(cfg), console)
+
+
+REFUSALS = (ConfigError, PolicyError, InsufficientMemoryError, RunDirectoryError, ValueError, FileNotFoundError)
+
+
+def refuse(error: Exception) -> None:
+    Console().print(f"[bold red]error:[/] {error}", highlight=False)
+    sys.exit(2)
+
+
+def plan(config: FerryConfig, console: Console) -> int:
+    """`mode=plan`: compile for `target` on this machine's CPU (never its own accelerator)."""
+    jax.config.update("jax_platforms", "cpu")  # the CUDA plugin then only serves compile-only topologies
+    from ferry.plan.planner import PlanError
+    from ferry.plan.report import run_plan, write_plan
+
+    def load_preset(name: str) -> OffloadConfig:
+        path = Path(CONFIG_DIR) / "offload" / f"{name}.yaml"
+        if not path.exists():
+            raise ConfigError(f"plan.presets names {name!r}, which is not in configs/offload/")
+        return from_dict(OffloadConfig, OmegaConf.to_container(OmegaConf.load(path)), f"offload {name}")
+
+    try:
+        run_dir = resolve_run_dir(config)
+        plans = run_plan(config, load_preset, console)
+    except (*REFUSALS, PlanError) as error:
+        refuse(error)
+    except ImportError as error:
+        refuse(ImportError(f'the planner needs the CUDA plugin: pip install -e ".[plan]" ({error})'))
+    console.print(f"plan written to {write_plan(plans, run_dir)}")
+    return 0
 
 
 if __name__ == "__main__":

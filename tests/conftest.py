@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+# Tests run on the CPU backend. With the planner's CUDA plugin installed, JAX would otherwise try
+# (and fail) to start a GPU backend first; the plugin still serves compile-only GPU topologies.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 import pytest
 from omegaconf import OmegaConf
 

@@ -240,12 +240,28 @@ def spec_of(x: jax.Array, axes: Axes, mesh: Mesh | jax.sharding.AbstractMesh) ->
 
 
 def to_memory(x: jax.Array, memory_kind: str, mesh: Mesh | None = None, axes: Axes = None) -> jax.Array:
-    """`device_put` a value to `memory_kind` ("pinned_host" or "device") keeping its sharding."""
+    """`device_put` a value to `memory_kind` ("pinned_host" or "device") keeping its sharding.
+
+    Compile-only devices (a GPU target compiled without a GPU) have no memories, and JAX would
+    silently canonicalise a `pinned_host` NamedSharding to device memory, dropping the offload;
+    there the value goes to the memory *space* instead, which the compiler honours, its spec
+    kept by the sharding constraint."""
     target = _mesh(mesh)
     spec = spec_of(x, axes, target)
     if target.size > 1 and all(t == AxisType.Auto for t in target.axis_types):
         x = jax.lax.with_sharding_constraint(x, NamedSharding(target, spec))  # the device value's spec, pinned
+    if not has_memory_kinds(target):
+        return jax.device_put(x, jax.memory.Space.Host if memory_kind == "pinned_host" else jax.memory.Space.Device)
     return jax.device_put(x, NamedSharding(target, spec, memory_kind=memory_kind))
+
+
+def has_memory_kinds(mesh: Mesh | jax.sharding.AbstractMesh) -> bool:
+    """Do the mesh's devices expose memories? Not for compile-only devices, which is why the
+    planner passes its concrete mesh (`offloaded(..., mesh=)`); an abstract mesh names no
+    devices and is taken to have them."""
+    if not isinstance(mesh, Mesh):
+        return True
+    return bool(mesh.devices.flat[0].addressable_memories())
 
 
 # --------------------------------------------------------------------------------------------

@@ -69,4 +69,8 @@ def apply_platform(config: PlatformConfig) -> dict[str, str]:
         )
     variables = config.environment(os.environ)
     os.environ.update(variables)
+    if config.name == "cpu":  # run on the CPU even where an accelerator's plugin is installed
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
     return variables

@@ -136,6 +136,21 @@ class DistributedConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PlanConfig:
+    """`mode=plan`: the target to compile for, and the presets to compare (default: save_all,
+    full_remat and the run's own `offload`). `capacity_gib` overrides the target's HBM."""
+
+    presets: tuple[str, ...] | None = None
+    capacity_gib: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.presets is not None:
+            object.__setattr__(self, "presets", tuple(str(p) for p in self.presets))
+        if self.capacity_gib is not None and self.capacity_gib <= 0:
+            raise ValueError(f"plan.capacity_gib must be positive, got {self.capacity_gib}")
+
+
+@dataclasses.dataclass(frozen=True)
 class FerryConfig:
     """A whole run, as resolved from Hydra: `model` is the family's own config dataclass."""
 
@@ -148,11 +163,20 @@ class FerryConfig:
     platform: PlatformConfig = PlatformConfig()
     mesh: MeshConfig = MeshConfig()
     distributed: DistributedConfig = DistributedConfig()
+    mode: str = "train"
+    target: str | None = None
+    plan: PlanConfig = PlanConfig()
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("train", "plan"):
+            raise ConfigError(f"mode is {self.mode!r}; use train or plan")
+        if self.mode == "plan" and self.target is None:
+            raise ConfigError("mode=plan needs a target: target=h100|h200|b200|gb200")
 
 
 def load_config(node: Mapping) -> FerryConfig:
     """Validate a resolved Hydra config (a plain dict) into frozen dataclasses."""
-    known = {"model", "train", "offload", "data", "run", "platform", "mesh", "distributed"}
+    known = {"model", "train", "offload", "data", "run", "platform", "mesh", "distributed", "mode", "target", "plan"}
     unknown = sorted(set(node) - known)
     if unknown:
         raise ConfigError(f"unknown top-level config key(s) {unknown}; known: {sorted(known)}")
@@ -167,4 +191,7 @@ def load_config(node: Mapping) -> FerryConfig:
         platform=from_dict(PlatformConfig, node.get("platform", {}), "platform"),
         mesh=from_dict(MeshConfig, node.get("mesh", {}), "mesh"),
         distributed=from_dict(DistributedConfig, node.get("distributed", {}), "distributed"),
+        mode=str(node.get("mode", "train")),
+        target=None if node.get("target") is None else str(node["target"]),
+        plan=from_dict(PlanConfig, node.get("plan", {}), "plan"),
     )

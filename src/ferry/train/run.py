@@ -67,12 +67,17 @@ def _check_data(config: FerryConfig, tokenizer: ByteTokenizer) -> Corpus:
     return load_stdlib_corpus(config.data.eval_fraction, tokenizer)
 
 
-def _check_mesh(config: FerryConfig, model: eqx.Module) -> Mesh:
-    """The mesh, once it fits the model's dimensions, the batch and the devices."""
+def check_mesh_shape(config: FerryConfig) -> None:
+    """The mesh's axes divide the model's dimensions and the batch (no devices needed)."""
     axes = config.mesh.shape
     for what, size, axis in config.model.mesh_dims():
         check_divisible(what, size, axis, axes[axis], f"choose a mesh.{axis} that divides {size}")
     config.train.check_batch(config.mesh.data_parallel, config.mesh.describe())
+
+
+def _check_mesh(config: FerryConfig, model: eqx.Module) -> Mesh:
+    """The mesh, once it fits the model's dimensions, the batch and the devices."""
+    check_mesh_shape(config)
     mesh = make_mesh(config.mesh)
     tree_shardings(model, mesh)  # any other parameter dimension its axes do not divide
     return mesh

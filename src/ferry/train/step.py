@@ -78,8 +78,20 @@ def make_train_step(
     are donated: parameters and optimizer moments are updated in place, and the batch buffer is
     consumed (place a fresh batch every step). `state_sharding` (the shardings of the state's
     arrays) pins the new state to the old one's layout, so the step compiles once."""
+    body = train_step_body(optimizer, settings, learning_rate, micro_steps, state_sharding)
+    return eqx.filter_jit(donate="all")(body)
 
-    @eqx.filter_jit(donate="all")
+
+def train_step_body(
+    optimizer: optax.GradientTransformation,
+    settings: LossSettings,
+    learning_rate: optax.Schedule,
+    micro_steps: int = 1,
+    state_sharding: Any = None,
+) -> Callable[[TrainState, Int[Array, "batch seq_plus_one"]], tuple[TrainState, dict[str, Array]]]:
+    """The train step before jit: what `make_train_step` compiles, and what the planner lowers
+    with abstract inputs."""
+
     def train_step(state: TrainState, batch: Int[Array, "batch seq_plus_one"]) -> tuple[TrainState, dict[str, Array]]:
         (loss, stats), grads = accumulated_loss_and_grad(state.model, batch, settings, micro_steps)
         params = eqx.filter(state.model, eqx.is_inexact_array)

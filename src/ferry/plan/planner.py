@@ -1,0 +1,141 @@
+"""Compile ferry's real train step for a GPU cluster on a machine without one, and read what the
+compiler decided: bytes per device in HBM and in pinned host memory, and FLOPs.
+
+The step is the one training runs (`train_step_body`), lowered with `ShapeDtypeStruct` inputs in
+their real shardings over a mesh of compile-only devices; nothing is allocated.
+"""
+
+import dataclasses
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from ferry.models.registry import build_model
+from ferry.offload import Policy
+from ferry.plan.targets import GpuTarget
+from ferry.sharding import MESH_AXES, MeshConfig, batch_sharded, tree_shardings
+from ferry.train.config import FerryConfig
+from ferry.train.optimizer import learning_rate_schedule, make_optimizer
+from ferry.train.step import LossSettings, TrainState, init_state, train_step_body
+
+GPU_COMPILE_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True, "xla_gpu_enable_triton_gemm": False}
+
+
+class PlanError(RuntimeError):
+    """The compiled program contradicts the plan (e.g. an offload the compiler dropped)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """What one device of the target holds for one train step, from `memory_analysis()`."""
+
+    target: str
+    mesh: str
+    policy: str
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    host_bytes: int  # pinned host: temporaries, arguments and outputs
+    flops: float
+    capacity_bytes: int
+    compile_options: tuple[tuple[str, object], ...]
+
+    @property
+    def device_bytes(self) -> int:
+        """Peak HBM the program needs: arguments + outputs - donated aliases + temporaries."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.device_bytes <= self.capacity_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"device_bytes": self.device_bytes, "fits": self.fits}
+
+
+def compile_only_mesh(target: GpuTarget, mesh_config: MeshConfig) -> Mesh:
+    """A mesh of `mesh_config`'s shape over compile-only devices of `target` (needs the CUDA
+    plugin: `pip install -e ".[plan]"`)."""
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(
+        platform="cuda", target_config=target.target_config(), topology=target.topology(mesh_config.num_devices)
+    )
+    devices = np.array(topology.devices).reshape(tuple(mesh_config.shape.values()))
+    return Mesh(devices, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def for_gpu(model_config: Any) -> Any:
+    """The model as it runs on a GPU: grouped GEMMs (`ragged_dot`) for the experts where the
+    config leaves the choice to the backend (this process's backend is the CPU)."""
+    if getattr(model_config, "moe_matmul", None) == "auto":
+        return dataclasses.replace(model_config, moe_matmul="ragged_dot")
+    return model_config
+
+
+def plan_memory(
+    config: FerryConfig,
+    target: GpuTarget,
+    policy: Policy,
+    policy_name: str,
+    capacity_bytes: int | None = None,
+) -> MemoryPlan:
+    """Compile the train step of `config` under `policy` for `target` and report its memory.
+    An offloading policy whose program has no pinned host bytes is an error: the offload was
+    dropped somewhere, and a plan that silently keeps it on device would be a lie."""
+    mesh = compile_only_mesh(target, config.mesh)
+    model_config = for_gpu(config.model)
+    optimizer = make_optimizer(config.train)
+    data_parallel = config.mesh.data_parallel
+
+    def make() -> TrainState:
+        return init_state(build_model(model_config, jax.random.key(0)), optimizer)
+
+    abstract = eqx.filter_eval_shape(make)
+    shapes, static = eqx.partition(abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    sharding = tree_shardings(shapes, mesh)
+    sharded = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, sharding)
+    batch = jax.ShapeDtypeStruct(
+        (config.train.global_batch_size, config.train.seq_len + 1), jnp.int32, sharding=batch_sharded(mesh)
+    )
+    settings = LossSettings(policy, config.train.compute_dtype, config.train.z_loss_weight, mesh)  # concrete: see
+    # `has_memory_kinds`
+    body = train_step_body(
+        optimizer,
+        settings,
+        learning_rate_schedule(config.train),
+        config.train.micro_steps(data_parallel),
+        sharding,
+    )
+
+    def step(arrays: Any, tokens: jax.Array) -> Any:
+        return body(eqx.combine(arrays, static), tokens)
+
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(step, donate_argnums=0).lower(sharded, batch).compile(GPU_COMPILE_OPTIONS)
+    memory = compiled.memory_analysis()
+    host = memory.host_temp_size_in_bytes + memory.host_argument_size_in_bytes + memory.host_output_size_in_bytes
+    offloads = any(placement == "offload" for _, placement in policy.placements)
+    if offloads and host == 0:
+        raise PlanError(
+            f"policy {policy_name} offloads tensors but the program compiled for {target.name} keeps no bytes "
+            "in pinned host memory: the offload was dropped"
+        )
+    return MemoryPlan(
+        target=target.name,
+        mesh=config.mesh.describe(),
+        policy=policy_name,
+        argument_bytes=memory.argument_size_in_bytes,
+        output_bytes=memory.output_size_in_bytes,
+        alias_bytes=memory.alias_size_in_bytes,
+        temp_bytes=memory.temp_size_in_bytes,
+        host_bytes=host,
+        flops=float((compiled.cost_analysis() or {}).get("flops", float("nan"))),
+        capacity_bytes=target.hbm_bytes if capacity_bytes is None else capacity_bytes,
+        compile_options=tuple(sorted(GPU_COMPILE_OPTIONS.items())),
+    )
