@@ -1,6 +1,6 @@
 """Collective bytes read from HLO text, weighted by the trip counts of the loops around them."""
 
-from ferry.hlo_stats import collective_bytes, execution_counts, shape_bytes
+from ferry.hlo_stats import collective_bytes, execution_counts, matmul_flops, shape_bytes
 
 MODULE = """HloModule jit_step, entry_computation_layout={(f32[3,4,16]{2,1,0})->f32[]}
 
@@ -12,6 +12,9 @@ MODULE = """HloModule jit_step, entry_computation_layout={(f32[3,4,16]{2,1,0})->
   %slice = f32[4,16]{1,0} fusion(%param), kind=kLoop, calls=%fused_slice
   %all-gather.1 = f32[16,16]{1,0} all-gather(%slice), channel_id=1, dimensions={0}
   %all-reduce.2 = (f32[16,16]{1,0}, bf16[8]{0}) all-reduce(%a, %b), channel_id=2, to_apply=%add
+  %h = f32[2,16]{1,0} parameter(1)
+  %w = f32[16,16]{1,0} parameter(2)
+  %dot.1 = f32[2,16]{1,0} dot(%h, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
   ROOT %tuple = (s32[], f32[2,16]) tuple(%i, %h)
 }
 
@@ -28,6 +31,11 @@ ENTRY %main (p0: f32[3,4,16]) -> f32[] {
 backend_config={"known_trip_count":{"n":"3"}}
   %rs-start = ((f32[8,16]{1,0}), f32[2,16]{1,0}) reduce-scatter-start(%g), channel_id=3, dimensions={0}
   %rs-done = f32[2,16]{1,0} reduce-scatter-done(%rs-start)
+  %x3 = bf16[4,8,32]{2,1,0} parameter(1)
+  %y3 = bf16[4,32,8]{2,1,0} parameter(2)
+  %gemm = (f32[4,8,8]{2,1,0}, s8[1024]{0}) custom-call(%x3, %y3), custom_call_target="__cublas$lt$matmul", \
+backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["2"],\
+"rhs_contracting_dimensions":["1"],"lhs_batch_dimensions":["0"],"rhs_batch_dimensions":["0"]}}}
   ROOT %out = f32[] reduce(%x, %zero), to_apply=%add
 }
 """
@@ -50,3 +58,9 @@ def test_collective_bytes_weight_each_collective_by_its_loop():
     assert totals["all-reduce"] == 3 * (16 * 16 * 4 + 8 * 2)
     assert totals["reduce-scatter"] == 2 * 16 * 4  # the async pair counts once, by its result
     assert set(totals) == {"all-gather", "all-reduce", "reduce-scatter"}
+
+
+def test_matmul_flops_count_dots_and_gemms_per_loop_iteration():
+    dot_in_loop = 3 * 2 * (2 * 16) * 16  # 3 iterations of [2,16] x [16,16]
+    gemm = 2 * (4 * 8 * 8) * 32  # batched [4,8,32] x [4,32,8], once
+    assert matmul_flops(MODULE) == dot_in_loop + gemm

@@ -91,3 +91,54 @@ def collective_bytes(hlo_text: str) -> Counter:
                     shape = list(_ARRAY.finditer(shape))[-1].group(0)
                 totals[op] += shape_bytes(shape) * counts.get(name, 0)
     return totals
+
+
+_DEFINITION = re.compile(
+    r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<op>[a-z\-]+)\((?P<args>[^)]*)\)"
+)
+_DOT_DIMS = re.compile(r"lhs_contracting_dims=\{(?P<dims>[0-9,]*)\}")
+_GEMM_DIMS = re.compile(r'"lhs_contracting_dimensions":\[(?P<dims>[^\]]*)\]')
+
+
+def _dims(shape: str) -> list[int]:
+    match = _ARRAY.search(shape)
+    return [int(d) for d in match["dims"].split(",") if d] if match else []
+
+
+def matmul_flops(hlo_text: str) -> float:
+    """FLOPs of every matrix product in a compiled module (`dot`, cuBLAS GEMM custom calls and
+    `ragged-dot`, counted as dense), weighted by how often its computation runs: what
+    `cost_analysis()` does not report for compile-only GPU devices. 2 x output elements x the
+    contracted size; elementwise work is not counted."""
+    bodies, _ = _computations(hlo_text)
+    counts = execution_counts(hlo_text)
+    shapes: dict[str, str] = {}
+    for lines in bodies.values():
+        for line in lines:
+            definition = _DEFINITION.match(line)
+            if definition:
+                shapes[definition["name"]] = definition["shape"]
+    total = 0.0
+    for name, lines in bodies.items():
+        for line in lines:
+            definition = _DEFINITION.match(line)
+            if definition is None:
+                continue
+            op, dims = definition["op"], None
+            if op == "dot":
+                dims = _DOT_DIMS.search(line)
+            elif op == "custom-call" and "cublas" in line:
+                dims = _GEMM_DIMS.search(line)
+            elif op == "ragged-dot":
+                dims = _DOT_DIMS.search(line)
+            if dims is None:
+                continue
+            lhs = definition["args"].split(",")[0].strip().lstrip("%")
+            lhs_dims = _dims(shapes.get(lhs, ""))
+            contracted = [int(d.strip().strip('"')) for d in dims["dims"].split(",") if d.strip()]
+            if not lhs_dims or any(d >= len(lhs_dims) for d in contracted):
+                continue
+            out = _dims(definition["shape"])  # a GEMM's (result, workspace) tuple: its first array
+            size = int(np.prod([lhs_dims[d] for d in contracted], dtype=np.int64))
+            total += 2.0 * float(np.prod(out, dtype=np.int64)) * size * counts.get(name, 0)
+    return total

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from ferry.hlo_stats import matmul_flops
 from ferry.models.registry import build_model
 from ferry.offload import Policy
 from ferry.plan.targets import GpuTarget
@@ -41,7 +42,7 @@ class MemoryPlan:
     alias_bytes: int
     temp_bytes: int
     host_bytes: int  # pinned host: temporaries, arguments and outputs
-    flops: float
+    flops: float  # matrix products per device per step, from the compiled HLO (`matmul_flops`)
     capacity_bytes: int
     compile_options: tuple[tuple[str, object], ...]
 
@@ -135,7 +136,7 @@ def plan_memory(
         alias_bytes=memory.alias_size_in_bytes,
         temp_bytes=memory.temp_size_in_bytes,
         host_bytes=host,
-        flops=float((compiled.cost_analysis() or {}).get("flops", float("nan"))),
+        flops=matmul_flops(compiled.as_text()),
         capacity_bytes=target.hbm_bytes if capacity_bytes is None else capacity_bytes,
         compile_options=tuple(sorted(GPU_COMPILE_OPTIONS.items())),
     )

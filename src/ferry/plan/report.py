@@ -2,7 +2,6 @@
 side, as a table and as `plan.json`."""
 
 import json
-import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -62,7 +61,7 @@ def plan_table(plans: list[MemoryPlan], config: FerryConfig) -> Table:
         "capacity",
         "verdict",
         "pinned host",
-        "TFLOP",
+        "matmul TFLOP",
     ):
         table.add_column(column, justify="left" if column in ("preset", "verdict") else "right")
     for plan in plans:
@@ -75,7 +74,7 @@ def plan_table(plans: list[MemoryPlan], config: FerryConfig) -> Table:
             format_bytes(plan.capacity_bytes),
             "FITS" if plan.fits else "OOM",
             format_bytes(plan.host_bytes),
-            "-" if math.isnan(plan.flops) else f"{plan.flops / 1e12:.3f}",
+            f"{plan.flops / 1e12:.4f}",
         )
     return table
 
