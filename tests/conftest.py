@@ -11,11 +11,12 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from ferry.config import from_dict
 from ferry.models.registry import model_config
-from ferry.train.config import OffloadConfig
+from ferry.train.config import FerryConfig, OffloadConfig, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
@@ -25,6 +26,13 @@ PRESETS = sorted(p.stem for p in (CONFIGS / "offload").glob("*.yaml"))
 def load_model_config(name: str, **overrides):
     node = OmegaConf.to_container(OmegaConf.load(CONFIGS / "model" / f"{name}.yaml"))
     return model_config({**node, **overrides})
+
+
+def compose_config(*overrides: str) -> FerryConfig:
+    """The validated config `python launch/run.py OVERRIDES...` would run."""
+    with initialize_config_dir(str(CONFIGS), version_base=None):
+        cfg = compose("train", overrides=list(overrides))
+    return load_config(OmegaConf.to_container(cfg, resolve=True))
 
 
 def load_preset(name: str) -> OffloadConfig:

@@ -2,24 +2,20 @@
 compiled, with a message naming the numbers."""
 
 import pytest
-from hydra import compose, initialize_config_dir
 from jax.sharding import AbstractMesh, AxisType
-from omegaconf import OmegaConf
 from rich.console import Console
 
 from ferry.distributed import under_slurm
 from ferry.models.registry import abstract_model, count_parameters
 from ferry.platform import PlatformConfig
 from ferry.sharding import MESH_AXES, MeshConfig, MeshError, param_spec, parameters_per_device
-from ferry.train.config import DistributedConfig, load_config
+from ferry.train.config import DistributedConfig
 from ferry.train.run import prepare
-from tests.conftest import CONFIGS, load_model_config, run_launcher
+from tests.conftest import compose_config, load_model_config, run_launcher
 
 
 def prepare_with(*overrides: str):
-    with initialize_config_dir(str(CONFIGS), version_base=None):
-        cfg = compose("train", overrides=list(overrides))
-    return prepare(load_config(OmegaConf.to_container(cfg, resolve=True)), Console(quiet=True))
+    return prepare(compose_config(*overrides), Console(quiet=True))
 
 
 @pytest.mark.parametrize(

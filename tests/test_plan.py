@@ -5,15 +5,12 @@ import dataclasses
 import importlib.util
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from ferry import offload
 from ferry.models.registry import abstract_model
 from ferry.plan.planner import PlanError, plan_memory
 from ferry.plan.targets import GPU_TARGETS
-from ferry.train.config import load_config
-from tests.conftest import CONFIGS, load_preset, run_launcher
+from tests.conftest import compose_config, load_preset, run_launcher
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("jax_cuda12_plugin") is None,
@@ -23,9 +20,7 @@ H200 = GPU_TARGETS["h200"]
 
 
 def plan(model: str, preset: str, **kwargs):
-    with initialize_config_dir(str(CONFIGS), version_base=None):
-        cfg = compose("train", overrides=[f"model={model}", f"offload={preset}", "train.seq_len=256"])
-    config = load_config(OmegaConf.to_container(cfg, resolve=True))
+    config = compose_config(f"model={model}", f"offload={preset}", "train.seq_len=256")
     policy = load_preset(preset).policy(abstract_model(config.model).tagged_names())
     return plan_memory(config, H200, policy, preset, **kwargs)
 

@@ -54,7 +54,10 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
 
 def execution_counts(hlo_text: str) -> dict[str, int]:
     """How many times each computation runs per call of the entry computation."""
-    bodies, entry = _computations(hlo_text)
+    return _execution_counts(*_computations(hlo_text))
+
+
+def _execution_counts(bodies: dict[str, list[str]], entry: str) -> dict[str, int]:
     counts: Counter = Counter()
 
     def visit(name: str, times: int) -> None:
@@ -76,8 +79,8 @@ def collective_bytes(hlo_text: str) -> Counter:
     """Bytes every kind of collective moves per device per call of a compiled (SPMD-partitioned)
     module: each collective's output size times how often its computation runs. An async pair
     (`-start` / `-done`) counts once, by the last array of the start's shape (its result)."""
-    bodies, _ = _computations(hlo_text)
-    counts = execution_counts(hlo_text)
+    bodies, entry = _computations(hlo_text)
+    counts = _execution_counts(bodies, entry)
     totals: Counter = Counter()
     for name, lines in bodies.items():
         for line in lines:
@@ -110,8 +113,8 @@ def matmul_flops(hlo_text: str) -> float:
     `ragged-dot`, counted as dense), weighted by how often its computation runs: what
     `cost_analysis()` does not report for compile-only GPU devices. 2 x output elements x the
     contracted size; elementwise work is not counted."""
-    bodies, _ = _computations(hlo_text)
-    counts = execution_counts(hlo_text)
+    bodies, entry = _computations(hlo_text)
+    counts = _execution_counts(bodies, entry)
     shapes: dict[str, str] = {}
     for lines in bodies.values():
         for line in lines:

@@ -75,14 +75,6 @@ def check_mesh_shape(config: FerryConfig) -> None:
     config.train.check_batch(config.mesh.data_parallel, config.mesh.describe())
 
 
-def _check_mesh(config: FerryConfig, model: eqx.Module) -> Mesh:
-    """The mesh, once it fits the model's dimensions, the batch and the devices."""
-    check_mesh_shape(config)
-    mesh = make_mesh(config.mesh)
-    tree_shardings(model, mesh)  # any other parameter dimension its axes do not divide
-    return mesh
-
-
 @dataclasses.dataclass(frozen=True)
 class PreparedRun:
     """A run whose config, memory estimate, mesh, data and offload policy have all been accepted."""
@@ -99,11 +91,12 @@ def prepare(config: FerryConfig, console: Console) -> PreparedRun:
     """Every check that can refuse the run, cheapest first; allocates no model, writes nothing."""
     model = abstract_model(config.model)  # traced once, shapes only
     num_parameters = count_parameters(model)
-    mesh = _check_mesh(config, model)
+    check_mesh_shape(config)
+    mesh = make_mesh(config.mesh)  # the devices
     tiny = TINY_MODELS[type(config.model)]
     check_fits(
         config.model_name,
-        parameters_per_device(model, mesh),
+        parameters_per_device(model, mesh),  # also refuses any parameter dimension its axes do not divide
         size_summary(config.model, num_parameters),
         f"Use model={tiny} on this machine, or shard it (mesh.fsdp) over devices whose memory holds it.",
     )
