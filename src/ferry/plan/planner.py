@@ -15,13 +15,13 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from ferry.hlo_stats import matmul_flops
-from ferry.models.registry import build_model
 from ferry.offload import Policy
 from ferry.plan.targets import GpuTarget
-from ferry.sharding import MESH_AXES, MeshConfig, batch_sharded, tree_shardings
+from ferry.sharding import MESH_AXES, MeshConfig, batch_sharded
 from ferry.train.config import FerryConfig
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer
-from ferry.train.step import LossSettings, TrainState, init_state, train_step_body
+from ferry.train.run import state_layout
+from ferry.train.step import LossSettings, train_step_body
 
 GPU_COMPILE_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True, "xla_gpu_enable_triton_gemm": False}
 
@@ -90,22 +90,16 @@ def plan_memory(
     An offloading policy whose program has no pinned host bytes is an error: the offload was
     dropped somewhere, and a plan that silently keeps it on device would be a lie."""
     mesh = compile_only_mesh(target, config.mesh)
-    model_config = for_gpu(config.model)
     optimizer = make_optimizer(config.train)
     data_parallel = config.mesh.data_parallel
-
-    def make() -> TrainState:
-        return init_state(build_model(model_config, jax.random.key(0)), optimizer)
-
-    abstract = eqx.filter_eval_shape(make)
-    shapes, static = eqx.partition(abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    sharding = tree_shardings(shapes, mesh)
-    sharded = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, sharding)
+    layout = state_layout(for_gpu(config.model), optimizer, mesh)
+    sharding = layout.sharding
+    sharded = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), layout.shapes, sharding)
     batch = jax.ShapeDtypeStruct(
         (config.train.global_batch_size, config.train.seq_len + 1), jnp.int32, sharding=batch_sharded(mesh)
     )
-    settings = LossSettings(policy, config.train.compute_dtype, config.train.z_loss_weight, mesh)  # concrete: see
-    # `has_memory_kinds`
+    # the concrete mesh, so the engine sees its devices have no memories (`has_memory_kinds`)
+    settings = LossSettings(policy, config.train.compute_dtype, config.train.z_loss_weight, mesh)
     body = train_step_body(
         optimizer,
         settings,
@@ -115,7 +109,7 @@ def plan_memory(
     )
 
     def step(arrays: Any, tokens: jax.Array) -> Any:
-        return body(eqx.combine(arrays, static), tokens)
+        return body(eqx.combine(arrays, layout.static), tokens)
 
     with jax.set_mesh(mesh):
         compiled = jax.jit(step, donate_argnums=0).lower(sharded, batch).compile(GPU_COMPILE_OPTIONS)

@@ -147,18 +147,30 @@ def window_rows(source: PackedBatches, windows: np.ndarray) -> Callable[[slice],
     return lambda rows: source.window_batch(windows[rows])
 
 
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """How a train state is built and laid out on a mesh, known from shapes alone."""
+
+    make: Callable[[], TrainState]  # builds the whole state
+    shapes: Any  # its arrays as ShapeDtypeStructs (None elsewhere)
+    static: Any  # everything else
+    sharding: Any  # a NamedSharding per array, by the parameter rules
+
+
+def state_layout(model_config: Any, optimizer: Any, mesh: Mesh, seed: int = 0) -> StateLayout:
+    def make() -> TrainState:
+        return init_state(build_model(model_config, jax.random.key(seed)), optimizer)
+
+    shapes, static = eqx.partition(eqx.filter_eval_shape(make), lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    return StateLayout(make, shapes, static, tree_shardings(shapes, mesh))
+
+
 def initial_state(config: FerryConfig, optimizer: Any, mesh: Mesh) -> tuple[TrainState, Any]:
     """The train state built on the devices in its sharding (no host copy of the whole model),
     and that sharding; the random init is the same on every mesh."""
-
-    def make() -> TrainState:
-        return init_state(build_model(config.model, jax.random.key(config.train.seed)), optimizer)
-
-    abstract = eqx.filter_eval_shape(make)
-    shapes, static = eqx.partition(abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    sharding = tree_shardings(shapes, mesh)
-    arrays = jax.jit(lambda: eqx.partition(make(), eqx.is_array)[0], out_shardings=sharding)()
-    return eqx.combine(arrays, static), sharding
+    layout = state_layout(config.model, optimizer, mesh, config.train.seed)
+    arrays = jax.jit(lambda: eqx.partition(layout.make(), eqx.is_array)[0], out_shardings=layout.sharding)()
+    return eqx.combine(arrays, layout.static), layout.sharding
 
 
 def train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
