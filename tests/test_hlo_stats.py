@@ -1,6 +1,13 @@
 """Collective bytes read from HLO text, weighted by the trip counts of the loops around them."""
 
-from ferry.hlo_stats import collective_bytes, execution_counts, matmul_flops, shape_bytes
+from ferry.hlo_stats import (
+    collective_bytes,
+    execution_counts,
+    host_copies,
+    matmul_flops,
+    overlapped_flops,
+    shape_bytes,
+)
 
 MODULE = """HloModule jit_step, entry_computation_layout={(f32[3,4,16]{2,1,0})->f32[]}
 
@@ -64,3 +71,57 @@ def test_matmul_flops_count_dots_and_gemms_per_loop_iteration():
     dot_in_loop = 3 * 2 * (2 * 16) * 16  # 3 iterations of [2,16] x [16,16]
     gemm = 2 * (4 * 8 * 8) * 32  # batched [4,8,32] x [4,32,8], once
     assert matmul_flops(MODULE) == dot_in_loop + gemm
+
+
+# A layer loop of 4 trips (TPU style: no known_trip_count, the bound is in the condition) that
+# offloads one [1,8,16] slice per trip while a [8,16]x[16,16] matmul (as a TPU convolution) runs,
+# then a reload after the loop with nothing scheduled under it.
+OFFLOAD_MODULE = """HloModule jit_step, is_scheduled=true
+
+%body (p: (s32[], bf16[4,8,16])) -> (s32[], bf16[4,8,16]) {
+  %buffer = bf16[4,8,16]{2,1,0:T(8,128)S(5)} parameter(0)
+  %slice = bf16[1,8,16]{2,1,0:T(8,128)} parameter(1)
+  %i = s32[]{:T(128)} parameter(2)
+  %h = bf16[8,16]{1,0} parameter(3)
+  %w = bf16[16,16]{1,0} parameter(4)
+  %dus-start = ((bf16[4,8,16]{2,1,0:T(8,128)S(5)}, bf16[1,8,16]{2,1,0:T(8,128)}, s32[]{:T(128)}), \
+bf16[4,8,16]{2,1,0:T(8,128)S(5)}, u32[]) dynamic-update-slice-start(%buffer, %slice, %i)
+  %conv = bf16[8,16]{1,0} convolution(%h, %w), dim_labels=bf_io->bf
+  %dus-done = bf16[4,8,16]{2,1,0:T(8,128)S(5)} dynamic-update-slice-done(%dus-start)
+  ROOT %t = (s32[], bf16[4,8,16]) tuple(%i, %dus-done)
+}
+
+%cond (p: (s32[], bf16[4,8,16])) -> pred[] {
+  %bound = s32[]{:T(128)} constant(4)
+  %i = s32[]{:T(128)} parameter(0)
+  ROOT %lt = pred[] compare(%i, %bound), direction=LT
+}
+
+ENTRY %main (p0: bf16[4,8,16]) -> bf16[4,8,16] {
+  %init = (s32[], bf16[4,8,16]) parameter(0)
+  %loop = (s32[], bf16[4,8,16]{2,1,0:T(8,128)S(5)}) while(%init), condition=%cond, body=%body
+  %saved = bf16[4,8,16]{2,1,0:T(8,128)S(5)} get-tuple-element(%loop), index=1
+  %copy-start = (bf16[4,8,16]{2,1,0}, bf16[4,8,16]{2,1,0:S(5)}, u32[]) copy-start(%saved)
+  %copy-done = bf16[4,8,16]{2,1,0} copy-done(%copy-start)
+  ROOT %out = bf16[4,8,16]{2,1,0} negate(%copy-done)
+}
+"""
+
+
+def test_a_loop_without_a_known_trip_count_runs_its_condition_bound():
+    assert execution_counts(OFFLOAD_MODULE)["body"] == 4
+    assert matmul_flops(OFFLOAD_MODULE) == 4 * 2 * (8 * 16) * 16  # the convolution reads 16 features
+
+
+def test_host_copies_carry_their_bytes_and_the_compute_scheduled_under_them():
+    offload, reload = host_copies(OFFLOAD_MODULE)
+    assert (offload.direction, offload.computation, offload.executions) == ("to host", "body", 4)
+    assert offload.bytes == 8 * 16 * 2  # the slice that crosses, not the host buffer
+    assert offload.hiding_flops == 2 * (8 * 16) * 16
+    assert (reload.direction, reload.bytes, reload.executions, reload.hiding_flops) == (
+        "to device",
+        4 * 8 * 16 * 2,
+        1,
+        0,
+    )
+    assert overlapped_flops(OFFLOAD_MODULE, [offload, reload]) == {"body": 2 * (8 * 16) * 16, "main": 0}

@@ -5,6 +5,7 @@ weighted by how often its computation runs: the product of the trip counts XLA r
 (`known_trip_count`) on the loops around it.
 """
 
+import dataclasses
 import re
 from collections import Counter
 
@@ -26,6 +27,8 @@ _ARRAY = re.compile(r"(?P<dtype>[a-z]+[0-9]*[a-z0-9]*)\[(?P<dims>[0-9,]*)\]")
 _CALLEE = re.compile(r"\b(?P<kind>body|condition|calls|to_apply)=%(?P<name>[\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{(?P<names>[^}]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"\}')
+_CONDITION = re.compile(r"\bcondition=%(?P<name>[\w.\-]+)")
+_CONSTANT = re.compile(r"s32\[\]\S*\s+constant\((?P<n>\d+)\)")
 
 
 def shape_bytes(shape: str) -> int:
@@ -57,15 +60,29 @@ def execution_counts(hlo_text: str) -> dict[str, int]:
     return _execution_counts(*_computations(hlo_text))
 
 
+def _trip_count(line: str, bodies: dict[str, list[str]]) -> int:
+    """A `while` line's trip count: XLA's `known_trip_count` (GPU, CPU), else the bound its
+    condition compares the counter with (TPU, which prints no trip count; an upper bound where
+    XLA peeled an iteration out of the loop)."""
+    known = _TRIP_COUNT.search(line)
+    if known:
+        return int(known["n"])
+    condition = _CONDITION.search(line)
+    for cond_line in bodies.get(condition["name"], []) if condition else []:
+        bound = _CONSTANT.search(cond_line)
+        if bound:
+            return int(bound["n"])
+    return 1
+
+
 def _execution_counts(bodies: dict[str, list[str]], entry: str) -> dict[str, int]:
     counts: Counter = Counter()
 
     def visit(name: str, times: int) -> None:
         counts[name] += times
         for line in bodies.get(name, []):
-            trip = _TRIP_COUNT.search(line)
             for callee in _CALLEE.finditer(line):
-                repeat = int(trip["n"]) if trip and callee["kind"] == "body" else 1
+                repeat = _trip_count(line, bodies) if callee["kind"] == "body" else 1
                 visit(callee["name"], times * repeat)
             branches = _BRANCHES.search(line)
             for branch in branches["names"].split(",") if branches else []:
@@ -100,6 +117,9 @@ _DEFINITION = re.compile(
     r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<op>[a-z\-]+)\((?P<args>[^)]*)\)"
 )
 _DOT_DIMS = re.compile(r"lhs_contracting_dims=\{(?P<dims>[0-9,]*)\}")
+_DIM_LABELS = re.compile(r"dim_labels=(?P<lhs>\w+)_(?P<rhs>\w+)->(?P<out>\w+)")
+_FEATURE_GROUPS = re.compile(r"feature_group_count=(?P<n>\d+)")
+_WINDOW = re.compile(r"window=\{size=(?P<size>[0-9x]+)")
 _GEMM_DIMS = re.compile(r'"lhs_contracting_dimensions":\[(?P<dims>[^\]]*)\]')
 
 
@@ -108,40 +128,159 @@ def _dims(shape: str) -> list[int]:
     return [int(d) for d in match["dims"].split(",") if d] if match else []
 
 
+class _Module:
+    """A compiled module's computations, parsed once: instruction lines in schedule order (a
+    scheduled module prints each computation in the order it runs), every value's shape, and the
+    matmul FLOPs of a computation including the computations it calls."""
+
+    def __init__(self, hlo_text: str):
+        self.bodies, self.entry = _computations(hlo_text)
+        self.shapes: dict[str, str] = {}
+        for lines in self.bodies.values():
+            for line in lines:
+                definition = _DEFINITION.match(line)
+                if definition:
+                    self.shapes[definition["name"]] = definition["shape"]
+        self._flops: dict[str, float] = {}
+
+    def own_flops(self, line: str) -> float:
+        """2 x output elements x contracted size of a `dot`, cuBLAS GEMM or `ragged-dot` line."""
+        definition = _DEFINITION.match(line)
+        if definition is None:
+            return 0.0
+        op, dims = definition["op"], None
+        lhs = definition["args"].split(",")[0].strip().lstrip("%")
+        lhs_dims = _dims(self.shapes.get(lhs, ""))
+        if op == "convolution":
+            return self.convolution_flops(line, definition["shape"], lhs_dims)
+        if op in ("dot", "ragged-dot"):
+            dims = _DOT_DIMS.search(line)
+        elif op == "custom-call" and "cublas" in line:
+            dims = _GEMM_DIMS.search(line)
+        if dims is None:
+            return 0.0
+        contracted = [int(d.strip().strip('"')) for d in dims["dims"].split(",") if d.strip()]
+        if not lhs_dims or any(d >= len(lhs_dims) for d in contracted):
+            return 0.0
+        out = _dims(definition["shape"])  # a GEMM's (result, workspace) tuple: its first array
+        size = int(np.prod([lhs_dims[d] for d in contracted], dtype=np.int64))
+        return 2.0 * float(np.prod(out, dtype=np.int64)) * size
+
+    @staticmethod
+    def convolution_flops(line: str, shape: str, lhs_dims: list[int]) -> float:
+        """TPU programs express matmuls as convolutions: 2 x output elements x the input
+        features each output reads (the lhs `f` dimension over the feature groups, times the
+        window)."""
+        labels = _DIM_LABELS.search(line)
+        if labels is None or len(labels["lhs"]) != len(lhs_dims):
+            return 0.0
+        groups = _FEATURE_GROUPS.search(line)
+        window = _WINDOW.search(line)
+        reduced = lhs_dims[labels["lhs"].index("f")] // (int(groups["n"]) if groups else 1)
+        reduced *= int(np.prod([int(w) for w in window["size"].split("x")])) if window else 1
+        return 2.0 * float(np.prod(_dims(shape), dtype=np.int64)) * reduced
+
+    def line_flops(self, line: str) -> float:
+        """The line's own FLOPs plus those of what it calls (loop bodies times their trip count)."""
+        total = self.own_flops(line)
+        for callee in _CALLEE.finditer(line):
+            repeat = _trip_count(line, self.bodies) if callee["kind"] == "body" else 1
+            total += repeat * self.computation_flops(callee["name"])
+        branches = _BRANCHES.search(line)
+        for branch in branches["names"].split(",") if branches else []:
+            total += self.computation_flops(branch.strip().lstrip("%"))
+        return total
+
+    def computation_flops(self, name: str) -> float:
+        if name not in self._flops:
+            self._flops[name] = sum(self.line_flops(line) for line in self.bodies.get(name, []))
+        return self._flops[name]
+
+
 def matmul_flops(hlo_text: str) -> float:
-    """FLOPs of every matrix product in a compiled module (`dot`, cuBLAS GEMM custom calls and
-    `ragged-dot`, counted as dense), weighted by how often its computation runs: what
+    """FLOPs of every matrix product in a compiled module (`dot`, cuBLAS GEMM custom calls,
+    `ragged-dot` counted as dense, and TPU `convolution`s), weighted by how often its computation runs: what
     `cost_analysis()` does not report for compile-only GPU devices. 2 x output elements x the
     contracted size; elementwise work is not counted."""
-    bodies, entry = _computations(hlo_text)
-    counts = _execution_counts(bodies, entry)
-    shapes: dict[str, str] = {}
-    for lines in bodies.values():
-        for line in lines:
-            definition = _DEFINITION.match(line)
-            if definition:
-                shapes[definition["name"]] = definition["shape"]
-    total = 0.0
-    for name, lines in bodies.items():
-        for line in lines:
+    module = _Module(hlo_text)
+    return module.computation_flops(module.entry)
+
+
+HOST_MEMORY_SPACE = "S(5)"  # the layout annotation of a buffer in pinned host memory
+
+
+@dataclasses.dataclass(frozen=True)
+class HostCopy:
+    """One asynchronous copy between HBM and pinned host memory in the scheduled program, and the
+    matrix work XLA scheduled between its start and its done: the compute that can hide it."""
+
+    computation: str
+    start: str
+    direction: str  # "to host" or "to device"
+    shape: str  # of the bytes that cross the link
+    bytes: int  # per execution
+    executions: int  # per call of the program (the loop trip counts around it)
+    hiding_flops: float  # per execution
+    window: tuple[int, int]  # positions of start and done in the computation's schedule
+
+
+def host_copies(hlo_text: str) -> list[HostCopy]:
+    """Every async start/done pair whose result or operands live in pinned host memory: an
+    offload (a `dynamic-update-slice` into a host buffer, a `copy` to host) or a reload."""
+    module = _Module(hlo_text)
+    counts = _execution_counts(module.bodies, module.entry)
+    copies = []
+    for name, lines in module.bodies.items():
+        starts: dict[str, tuple[int, str, str]] = {}
+        for position, line in enumerate(lines):
             definition = _DEFINITION.match(line)
             if definition is None:
                 continue
-            op, dims = definition["op"], None
-            if op == "dot":
-                dims = _DOT_DIMS.search(line)
-            elif op == "custom-call" and "cublas" in line:
-                dims = _GEMM_DIMS.search(line)
-            elif op == "ragged-dot":
-                dims = _DOT_DIMS.search(line)
-            if dims is None:
+            if definition["op"].endswith("-start") and HOST_MEMORY_SPACE in definition["shape"]:
+                starts[definition["name"]] = (position, definition["op"], definition["args"])
                 continue
-            lhs = definition["args"].split(",")[0].strip().lstrip("%")
-            lhs_dims = _dims(shapes.get(lhs, ""))
-            contracted = [int(d.strip().strip('"')) for d in dims["dims"].split(",") if d.strip()]
-            if not lhs_dims or any(d >= len(lhs_dims) for d in contracted):
+            started = starts.pop(definition["args"].strip().lstrip("%"), None)
+            if not definition["op"].endswith("-done") or started is None:
                 continue
-            out = _dims(definition["shape"])  # a GEMM's (result, workspace) tuple: its first array
-            size = int(np.prod([lhs_dims[d] for d in contracted], dtype=np.int64))
-            total += 2.0 * float(np.prod(out, dtype=np.int64)) * size * counts.get(name, 0)
-    return total
+            begin, _, args = started
+            if HOST_MEMORY_SPACE in definition["shape"]:  # the result is in host memory: an offload
+                direction = "to host"
+                operands = [module.shapes.get(a.strip().lstrip("%"), "") for a in args.split(",")]
+                moved = [s for s in operands if HOST_MEMORY_SPACE not in s and _dims(s)]
+                shape = ", ".join(s.split("{")[0] for s in moved)
+                size = sum(shape_bytes(s) for s in moved)
+            else:
+                direction, shape, size = (
+                    "to device",
+                    definition["shape"].split("{")[0],
+                    shape_bytes(definition["shape"]),
+                )
+            if size == 0:  # host-to-host work (a TPU host call on an offloaded buffer): nothing crosses
+                continue
+            hiding = sum((module.line_flops(between) for between in lines[begin + 1 : position]), 0.0)
+            copies.append(
+                HostCopy(
+                    name,
+                    lines[begin].split("=")[0].strip().lstrip("%"),
+                    direction,
+                    shape,
+                    size,
+                    counts.get(name, 0),
+                    hiding,
+                    (begin, position),
+                )
+            )
+    return copies
+
+
+def overlapped_flops(hlo_text: str, copies: list[HostCopy]) -> dict[str, float]:
+    """Per computation, the FLOPs scheduled while at least one host copy is in flight: the copies
+    share one host link, so together they are hidden by this much compute, not by the sum of
+    their windows."""
+    module = _Module(hlo_text)
+    covered: dict[str, set[int]] = {}
+    for copy in copies:
+        covered.setdefault(copy.computation, set()).update(range(copy.window[0] + 1, copy.window[1]))
+    return {
+        name: sum((module.line_flops(module.bodies[name][i]) for i in positions), 0.0) for name, positions in covered.items()
+    }
