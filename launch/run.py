@@ -18,7 +18,7 @@ from ferry import distributed
 from ferry.config import ConfigError, from_dict
 from ferry.memory import InsufficientMemoryError
 from ferry.offload import PolicyError
-from ferry.platform import apply_platform
+from ferry.platform import PlatformConfig, apply_platform
 from ferry.train.config import FerryConfig, OffloadConfig, load_config
 from ferry.train.run import RunDirectoryError, prepare, resolve_run_dir, train
 
@@ -65,6 +65,7 @@ def refuse(error: Exception) -> None:
 def plan(config: FerryConfig, console: Console) -> int:
     """`mode=plan`: compile for `target` on this machine's CPU (never its own accelerator)."""
     jax.config.update("jax_platforms", "cpu")  # the CUDA plugin then only serves compile-only topologies
+    console = Console(width=max(console.width, 150))  # the tables are wide; keep them whole in logs
     from ferry.plan.planner import PlanError
     from ferry.plan.report import run_plan, write_plan
 
@@ -74,14 +75,19 @@ def plan(config: FerryConfig, console: Console) -> int:
             raise ConfigError(f"plan.presets names {name!r}, which is not in configs/offload/")
         return from_dict(OffloadConfig, OmegaConf.to_container(OmegaConf.load(path)), f"offload {name}")
 
+    def load_platform(name: str) -> PlatformConfig:
+        path = Path(CONFIG_DIR) / "platform" / f"{name}.yaml"
+        return from_dict(PlatformConfig, OmegaConf.to_container(OmegaConf.load(path)), f"platform {name}")
+
     try:
         run_dir = resolve_run_dir(config)
-        plans = run_plan(config, load_preset, console)
+        plans, choices = run_plan(config, load_preset, load_platform, console)
     except (*REFUSALS, PlanError) as error:
         refuse(error)
     except ImportError as error:
-        refuse(ImportError(f'the planner needs the CUDA plugin: pip install -e ".[plan]" ({error})'))
-    console.print(f"plan written to {write_plan(plans, run_dir)}")
+        refuse(ImportError(f'the planner needs the CUDA plugin or libtpu: pip install -e ".[plan]" ({error})'))
+    written = write_plan(plans, choices, run_dir)
+    console.print("plan written to " + ", ".join(str(path) for path in written))
     return 0
 
 

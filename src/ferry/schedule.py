@@ -213,7 +213,7 @@ def model_schedule(
     return TransferSchedule(policy_name, tuple(groups), micro_steps)
 
 
-def format_bytes(n: float) -> str:
+def format_bytes(n: int | float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"

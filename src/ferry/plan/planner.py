@@ -1,11 +1,13 @@
-"""Compile ferry's real train step for a GPU cluster on a machine without one, and read what the
-compiler decided: bytes per device in HBM and in pinned host memory, and FLOPs.
+"""Compile ferry's real train step for a GPU or TPU cluster on a machine without one, and read what
+the compiler decided: bytes per device in HBM and in pinned host memory, FLOPs, and whether the
+host copies it scheduled are hidden behind compute.
 
 The step is the one training runs (`train_step_body`), lowered with `ShapeDtypeStruct` inputs in
 their real shardings over a mesh of compile-only devices; nothing is allocated.
 """
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import equinox as eqx
@@ -15,15 +17,16 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from ferry.hlo_stats import matmul_flops
+from ferry.models.registry import abstract_model
 from ferry.offload import Policy
-from ferry.plan.targets import GpuTarget
+from ferry.plan.targets import Target
+from ferry.plan.transfers import Transfer, TransferSummary, time_transfers, transfers_json
+from ferry.schedule import model_schedule
 from ferry.sharding import MESH_AXES, MeshConfig, batch_sharded
 from ferry.train.config import FerryConfig
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer
 from ferry.train.run import state_layout
 from ferry.train.step import LossSettings, train_step_body
-
-GPU_COMPILE_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True, "xla_gpu_enable_triton_gemm": False}
 
 
 class PlanError(RuntimeError):
@@ -44,7 +47,10 @@ class MemoryPlan:
     host_bytes: int  # pinned host: temporaries, arguments and outputs
     flops: float  # matrix products per device per step, from the compiled HLO (`matmul_flops`)
     capacity_bytes: int
+    host_capacity_bytes: int | None  # the pinned host pool a run sets up, where the platform sizes one
     compile_options: tuple[tuple[str, object], ...]
+    transfers: tuple[Transfer, ...]
+    transfer_summary: TransferSummary
 
     @property
     def device_bytes(self) -> int:
@@ -53,46 +59,55 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool:
-        return self.device_bytes <= self.capacity_bytes
+        """HBM holds the step, and so does the pinned host pool where its size is known."""
+        host_fits = self.host_capacity_bytes is None or self.host_bytes <= self.host_capacity_bytes
+        return self.device_bytes <= self.capacity_bytes and host_fits
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self) | {"device_bytes": self.device_bytes, "fits": self.fits}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        del fields["transfers"], fields["transfer_summary"]
+        return fields | {
+            "device_bytes": self.device_bytes,
+            "fits": self.fits,
+            "transfers": transfers_json(self.transfers, self.transfer_summary),
+        }
 
 
-def compile_only_mesh(target: GpuTarget, mesh_config: MeshConfig) -> Mesh:
+def compile_only_mesh(target: Target, mesh_config: MeshConfig) -> Mesh:
     """A mesh of `mesh_config`'s shape over compile-only devices of `target` (needs the CUDA
-    plugin: `pip install -e ".[plan]"`)."""
-    from jax.experimental import topologies
-
-    topology = topologies.get_topology_desc(
-        platform="cuda", target_config=target.target_config(), topology=target.topology(mesh_config.num_devices)
-    )
-    devices = np.array(topology.devices).reshape(tuple(mesh_config.shape.values()))
+    plugin or libtpu: `pip install -e ".[plan]"`)."""
+    devices = np.array(target.devices(mesh_config.num_devices)).reshape(tuple(mesh_config.shape.values()))
     return Mesh(devices, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def for_gpu(model_config: Any) -> Any:
-    """The model as it runs on a GPU: grouped GEMMs (`ragged_dot`) for the experts where the
-    config leaves the choice to the backend (this process's backend is the CPU)."""
+    """The model as it runs on a GPU: tiled grouped matmuls for the experts where the config
+    leaves the choice to the backend (this process's backend is the CPU, which `auto` would also
+    tile; said explicitly because XLA's GPU backend expands `ragged_dot` into every expert on
+    every row)."""
     if getattr(model_config, "moe_matmul", None) == "auto":
-        return dataclasses.replace(model_config, moe_matmul="ragged_dot")
+        return dataclasses.replace(model_config, moe_matmul="tiled")
     return model_config
 
 
 def plan_memory(
     config: FerryConfig,
-    target: GpuTarget,
+    target: Target,
     policy: Policy,
     policy_name: str,
     capacity_bytes: int | None = None,
+    xla_flags: Mapping[str, object] | None = None,
+    host_capacity_bytes: int | None = None,
 ) -> MemoryPlan:
-    """Compile the train step of `config` under `policy` for `target` and report its memory.
-    An offloading policy whose program has no pinned host bytes is an error: the offload was
-    dropped somewhere, and a plan that silently keeps it on device would be a lie."""
+    """Compile the train step of `config` under `policy` for `target` with the XLA flags a real
+    run on it uses (`xla_flags`, from its platform preset) and report its memory and host
+    copies. An offloading policy whose program has no pinned host bytes is an error: the
+    offload was dropped somewhere, and a plan that silently keeps it on device would be a lie."""
     mesh = compile_only_mesh(target, config.mesh)
     optimizer = make_optimizer(config.train)
     data_parallel = config.mesh.data_parallel
-    layout = state_layout(for_gpu(config.model), optimizer, mesh)
+    model_config = for_gpu(config.model)
+    layout = state_layout(model_config, optimizer, mesh)
     sharding = layout.sharding
     sharded = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), layout.shapes, sharding)
     batch = jax.ShapeDtypeStruct(
@@ -111,8 +126,9 @@ def plan_memory(
     def step(arrays: Any, tokens: jax.Array) -> Any:
         return body(eqx.combine(arrays, layout.static), tokens)
 
+    options = target.compile_options(dict(xla_flags or {}))
     with jax.set_mesh(mesh):
-        compiled = jax.jit(step, donate_argnums=0).lower(sharded, batch).compile(GPU_COMPILE_OPTIONS)
+        compiled = jax.jit(step, donate_argnums=0).lower(sharded, batch).compile(options)
     memory = compiled.memory_analysis()
     host = memory.host_temp_size_in_bytes + memory.host_argument_size_in_bytes + memory.host_output_size_in_bytes
     offloads = any(placement == "offload" for _, placement in policy.placements)
@@ -121,6 +137,8 @@ def plan_memory(
             f"policy {policy_name} offloads tensors but the program compiled for {target.name} keeps no bytes "
             "in pinned host memory: the offload was dropped"
         )
+    hlo = compiled.as_text()
+    transfers, summary = time_transfers(hlo, target, _offloaded_bytes(config, model_config, policy, mesh))
     return MemoryPlan(
         target=target.name,
         mesh=config.mesh.describe(),
@@ -130,7 +148,30 @@ def plan_memory(
         alias_bytes=memory.alias_size_in_bytes,
         temp_bytes=memory.temp_size_in_bytes,
         host_bytes=host,
-        flops=matmul_flops(compiled.as_text()),
+        flops=matmul_flops(hlo),
         capacity_bytes=target.hbm_bytes if capacity_bytes is None else capacity_bytes,
-        compile_options=tuple(sorted(GPU_COMPILE_OPTIONS.items())),
+        host_capacity_bytes=host_capacity_bytes,
+        compile_options=tuple(sorted(options.items())),
+        transfers=transfers,
+        transfer_summary=summary,
     )
+
+
+def _offloaded_bytes(config: FerryConfig, model_config: Any, policy: Policy, mesh: Mesh) -> dict[str, int]:
+    """Bytes per device of one layer's copy of each residual `policy` offloads (the transfer
+    schedule, sized on `mesh`): how a copy in the compiled program is named."""
+    data_parallel = config.mesh.data_parallel
+    schedule = model_schedule(
+        abstract_model(model_config),
+        policy,
+        config.train.rows_per_micro_step(data_parallel) // data_parallel,
+        config.train.seq_len,
+        jnp.dtype(config.train.compute_dtype),
+        mesh=mesh,
+    )
+    return {
+        f"{group.name}:{r.name}" if len(schedule.groups) > 1 else r.name: r.bytes_per_device
+        for group in schedule.groups
+        for r in group.residuals
+        if r.placement == "offload"
+    }

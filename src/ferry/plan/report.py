@@ -1,6 +1,7 @@
 """`mode=plan`: compile the step for a target once per offload preset and report them side by
-side, as a table and as `plan.json`."""
+side, as tables (memory, then the host copies of each offloading preset) and as `plan.json`."""
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -10,11 +11,16 @@ from rich.table import Table
 
 from ferry.config import ConfigError
 from ferry.models.registry import abstract_model
-from ferry.plan.planner import MemoryPlan, plan_memory
-from ferry.plan.targets import GPU_TARGETS
+from ferry.offload import Policy
+from ferry.plan.auto import Choice, auto_plan
+from ferry.plan.planner import MemoryPlan, compile_only_mesh, plan_memory
+from ferry.plan.targets import TARGETS, Target
+from ferry.platform import PlatformConfig
 from ferry.schedule import format_bytes
 from ferry.train.config import FerryConfig, OffloadConfig
 from ferry.train.run import check_mesh_shape
+
+HOST_POOL_VARIABLE = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"  # GiB of pinned host XLA's GPU client sets up
 
 
 def plan_presets(config: FerryConfig) -> tuple[str, ...]:
@@ -23,12 +29,27 @@ def plan_presets(config: FerryConfig) -> tuple[str, ...]:
     return tuple(dict.fromkeys(("save_all", "full_remat", config.offload.name)))
 
 
-def run_plan(config: FerryConfig, load_preset: Callable[[str], OffloadConfig], console: Console) -> list[MemoryPlan]:
-    """One memory plan per preset; every check first (target, mesh, presets), then the compiles."""
-    if config.target not in GPU_TARGETS:
-        raise ConfigError(f"target is {config.target!r}; the planner knows {', '.join(GPU_TARGETS)}")
-    target = GPU_TARGETS[config.target]
-    target.topology(config.mesh.num_devices)  # whole hosts
+def target_platform(
+    config: FerryConfig, target: Target, load_platform: Callable[[str], PlatformConfig]
+) -> PlatformConfig:
+    """The platform preset a real run on `target` uses: the configured one where it names the
+    target's platform (`platform=gpu platform.xla_flags.X=...` changes the plan's flags too),
+    else the target's own preset."""
+    return config.platform if config.platform.name == target.platform else load_platform(target.platform)
+
+
+def run_plan(
+    config: FerryConfig,
+    load_preset: Callable[[str], OffloadConfig],
+    load_platform: Callable[[str], PlatformConfig],
+    console: Console,
+) -> tuple[list[MemoryPlan], list[Choice]]:
+    """One plan per preset (`auto`: the one it chooses, with its choices); every check first
+    (target, mesh, presets), then the compiles."""
+    if config.target not in TARGETS:
+        raise ConfigError(f"target is {config.target!r}; the planner knows {', '.join(TARGETS)}")
+    target = TARGETS[config.target]
+    target.topology(config.mesh.num_devices)  # whole hosts of GPUs, or a TPU slice
     check_mesh_shape(config)
     tagged = abstract_model(config.model).tagged_names()
     policies = {}
@@ -36,35 +57,43 @@ def run_plan(config: FerryConfig, load_preset: Callable[[str], OffloadConfig], c
         preset = config.offload if name == config.offload.name else load_preset(name)
         policies[name] = preset.policy(tagged)
         policies[name].validate(tagged)
+    auto = policies.pop("auto", None) is not None
+    platform = target_platform(config, target, load_platform)
+    pool = platform.env.get(HOST_POOL_VARIABLE) if target.platform == "gpu" else None
     capacity = None if config.plan.capacity_gib is None else int(config.plan.capacity_gib * 2**30)
-    plans = []
-    for name, policy in policies.items():
+
+    def compile_policy(policy: Policy, name: str) -> MemoryPlan:
         console.print(f"compiling the train step for {config.mesh.num_devices} x {target.description}: {name}")
-        plans.append(plan_memory(config, target, policy, name, capacity))
+        host_capacity = None if pool is None else int(pool) * 2**30
+        return plan_memory(config, target, policy, name, capacity, dict(platform.xla_flags), host_capacity)
+
+    plans = [compile_policy(policy, name) for name, policy in policies.items()]
+    choices: list[Choice] = []
+    if auto:
+        auto_result, choices = auto_plan(config, target, compile_only_mesh(target, config.mesh), compile_policy)
+        plans.append(auto_result)
     console.print(plan_table(plans, config))
-    return plans
+    for plan in plans:
+        if plan.transfers:
+            console.print(transfer_table(plan))
+    if choices:
+        console.print(choice_table(choices, plans[-1]))
+    return plans, choices
 
 
 def plan_table(plans: list[MemoryPlan], config: FerryConfig) -> Table:
     first = plans[0]
+    pool = "" if first.host_capacity_bytes is None else f"; pinned host pool {format_bytes(first.host_capacity_bytes)}"
     table = Table(
         title=f"{config.model_name} on {first.target} x {config.mesh.num_devices} ({first.mesh}), "
         f"batch {config.train.global_batch_size} x {config.train.seq_len}: per device",
-        caption="compile options: " + ", ".join(f"{k}={v}" for k, v in first.compile_options),
+        caption="compile options: " + ", ".join(f"{k}={v}" for k, v in first.compile_options) + pool,
     )
-    for column in (
-        "preset",
-        "arguments",
-        "outputs",
-        "temp",
-        "HBM total",
-        "capacity",
-        "verdict",
-        "pinned host",
-        "matmul TFLOP",
-    ):
+    columns = ("preset", "arguments", "outputs", "temp", "HBM total", "capacity", "verdict", "pinned host")
+    for column in (*columns, "matmul TFLOP", "copies exposed"):
         table.add_column(column, justify="left" if column in ("preset", "verdict") else "right")
     for plan in plans:
+        summary = plan.transfer_summary
         table.add_row(
             plan.policy,
             format_bytes(plan.argument_bytes),
@@ -75,12 +104,60 @@ def plan_table(plans: list[MemoryPlan], config: FerryConfig) -> Table:
             "FITS" if plan.fits else "OOM",
             format_bytes(plan.host_bytes),
             f"{plan.flops / 1e12:.4f}",
+            f"{summary.exposed_seconds * 1e3:.2f} ms" if plan.transfers else "-",
         )
     return table
 
 
-def write_plan(plans: list[MemoryPlan], run_dir: Path) -> Path:
+def transfer_table(plan: MemoryPlan) -> Table:
+    """Every host copy XLA scheduled, with the compute it overlaps, per step."""
+    summary = plan.transfer_summary
+    table = Table(
+        title=f"{plan.policy}: host copies in the compiled program (per device)",
+        caption=f"per step: {format_bytes(summary.bytes_to_host)} to host, {format_bytes(summary.bytes_to_device)} "
+        f"back; link busy {summary.link_seconds * 1e3:.2f} ms, compute overlapping copies "
+        f"{summary.overlapped_compute_seconds * 1e3:.2f} ms, exposed {summary.exposed_seconds * 1e3:.2f} ms",
+    )
+    for column in ("tensor", "direction", "shape", "bytes", "x per step", "transfer", "hiding compute", "hidden"):
+        table.add_column(column, justify="left" if column in ("tensor", "direction", "shape", "hidden") else "right")
+    for t in plan.transfers:
+        table.add_row(
+            t.tensor,
+            t.direction,
+            t.shape,
+            format_bytes(t.bytes),
+            str(t.executions),
+            f"{t.transfer_seconds * 1e6:.1f} us",
+            f"{t.compute_seconds * 1e6:.1f} us",
+            "yes" if t.hidden else "no",
+        )
+    return table
+
+
+def choice_table(choices: list[Choice], plan: MemoryPlan) -> Table:
+    table = Table(
+        title=f"offload=auto for {plan.target}: {'FITS' if plan.fits else 'nothing fits; the closest'}, "
+        f"{format_bytes(plan.device_bytes)} of {format_bytes(plan.capacity_bytes)} HBM per device",
+    )
+    for column in ("tensor", "placement", "bytes per micro step", "recompute TFLOP", "why"):
+        table.add_column(column, justify="right" if column in ("bytes per micro step", "recompute TFLOP") else "left")
+    for c in choices:
+        table.add_row(c.name, c.placement, format_bytes(c.bytes), f"{c.recompute_flops / 1e12:.4f}", c.reason)
+    return table
+
+
+def write_plan(plans: list[MemoryPlan], choices: list[Choice], run_dir: Path) -> list[Path]:
+    """`plan.json`, and for offload=auto the chosen placement as a preset to train with."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "plan.json"
-    path.write_text(json.dumps([plan.to_json() for plan in plans], indent=2))
-    return path
+    record = {"plans": [plan.to_json() for plan in plans], "auto": [dataclasses.asdict(c) for c in choices]}
+    path.write_text(json.dumps(record, indent=2))
+    if not choices:
+        return [path]
+    preset = run_dir / "offload_auto.yaml"
+    tensors = "\n".join(f"  {c.name}: {c.placement}" for c in choices)
+    preset.write_text(
+        f"# offload=auto for {plans[-1].target} ({plans[-1].mesh}), chosen by mode=plan\n"
+        f"name: auto_{plans[-1].target}\nkeep_all: false\ndefault: null\ntensors:\n{tensors}\n"
+    )
+    return [path, preset]

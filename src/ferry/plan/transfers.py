@@ -1,0 +1,90 @@
+"""Whether the compiled program hides its host copies: each copy XLA scheduled, the time it needs
+on the target's host link, and the time the matrix work scheduled between its start and its done
+needs at the target's peak."""
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any
+
+from ferry.hlo_stats import HostCopy, host_copies, overlapped_flops
+from ferry.plan.targets import Target
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """One host copy of the compiled program, timed on the target."""
+
+    tensor: str  # the offloaded residual(s) of exactly this size per device, "?" if none is
+    direction: str  # "to host" or "to device"
+    computation: str  # the HLO computation it runs in (a layer loop's body runs once per layer)
+    shape: str
+    bytes: int  # per execution
+    executions: int  # per step
+    hiding_flops: float  # per execution: matmul FLOPs scheduled between its start and its done
+    transfer_seconds: float  # per execution, at the host link bandwidth
+    compute_seconds: float  # per execution, the hiding FLOPs at the bf16 peak
+
+    @property
+    def hidden(self) -> bool:
+        return self.compute_seconds >= self.transfer_seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferSummary:
+    """One step's copies together. Copies in flight at once share the host link, so within each
+    computation the link time of all its copies is set against the compute that overlaps any of
+    them; what that compute cannot cover is exposed."""
+
+    bytes_to_host: int
+    bytes_to_device: int
+    link_seconds: float
+    overlapped_compute_seconds: float
+    exposed_seconds: float
+
+
+def time_transfers(
+    hlo_text: str, target: Target, residual_bytes: Mapping[str, int]
+) -> tuple[tuple[Transfer, ...], TransferSummary]:
+    """Read the host copies out of a compiled program and time them on `target`.
+    `residual_bytes` (offloaded residual -> bytes per device per layer) names each copy by size."""
+    copies = host_copies(hlo_text)
+    names = defaultdict(list)
+    for name, size in residual_bytes.items():
+        names[size].append(name)
+    transfers = tuple(_timed(copy, target, "/".join(names.get(copy.bytes, ["?"]))) for copy in copies)
+    overlapped = overlapped_flops(hlo_text, copies)
+    link: dict[str, float] = defaultdict(float)
+    executions: dict[str, int] = {}
+    for transfer in transfers:
+        link[transfer.computation] += transfer.transfer_seconds
+        executions[transfer.computation] = transfer.executions
+    compute = {name: overlapped[name] / target.bf16_peak_flops for name in link}
+    return transfers, TransferSummary(
+        bytes_to_host=sum(t.bytes * t.executions for t in transfers if t.direction == "to host"),
+        bytes_to_device=sum(t.bytes * t.executions for t in transfers if t.direction == "to device"),
+        link_seconds=sum((link[name] * executions[name] for name in link), 0.0),
+        overlapped_compute_seconds=sum((compute[name] * executions[name] for name in link), 0.0),
+        exposed_seconds=sum((max(0.0, link[name] - compute[name]) * executions[name] for name in link), 0.0),
+    )
+
+
+def _timed(copy: HostCopy, target: Target, tensor: str) -> Transfer:
+    return Transfer(
+        tensor=tensor,
+        direction=copy.direction,
+        computation=copy.computation,
+        shape=copy.shape,
+        bytes=copy.bytes,
+        executions=copy.executions,
+        hiding_flops=copy.hiding_flops,
+        transfer_seconds=copy.bytes / target.host_link_bandwidth,
+        compute_seconds=copy.hiding_flops / target.bf16_peak_flops,
+    )
+
+
+def transfers_json(transfers: tuple[Transfer, ...], summary: TransferSummary) -> dict[str, Any]:
+    return {
+        "copies": [dataclasses.asdict(t) | {"hidden": t.hidden} for t in transfers],
+        "per_step": dataclasses.asdict(summary),
+    }
