@@ -1,28 +1,39 @@
-"""The planner compiles the real train step for an H200 without one (compile-only devices of the
-CUDA plugin) and reads the compiled memory: offloads land in pinned host memory, never dropped."""
+"""The planner compiles the real train step for an H200 or a TPU v5p without one (compile-only
+devices of the CUDA plugin and of libtpu) and reads the compiled program: its memory (offloads
+land in pinned host memory, never dropped), its host copies, and the placement offload=auto
+chooses."""
 
 import dataclasses
 import importlib.util
 
+import jax.numpy as jnp
 import pytest
 
 from ferry import offload
 from ferry.models.registry import abstract_model
-from ferry.plan.planner import PlanError, plan_memory
-from ferry.plan.targets import GPU_TARGETS
+from ferry.plan.auto import auto_plan, choose, tensor_costs
+from ferry.plan.planner import PlanError, compile_only_mesh, plan_memory
+from ferry.plan.targets import TARGETS
+from ferry.schedule import model_schedule
 from tests.conftest import compose_config, load_preset, run_launcher
 
-pytestmark = pytest.mark.skipif(
+needs_cuda_plugin = pytest.mark.skipif(
     importlib.util.find_spec("jax_cuda12_plugin") is None,
-    reason='the planner needs the CUDA plugin: pip install -e ".[plan]"',
+    reason='the planner needs the CUDA plugin for GPU targets: pip install -e ".[plan]"',
 )
-H200 = GPU_TARGETS["h200"]
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason='the planner needs libtpu for TPU targets: pip install -e ".[plan]"',
+)
+pytestmark = needs_cuda_plugin
+H200 = TARGETS["h200"]
+GPU_FLAGS = {"xla_gpu_enable_latency_hiding_scheduler": True}
 
 
-def plan(model: str, preset: str, **kwargs):
-    config = compose_config(f"model={model}", f"offload={preset}", "train.seq_len=256")
+def plan(model: str, preset: str, *overrides: str, target=H200, **kwargs):
+    config = compose_config(f"model={model}", f"offload={preset}", "train.seq_len=256", *overrides)
     policy = load_preset(preset).policy(abstract_model(config.model).tagged_names())
-    return plan_memory(config, H200, policy, preset, **kwargs)
+    return plan_memory(config, target, policy, preset, xla_flags=GPU_FLAGS, **kwargs)
 
 
 def test_llama_presets_on_h200():
@@ -55,3 +66,82 @@ def test_launcher_plans_and_flips_the_verdict(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     assert "OOM" in result.stdout and "FITS" not in result.stdout
     assert (tmp_path / "run" / "plan.json").exists()
+
+
+def test_every_offloaded_byte_is_a_named_copy_in_the_compiled_program():
+    """The host copies read from the scheduled GPU program move exactly what the transfer schedule
+    offloads, each named by the tensor of its size, in both directions."""
+    measured = plan("llama_tiny", "minimal_offloaded")
+    config = compose_config("model=llama_tiny", "offload=minimal_offloaded", "train.seq_len=256")
+    model = abstract_model(config.model)
+    policy = load_preset("minimal_offloaded").policy(model.tagged_names())
+    schedule = model_schedule(model, policy, config.train.global_batch_size, 256, jnp.bfloat16)
+    summary = measured.transfer_summary
+    assert summary.bytes_to_host == summary.bytes_to_device == measured.host_bytes
+    # the layer's last product (mlpwo) only joins the residual stream: its backward pass never
+    # reads it, so XLA removes its copy; every other offloaded tensor crosses the link
+    mlpwo = next(r for r in schedule.residuals if r.name == "mlpwo")
+    assert schedule.device_to_host_bytes - summary.bytes_to_host == config.model.num_layers * mlpwo.bytes_per_device
+    assert {t.direction for t in measured.transfers} == {"to host", "to device"}
+    assert all(t.tensor != "?" and t.executions == config.model.num_layers for t in measured.transfers)
+    assert summary.link_seconds == pytest.approx(summary.bytes_to_host * 2 / H200.host_link_bandwidth)
+    assert 0 <= summary.exposed_seconds <= summary.link_seconds
+    assert ("xla_gpu_enable_latency_hiding_scheduler", True) in measured.compile_options
+
+
+@needs_libtpu
+def test_tpu_v5p_plan_offloads_to_pinned_host():
+    plans = {p: plan("llama_tiny", p, "mesh.data=4", target=TARGETS["v5p"]) for p in ("save_all", "minimal_offloaded")}
+    assert plans["save_all"].host_bytes == 0 and not plans["save_all"].transfers
+    assert plans["minimal_offloaded"].host_bytes > 0
+    assert plans["minimal_offloaded"].transfer_summary.bytes_to_host > 0
+    assert plans["minimal_offloaded"].temp_bytes < plans["save_all"].temp_bytes
+    assert TARGETS["v5p"].topology(128) == "v5p:4x4x8" and TARGETS["v6e"].topology(32) == "v6e:4x8"
+
+
+def auto_choice(target, capacity_gib: float):
+    config = compose_config(
+        "model=llama_tiny", "offload=auto", "train.seq_len=256", "mode=plan", f"target={target.name}"
+    )
+
+    def compile_policy(policy, name):
+        return plan_memory(config, target, policy, name, int(capacity_gib * 2**30), GPU_FLAGS)
+
+    return auto_plan(config, target, compile_only_mesh(target, config.mesh), compile_policy)
+
+
+def test_auto_keeps_everything_on_device_when_it_fits():
+    measured, choices = auto_choice(H200, 1.0)
+    assert measured.fits and {c.placement for c in choices} == {"device"}
+
+
+def test_auto_rematerialises_when_the_host_link_is_too_slow_to_hide_copies():
+    """llama_tiny's layers compute for about a microsecond: no copy hides behind that, so auto
+    sheds HBM by recompute, cheapest per byte first, until the compiled step fits."""
+    measured, choices = auto_choice(H200, 0.038)  # between full_remat (36.5 MiB) and all on device (41.4)
+    placements = {c.name: c.placement for c in choices}
+    assert measured.fits and measured.host_bytes == 0
+    assert "remat" in placements.values() and "offload" not in placements.values()
+    assert placements["decoder_layer_input"] == "device"
+
+
+def test_auto_offloads_largest_first_within_the_host_link_budget():
+    """With a link fast enough, auto sheds HBM by copies (largest first) rather than recompute;
+    with H200's PCIe link llama_tiny's microsecond layers hide nothing, so it rematerialises."""
+    config = compose_config("model=llama_tiny", "offload=auto", "train.seq_len=256", "mode=plan", "target=h200")
+    costs, forward = tensor_costs(config, compile_only_mesh(H200, config.mesh))
+    excess = costs["mlpwi_0"].bytes + costs["mlpwi_1"].bytes  # the two largest
+    fast = {
+        c.name: c.placement for c in choose(costs, forward, dataclasses.replace(H200, host_link_bandwidth=1e18), excess)
+    }
+    assert {n for n, p in fast.items() if p != "device"} == {"mlpwi_0", "mlpwi_1"}
+    assert set(fast.values()) == {"device", "offload"}
+    slow = {c.name: c.placement for c in choose(costs, forward, H200, excess)}
+    assert "offload" not in slow.values() and slow["decoder_layer_input"] == "device"
+    cheapest = min(
+        (c for c in costs.values() if c.name != "decoder_layer_input"), key=lambda c: c.recompute_flops / c.bytes
+    )
+    assert slow[cheapest.name] == "remat"
+    # a layer's recompute cost is its producing matmul: [tokens, dim] x [dim, mlp] for mlpwi_0
+    tokens, dim, mlp = 8 * 256, config.model.dim, config.model.mlp_dim
+    assert costs["mlpwi_0"].recompute_flops == config.model.num_layers * 2 * tokens * dim * mlp

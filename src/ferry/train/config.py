@@ -171,7 +171,12 @@ class FerryConfig:
         if self.mode not in ("train", "plan"):
             raise ConfigError(f"mode is {self.mode!r}; use train or plan")
         if self.mode == "plan" and self.target is None:
-            raise ConfigError("mode=plan needs a target: target=h100|h200|b200|gb200")
+            raise ConfigError("mode=plan needs a target: target=h100|h200|b200|gb200|v5p|v5e|v6e")
+        if self.mode == "train" and self.offload.name == "auto":
+            raise ConfigError(
+                "offload=auto is chosen for a target by the planner: run mode=plan target=<target> offload=auto, "
+                "copy the offload_auto.yaml it writes into configs/offload/ and train with that preset"
+            )
 
 
 def load_config(node: Mapping) -> FerryConfig:
