@@ -1,14 +1,23 @@
-"""DeepSeekMoE: routing against a direct loop, dropless dispatch against dense masking, the
-capacity factor, and the auxiliary-loss-free bias update."""
+"""DeepSeekMoE: routing against a direct loop, dropless dispatch against dense masking (on one
+device and expert-parallel on a mesh), the capacity factor, the per-device size of the expert
+buffers, and the auxiliary-loss-free bias update."""
+
+import functools
+import subprocess
+import sys
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AbstractMesh, AxisType
 
 from ferry.models.deepseek_v3 import _update_bias
 from ferry.nn.moe import DeepSeekMoE, Experts, dense_moe, dropless_moe, route, tile_layout
+from ferry.offload import record_tags
+from ferry.sharding import MESH_AXES
+from tests.conftest import ROOT
 
 
 def route_by_loop(scores, bias, num_groups, groups_per_token, k, scaling):
@@ -105,6 +114,20 @@ def test_dropless_gradients_equal_dense_masking(tile_rows):
             np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
 
 
+def kept_by_queue(indices, weights, num_experts, capacity):
+    """The routing weights with every slot past `capacity` in its expert's queue (token by token,
+    slot by slot) set to zero."""
+    kept = np.array(weights)
+    seen = np.zeros(num_experts, int)
+    for t in range(indices.shape[0]):
+        for s in range(indices.shape[1]):
+            e = int(indices[t, s])
+            if seen[e] >= capacity:
+                kept[t, s] = 0.0
+            seen[e] += 1
+    return kept
+
+
 @GROUPED_MATMULS
 def test_capacity_factor_drops_late_slots_per_expert(tile_rows):
     x, indices, weights, experts = random_problem()
@@ -114,15 +137,7 @@ def test_capacity_factor_drops_late_slots_per_expert(tile_rows):
     np.testing.assert_array_equal(generous, dropless_moe(x, indices, weights, experts, tile_rows=tile_rows))
 
     capacity_factor = 0.5
-    capacity = -(-int(capacity_factor * tokens * k) // num_experts)
-    kept_weights = np.array(weights)
-    seen = np.zeros(num_experts, int)
-    for t in range(tokens):  # queue order: token by token, slot by slot
-        for s in range(k):
-            e = int(indices[t, s])
-            if seen[e] >= capacity:
-                kept_weights[t, s] = 0.0
-            seen[e] += 1
+    kept_weights = kept_by_queue(indices, weights, num_experts, -(-int(capacity_factor * tokens * k) // num_experts))
     assert (kept_weights == 0).any()
     np.testing.assert_allclose(
         dropless_moe(x, indices, weights, experts, capacity_factor=capacity_factor, tile_rows=tile_rows),
@@ -130,6 +145,120 @@ def test_capacity_factor_drops_late_slots_per_expert(tile_rows):
         rtol=1e-5,
         atol=1e-6,
     )
+
+
+def float64(tree):
+    return jax.tree.map(lambda a: a.astype(jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+def gradients(moe, x, indices, weights, experts, cotangent):
+    """Gradients of <moe(...), cotangent> with respect to the tokens, routing weights and experts."""
+    return jax.grad(lambda x, w, e: jnp.sum(moe(x, indices, w, e) * cotangent), (0, 1, 2))(x, weights, experts)
+
+
+def check_expert_parallel_equals_dense():
+    """Run in a process of 8 CPU devices (`test_expert_parallel_ring_equals_dense_masking`): on
+    a mesh of fsdp 2 x expert 4, the ring's values, capacity drops and float64 gradients (of the
+    tokens, the routing weights and the experts) equal dense masking's on one device, with the
+    untagged rows of each step (past a balanced load) computed apart or not."""
+    mesh = jax.make_mesh((1, 2, 1, 4), MESH_AXES, axis_types=(AxisType.Auto,) * 4)
+    x, indices, weights, experts = random_problem()
+    num_experts, group_tokens = experts.gate.shape[0], x.shape[0] // 2  # an expert group's tokens
+    capacity_factor = 0.5
+    capacity = -(-int(capacity_factor * group_tokens * indices.shape[1]) // num_experts)
+    kept = np.concatenate(
+        [
+            kept_by_queue(indices[g : g + group_tokens], weights[g : g + group_tokens], num_experts, capacity)
+            for g in range(0, x.shape[0], group_tokens)
+        ]
+    )
+    assert (kept == 0).any()
+    want, want_dropping = dense_moe(x, indices, weights, experts), dense_moe(x, indices, jnp.asarray(kept), experts)
+    with jax.enable_x64(True):
+        problem64 = (
+            *float64((x, indices, weights, experts)),
+            jax.random.normal(jax.random.key(9), x.shape, jnp.float64),
+        )
+        want_grads = gradients(dense_moe, *problem64)
+    for tile_rows, tag_capacity_factor in ((None, 1.0), (1, 1.0), (8, 1.0), (8, None)):
+        moe = functools.partial(dropless_moe, tile_rows=tile_rows, tag_capacity_factor=tag_capacity_factor)
+        dropping = functools.partial(moe, capacity_factor=capacity_factor)
+        with jax.set_mesh(mesh):
+            got, got_dropping = (
+                jax.jit(moe)(x, indices, weights, experts),
+                jax.jit(dropping)(x, indices, weights, experts),
+            )
+            with jax.enable_x64(True):
+                got_grads = jax.jit(functools.partial(gradients, moe))(*problem64)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got_dropping, want_dropping, rtol=1e-5, atol=1e-6)
+        for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_expert_parallel_ring_equals_dense_masking():
+    code = (
+        "from ferry.platform import PlatformConfig, apply_platform; "
+        "apply_platform(PlatformConfig('cpu', cpu_devices=8)); "
+        "from tests.test_moe import check_expert_parallel_equals_dense; check_expert_parallel_equals_dense()"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def recorded_tags(moe, *args):
+    """The (name, shape) of every tag `moe(*args)` passes, found abstractly."""
+    tags = []
+
+    def record(*args):
+        out, values = record_tags(moe, *args)
+        tags.extend((name, value.shape) for name, value in values)
+        return out
+
+    jax.eval_shape(record, *args)
+    return tags
+
+
+@pytest.mark.parametrize("group", [1, 2, 8])
+@pytest.mark.parametrize("tag_capacity_factor", [None, 1.0])
+def test_expert_buffers_per_device_hold_one_devices_slots_whatever_the_group(group, tag_capacity_factor):
+    """Each ring step's expert products hold, per device, at most the slots of one device's
+    tokens (all routed here): the group size multiplies the steps, not a buffer (gathering the
+    group's tokens would make every buffer group x larger). Of each step, the rows a balanced
+    router would send (times `tag_capacity_factor`) are tagged, so what an offload policy saves
+    of a layer is about one device's slots, not group x as many."""
+    devices, tokens_per_device, k, dim, hidden = 8, 16, 2, 16, 24
+    mesh = AbstractMesh((1, devices // group, 1, group), MESH_AXES, axis_types=(AxisType.Auto,) * 4)
+    _, indices, weights, experts = random_problem(tokens=devices * tokens_per_device, k=k, dim=dim, hidden=hidden)
+    x = jax.ShapeDtypeStruct((devices * tokens_per_device, dim), jnp.float32)
+    moe = functools.partial(dropless_moe, tile_rows=8, tag_capacity_factor=tag_capacity_factor)
+    with jax.sharding.use_abstract_mesh(mesh):
+        tags = recorded_tags(moe, x, indices, weights, experts)
+    rows = tokens_per_device * k if tag_capacity_factor is None else tokens_per_device * k // group
+    shapes = [(devices * rows, hidden), (devices * rows, hidden), (devices * rows, dim)]  # rows per device
+    assert tags == list(zip(["moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo"] * group, shapes * group, strict=True))
+
+
+@GROUPED_MATMULS
+def test_rows_past_the_tag_capacity_are_computed_untagged(tile_rows):
+    """With a tag capacity below the slots, the tagged products cover the first rows only and
+    the rest is computed apart: values and float64 gradients still equal dense masking's."""
+    x, indices, weights, experts = random_problem()
+    moe = functools.partial(dropless_moe, tile_rows=tile_rows, tag_capacity_factor=0.3)
+    tagged = int(0.3 * indices.size)  # one device: int(factor x tokens x k) rows
+    assert [shape[0] for _, shape in recorded_tags(moe, x, indices, weights, experts)] == [tagged] * 3
+    np.testing.assert_allclose(
+        moe(x, indices, weights, experts), dense_moe(x, indices, weights, experts), rtol=1e-5, atol=1e-6
+    )
+    with jax.enable_x64(True):
+        problem64 = (
+            *float64((x, indices, weights, experts)),
+            jax.random.normal(jax.random.key(9), x.shape, jnp.float64),
+        )
+        for a, b in zip(
+            jax.tree.leaves(gradients(moe, *problem64)), jax.tree.leaves(gradients(dense_moe, *problem64)), strict=True
+        ):
+            np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
 
 
 def test_bias_update_balances_a_skewed_router():
@@ -160,5 +289,8 @@ def test_tile_layout_gives_each_tile_one_expert():
     layout = tile_layout(group_sizes, 15, 4)
     # Experts padded to 8, 0, 12, 4 rows: tiles 0-1 expert 0, 2-4 expert 2, 5 expert 3.
     np.testing.assert_array_equal(np.asarray(layout.tile_expert)[:6], [0, 0, 2, 2, 2, 3])
-    np.testing.assert_array_equal(np.asarray(layout.destination), [0, 1, 2, 3, 4, *range(8, 17), 20])
     assert layout.tile_expert.shape[0] == -(-15 // 4) + 4
+    pad = 15  # padded positions hold no row
+    expected_rows = [*range(5), *[pad] * 3, *range(5, 14), *[pad] * 3, 14, *[pad] * 3]
+    np.testing.assert_array_equal(np.asarray(layout.row)[:24], expected_rows)
+    assert (np.asarray(layout.row)[24:] == pad).all()

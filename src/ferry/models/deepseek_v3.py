@@ -45,11 +45,17 @@ class DeepSeekV3Config:
     groups_per_token: int
     routed_scaling: float = 2.5
     capacity_factor: float | None = None  # None: dropless
-    # Grouped matmul of the routed experts: "ragged_dot" (GPU/TPU grouped GEMM), "tiled"
-    # (tiles of moe_tile_rows rows; what the CPU backend runs without computing every expert),
-    # or "auto": tiled on CPU, ragged_dot elsewhere.
+    # Grouped matmul of the routed experts: "ragged_dot" (TPU's grouped GEMM), "tiled" (tiles
+    # of moe_tile_rows rows, one expert each; XLA's CPU and GPU backends expand ragged_dot into
+    # every expert on every row), or "auto": ragged_dot on TPU, tiled elsewhere.
     moe_matmul: str = "auto"
     moe_tile_rows: int = 32
+    # Expert parallelism runs the experts in a ring of steps, one per device of the expert
+    # group; per step, the expert products of up to this x the rows a balanced router sends a
+    # device (tokens x k / group) are tagged, so an offload policy places them, and the rows
+    # past it (an overloaded device's) are recomputed in the backward pass, never dropped.
+    # None tags every row: group x a balanced load, the worst case of all slots routed here.
+    moe_tag_capacity_factor: float | None = None
     bias_update_rate: float = 0.001  # gamma of the auxiliary-loss-free balancing
     balance_loss_weight: float = 1e-4  # alpha of the sequence-wise balance loss
     mtp_depth: int = 1  # 0 switches multi-token prediction off
@@ -93,6 +99,10 @@ class DeepSeekV3Config:
         )
         require(self.moe_tile_rows >= 1, f"moe_tile_rows must be >= 1, got {self.moe_tile_rows}")
         require(
+            self.moe_tag_capacity_factor is None or self.moe_tag_capacity_factor > 0,
+            f"moe_tag_capacity_factor must be positive or null (tag every row), got {self.moe_tag_capacity_factor}",
+        )
+        require(
             self.capacity_factor is None or self.capacity_factor > 0,
             f"capacity_factor must be positive or null (dropless), got {self.capacity_factor}",
         )
@@ -127,7 +137,7 @@ class DeepSeekV3Config:
 
     def moe_tile_rows_or_none(self) -> int | None:
         """Tile rows for the tiled grouped matmul, or None for `lax.ragged_dot`."""
-        tiled = self.moe_matmul == "tiled" or (self.moe_matmul == "auto" and jax.default_backend() == "cpu")
+        tiled = self.moe_matmul == "tiled" or (self.moe_matmul == "auto" and jax.default_backend() != "tpu")
         return self.moe_tile_rows if tiled else None
 
     def moe(self, key: PRNGKeyArray) -> DeepSeekMoE:
@@ -142,6 +152,7 @@ class DeepSeekV3Config:
             self.routed_scaling,
             self.capacity_factor,
             self.moe_tile_rows_or_none(),
+            self.moe_tag_capacity_factor,
             key=key,
         )
 

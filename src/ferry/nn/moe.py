@@ -7,18 +7,26 @@ expert axis), `shared_experts`.
 """
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ferry.nn.mlp import SwiGLU
 from ferry.offload import tag
-from ferry.sharding import batch_spec, check_divisible, context_mesh, data_parallel_size
+from ferry.sharding import (
+    ACTIVATION_RULES,
+    batch_spec,
+    check_divisible,
+    context_mesh,
+    data_parallel_size,
+    mesh_axes,
+)
 
 
 def route(
@@ -74,111 +82,262 @@ class Experts(eqx.Module):
 
 
 class TileLayout(eqx.Module):
-    """Where each expert-sorted row goes when every expert's rows are padded to whole tiles."""
+    """The expert-sorted rows of a dispatch padded so that each expert's rows fill whole tiles:
+    the tiled grouped matmul walks the tiles, one expert each."""
 
-    destination: Int[Array, " rows"]  # padded row of each sorted row; rows in no group: the scratch row
-    tile_expert: Int[Array, " tiles"]  # the expert every tile belongs to
+    row: Int[Array, " padded"]  # the sorted row at each padded position; padding: past the last row
+    tile_expert: Int[Array, " tiles"]
     tile_rows: int = eqx.field(static=True)
 
 
 def tile_layout(group_sizes: Int[Array, " experts"], num_rows: int, tile_rows: int) -> TileLayout:
     """Pad each expert's group to a multiple of `tile_rows`; at most one partial tile per expert,
     so ceil(rows / tile) + experts tiles always suffice (a static bound). Rows past the groups
-    (slots routed to another device's experts) go to a scratch row that is never computed."""
+    (slots routed to another device's experts) are in no tile."""
     num_experts = group_sizes.shape[0]
     num_tiles = -(-num_rows // tile_rows) + num_experts
     padded_sizes = -(-group_sizes // tile_rows) * tile_rows
     padded_ends = jnp.cumsum(padded_sizes)
+    position = jnp.arange(num_tiles * tile_rows)
+    expert = jnp.minimum(jnp.searchsorted(padded_ends, position, side="right"), num_experts - 1)
+    offset = position - (padded_ends - padded_sizes)[expert]
     starts = jnp.cumsum(group_sizes) - group_sizes
-    row_expert = jnp.repeat(jnp.arange(num_experts), group_sizes, total_repeat_length=num_rows)
-    destination = padded_ends[row_expert] - padded_sizes[row_expert] + jnp.arange(num_rows) - starts[row_expert]
-    in_group = jnp.arange(num_rows) < group_sizes.sum()
-    destination = jnp.where(in_group, destination, num_tiles * tile_rows)
-    tile_start = jnp.arange(num_tiles) * tile_rows
-    tile_expert = jnp.minimum(jnp.searchsorted(padded_ends, tile_start, side="right"), num_experts - 1)
-    return TileLayout(destination, tile_expert, tile_rows)
+    row = jnp.where(offset < group_sizes[expert], starts[expert] + offset, num_rows)
+    return TileLayout(row, expert[::tile_rows], tile_rows)
 
 
-def grouped_matmul(
-    x: Float[Array, "rows d_in"],
+def _tile_slice(index: Int[Array, " padded"], tile: Int[Array, ""], tile_rows: int) -> Int[Array, " tile_rows"]:
+    return jax.lax.dynamic_slice_in_dim(index, tile * tile_rows, tile_rows)
+
+
+def _rows(x: Float[Array, "n d"], index: Int[Array, " m"]) -> Float[Array, "m d"]:
+    """x's rows at `index`; zeros where it points past x."""
+    return x.at[index].get(mode="fill", fill_value=0)
+
+
+def _varying_axes(*arrays: jax.Array) -> tuple[str, ...]:
+    """The mesh axes inside a `shard_map` over which one of `arrays` varies from device to device."""
+    return tuple(sorted(set().union(*(jax.typeof(a).manual_axis_type.varying for a in arrays))))
+
+
+def _varying_zeros(shape: tuple[int, ...], dtype: Any, *like: jax.Array) -> jax.Array:
+    """Zeros typed as varying wherever one of `like` varies, as `scan` and `cond` require of the
+    values they join."""
+    axes = _varying_axes(*like)
+    zeros = jnp.zeros(shape, dtype)
+    return jax.lax.pcast(zeros, axes, to="varying") if axes else zeros
+
+
+def _carry_zeros(shape: tuple[int, ...], dtype: Any, *operands: jax.Array) -> jax.Array:
+    """A loop's initial zero carry, created once `operands` exist: XLA would otherwise copy
+    every loop's zero carry at the start of the program, all ring steps' at once."""
+    return jax.lax.optimization_barrier((_varying_zeros(shape, dtype, *operands), operands))[0]
+
+
+def _cotangent_of(gradient: jax.Array, primal: jax.Array) -> jax.Array:
+    """A gradient summed over the mesh axes along which it varies but its primal does not: the
+    devices there share the primal, so its gradient is their sum."""
+    shared = tuple(sorted(set(_varying_axes(gradient)) - set(_varying_axes(primal))))
+    gradient = jax.lax.psum(gradient, shared) if shared else gradient
+    return gradient.astype(primal.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def tiled_matmul(
+    num_out_rows: int,
+    x: Float[Array, "n d_in"],
     weights: Float[Array, "experts d_in d_out"],
-    group_sizes: Int[Array, " experts"],
-    layout: TileLayout | None,
-) -> Float[Array, "rows d_out"]:
-    """Rows sorted by expert times their expert's matrix; rows past the groups give zeros.
-    `lax.ragged_dot` (one grouped GEMM on GPU and TPU) when `layout` is None; otherwise tiles of
-    rows, each multiplied by its expert's matrix: XLA's CPU backend expands `ragged_dot` into
-    every expert on every row, tiles don't."""
-    if layout is None:
-        in_group = (jnp.arange(x.shape[0]) < group_sizes.sum())[:, None]
-        return jnp.where(in_group, jax.lax.ragged_dot(x, weights, group_sizes), 0)
-    num_tiles = layout.tile_expert.shape[0]
-    scratch = num_tiles * layout.tile_rows  # one extra row receives the rows in no group
-    padded = jnp.zeros((scratch + 1, x.shape[1]), x.dtype).at[layout.destination].set(x)
-    tiles = padded[:scratch].reshape(num_tiles, layout.tile_rows, x.shape[1])
-    out = jnp.einsum("tmi,tio->tmo", tiles, weights[layout.tile_expert]).reshape(scratch, -1)
-    return jnp.concatenate([out, jnp.zeros((1, out.shape[1]), out.dtype)])[layout.destination]
+    source: Int[Array, " padded"],
+    layout: TileLayout,
+) -> Float[Array, "out_rows d_out"]:
+    """Tile by tile, x's rows at `source` times the tile's expert matrix, written to the output
+    rows `layout.row`. Nothing is materialised per tile but the tile (neither the gathered rows
+    nor a copy of the expert's matrix), and a tile with no output row (padding) is skipped at
+    run time (its FLOPs stay in the static HLO count: an upper bound)."""
+    return _tiled_forward(num_out_rows, x, weights, source, layout)
+
+
+def _tiled_forward(num_out_rows: int, x: jax.Array, weights: jax.Array, source: jax.Array, layout: TileLayout):
+    tile_rows, d_out = layout.tile_rows, weights.shape[-1]
+    dtype = jnp.result_type(x.dtype, weights.dtype)
+    operands = (x, weights, source, layout.row, layout.tile_expert)
+
+    def one_tile(out: jax.Array, tile: jax.Array) -> tuple[jax.Array, None]:
+        def product() -> jax.Array:
+            return _rows(x, _tile_slice(source, tile, tile_rows)) @ weights[layout.tile_expert[tile]]
+
+        skip = functools.partial(_varying_zeros, (tile_rows, d_out), dtype, *operands)
+        destination = _tile_slice(layout.row, tile, tile_rows)
+        y = jax.lax.cond(jnp.any(destination < num_out_rows), product, skip)
+        return out.at[destination].set(y, mode="drop"), None
+
+    out = _carry_zeros((num_out_rows, d_out), dtype, *operands)
+    return jax.lax.scan(one_tile, out, jnp.arange(layout.tile_expert.shape[0]))[0]
+
+
+def _tiled_fwd(num_out_rows: int, x: jax.Array, weights: jax.Array, source: jax.Array, layout: TileLayout):
+    return _tiled_forward(num_out_rows, x, weights, source, layout), (x, weights, source, layout)
+
+
+def _tiled_bwd(num_out_rows: int, residuals: tuple, cotangent: jax.Array) -> tuple:
+    """The same walk over the tiles: each tile's input gradient is added to the rows it read,
+    its weight gradient to its expert's, both accumulated in at least float32."""
+    x, weights, source, layout = residuals
+    tile_rows = layout.tile_rows
+    dx_dtype, dw_dtype = (jnp.promote_types(a.dtype, jnp.float32) for a in (x, weights))
+    operands = (x, weights, source, layout.row, layout.tile_expert, cotangent)
+
+    def one_tile(carry: tuple[jax.Array, jax.Array], tile: jax.Array) -> tuple[tuple[jax.Array, jax.Array], None]:
+        dx, dw = carry
+        expert = layout.tile_expert[tile]
+        rows = _tile_slice(source, tile, tile_rows)
+        destination = _tile_slice(layout.row, tile, tile_rows)
+        g = _rows(cotangent, destination)
+
+        def grads() -> tuple[jax.Array, jax.Array]:
+            dx_tile = jnp.einsum("ro,io->ri", g, weights[expert], preferred_element_type=dx_dtype)
+            dw_tile = jnp.einsum("ri,ro->io", _rows(x, rows), g, preferred_element_type=dw_dtype)
+            return dx_tile, dw_tile
+
+        def skip() -> tuple[jax.Array, jax.Array]:
+            return (
+                _varying_zeros((tile_rows, x.shape[1]), dx_dtype, *operands),
+                _varying_zeros(weights.shape[1:], dw_dtype, *operands),
+            )
+
+        dx_tile, dw_tile = jax.lax.cond(jnp.any(destination < num_out_rows), grads, skip)
+        return (dx.at[rows].add(dx_tile, mode="drop"), dw.at[expert].add(dw_tile)), None
+
+    init = (_carry_zeros(x.shape, dx_dtype, *operands), _carry_zeros(weights.shape, dw_dtype, *operands))
+    (dx, dw), _ = jax.lax.scan(one_tile, init, jnp.arange(layout.tile_expert.shape[0]))
+    return _cotangent_of(dx, x), _cotangent_of(dw, weights), None, None
+
+
+tiled_matmul.defvjp(_tiled_fwd, _tiled_bwd)
 
 
 class Dispatch(eqx.Module):
-    """The (token, expert) slots of one device's experts, sorted by expert: the tokens' rows, the
-    group size of each expert, and where each row's output goes back with which weight. Slots
-    of other devices' experts sort last, outside every group, with weight zero."""
+    """The (token, expert) slots routed to one device's experts, sorted by expert: each row's
+    token and routing weight, and each expert's group size. Rows past the groups (slots of other
+    devices' experts) hold no token and weight zero."""
 
-    rows: Float[Array, "slots dim"]
+    row_token: Int[Array, " rows"]  # past the groups: the number of tokens (no token)
+    row_weight: Float[Array, " rows"]
     group_sizes: Int[Array, " local_experts"]
-    slot_token: Int[Array, " slots"]
-    slot_weight: Float[Array, " slots"]
-    layout: TileLayout | None
+    layout: TileLayout | None  # None: `lax.ragged_dot`
+
+    def window(self, start: int, stop: int) -> "Dispatch":
+        """Rows [start, stop) as a dispatch of their own. Its tiles are those that can hold
+        them: padding moves a row at most (experts - 1) x (tile_rows - 1) positions on."""
+        ends = jnp.cumsum(self.group_sizes)
+        group_sizes = jnp.clip(ends, start, stop) - jnp.clip(ends - self.group_sizes, start, stop)
+        layout = self.layout
+        if layout is not None:
+            tile_rows, num_experts = layout.tile_rows, self.group_sizes.shape[0]
+            first, last = start // tile_rows, min(layout.tile_expert.shape[0], -(-stop // tile_rows) + num_experts)
+            row = layout.row[first * tile_rows : last * tile_rows]
+            row = jnp.where((row >= start) & (row < stop), row - start, stop - start)
+            layout = TileLayout(row, layout.tile_expert[first:last], tile_rows)
+        return Dispatch(self.row_token[start:stop], self.row_weight[start:stop], group_sizes, layout)
 
 
 def dispatch(
-    x: Float[Array, "tokens dim"],
     indices: Int[Array, "tokens k"],
     weights: Float[Array, "tokens k"],
     first_expert: Int[Array, ""] | int,
     num_local_experts: int,
-    num_experts: int,
-    capacity_factor: float | None = None,
     tile_rows: int | None = None,
+    capacity: int | None = None,
+    queue_start: Int[Array, " local_experts"] | int = 0,
 ) -> Dispatch:
     """Sort the slots routed to experts [first_expert, first_expert + num_local_experts) by
-    expert. With a `capacity_factor`, slots past ceil(capacity_factor x tokens x k / experts) in
-    an expert's queue get weight zero (dropped), as capacity-based trainers do."""
+    expert. With a `capacity`, a slot whose place in its expert's queue (after `queue_start`
+    slots queued elsewhere) is `capacity` or later gets weight zero (dropped), as
+    capacity-based trainers do. Only index arrays: the tokens are read by the matmul itself."""
     tokens, k = indices.shape
     local_expert = indices.reshape(-1) - first_expert
     is_local = (local_expert >= 0) & (local_expert < num_local_experts)
     sort_key = jnp.where(is_local, local_expert, num_local_experts)
     order = jnp.argsort(sort_key, stable=True)
     group_sizes = jnp.bincount(sort_key, length=num_local_experts + 1)[:num_local_experts].astype(jnp.int32)
-    slot_weight = jnp.where(is_local, weights.reshape(-1), 0)[order]
-    if capacity_factor is not None:
-        capacity = -(-int(capacity_factor * tokens * k) // num_experts)
-        starts = jnp.concatenate([jnp.cumsum(group_sizes) - group_sizes, jnp.zeros((1,), jnp.int32)])
-        position = jnp.arange(tokens * k) - starts[sort_key[order]]
-        slot_weight = jnp.where(position < capacity, slot_weight, 0)
+    in_group = jnp.arange(tokens * k) < group_sizes.sum()
+    row_weight = jnp.where(in_group, weights.reshape(-1)[order], 0)
+    if capacity is not None:
+        starts = jnp.cumsum(group_sizes) - group_sizes - queue_start
+        expert = jnp.minimum(sort_key[order], num_local_experts - 1)
+        row_weight = jnp.where(jnp.arange(tokens * k) - starts[expert] < capacity, row_weight, 0)
     layout = None if tile_rows is None else tile_layout(group_sizes, tokens * k, tile_rows)
-    slot_token = order // k
-    return Dispatch(x[slot_token], group_sizes, slot_token, slot_weight, layout)
+    return Dispatch(jnp.where(in_group, order // k, tokens), row_weight, group_sizes, layout)
 
 
-def combine(out: Float[Array, "slots dim"], d: Dispatch, num_tokens: int) -> Float[Array, "tokens dim"]:
-    """Each token's weighted sum of its experts' outputs."""
-    weighted = out * d.slot_weight[:, None].astype(out.dtype)
-    return jnp.zeros((num_tokens, out.shape[1]), out.dtype).at[d.slot_token].add(weighted)
+def grouped_matmul(
+    x: Float[Array, "n d_in"], weights: Float[Array, "experts d_in d_out"], d: Dispatch, gather: bool
+) -> Float[Array, "rows d_out"]:
+    """Each dispatched row times its expert's matrix; the row is x's row of the row's token
+    (`gather`: x holds the tokens) or x's own row. Rows past the groups give zeros.
+    `lax.ragged_dot` (TPU's grouped GEMM) when the dispatch has no tile layout; otherwise tiles
+    (`tiled_matmul`): XLA's CPU and GPU backends expand `ragged_dot` into every expert on every row."""
+    num_rows = d.row_token.shape[0]
+    if d.layout is None:
+        rows = _rows(x, d.row_token) if gather else x
+        in_group = (jnp.arange(num_rows) < d.group_sizes.sum())[:, None]
+        return jnp.where(in_group, jax.lax.ragged_dot(rows, weights, d.group_sizes), 0)
+    source = d.layout.row
+    if gather:
+        source = d.row_token.at[source].get(mode="fill", fill_value=x.shape[0])
+    return tiled_matmul(num_rows, x, weights, source, d.layout)
+
+
+def combine(out: Float[Array, "rows dim"], d: Dispatch, num_tokens: int) -> Float[Array, "tokens dim"]:
+    """Each token's sum of its rows (already weighted by `expert_ffn`)."""
+    return jnp.zeros((num_tokens, out.shape[1]), out.dtype).at[d.row_token].add(out, mode="drop")
+
+
+Matmul = Callable[[jax.Array, jax.Array, Dispatch, bool], jax.Array]
+
+
+def _weighted_down(gate: jax.Array, up: jax.Array, d: Dispatch, down: jax.Array, matmul: Matmul) -> jax.Array:
+    """The routing weight scales the hidden rows before the down projection, so the combine is a
+    plain sum and the backward pass needs no [rows, dim] residual for the weights' gradient."""
+    hidden = jax.nn.silu(gate) * up * d.row_weight[:, None].astype(gate.dtype)
+    return matmul(hidden, down, d, False)
 
 
 def expert_ffn(
-    d: Dispatch, experts: "Experts", matmul: Callable[[jax.Array, jax.Array, Dispatch], jax.Array]
-) -> Float[Array, "slots dim"]:
-    """The experts' SwiGLU on the dispatched rows; its three products are tagged for offload."""
-    gate = tag(matmul(d.rows, experts.gate, d), "moe_mlpwi_0")
-    up = tag(matmul(d.rows, experts.up, d), "moe_mlpwi_1")
-    return tag(matmul(jax.nn.silu(gate) * up, experts.down, d), "moe_mlpwo")
+    x: Float[Array, "tokens dim"], d: Dispatch, experts: Experts, matmul: Matmul, tagged: bool = True
+) -> Float[Array, "rows dim"]:
+    """The experts' SwiGLU on the dispatched rows of x's tokens, weighted; its three products are
+    tagged for offload (unless not `tagged`: then always recomputed). What lies between them is
+    recomputed in the backward pass (`jax.checkpoint`): of a row, it keeps the two hidden
+    products only."""
+
+    def name(value: jax.Array, tensor: str) -> jax.Array:
+        return tag(value, tensor) if tagged else value
+
+    gate = name(matmul(x, experts.gate, d, True), "moe_mlpwi_0")
+    up = name(matmul(x, experts.up, d, True), "moe_mlpwi_1")
+    down = jax.checkpoint(functools.partial(_weighted_down, matmul=matmul))
+    return name(down(gate, up, d, experts.down), "moe_mlpwo")
 
 
-def _local_matmul(x: jax.Array, weights: jax.Array, d: Dispatch) -> jax.Array:
-    return grouped_matmul(x, weights, d.group_sizes, d.layout)
+def tagged_windows(d: Dispatch, tagged_rows: int) -> tuple[Dispatch, ...]:
+    """The dispatch split where its tagged rows end: the rows before, then the rest if any."""
+    num_rows = d.row_token.shape[0]
+    if tagged_rows >= num_rows:
+        return (d,)
+    return d.window(0, tagged_rows), d.window(tagged_rows, num_rows)
+
+
+def routed_experts(
+    x: Float[Array, "tokens dim"], windows: tuple[Dispatch, ...], experts: Experts, matmul: Matmul
+) -> tuple[jax.Array, ...]:
+    """`expert_ffn` on each window of a dispatch (`tagged_windows`), tagging only the first."""
+    return tuple(expert_ffn(x, d, experts, matmul, tagged=i == 0) for i, d in enumerate(windows))
+
+
+def combine_windows(outs: tuple[jax.Array, ...], windows: tuple[Dispatch, ...], num_tokens: int) -> jax.Array:
+    """Each token's sum over the windows of its rows."""
+    return sum(combine(out, d, num_tokens) for out, d in zip(outs, windows, strict=True))
 
 
 def per_device_tokens(fn: Callable[[jax.Array, jax.Array], Any]) -> Callable[[jax.Array, jax.Array], Any]:
@@ -197,6 +356,17 @@ def per_device_tokens(fn: Callable[[jax.Array, jax.Array], Any]) -> Callable[[ja
     return call
 
 
+def _capacity(capacity_factor: float | None, tokens: int, k: int, num_experts: int) -> int | None:
+    """Slots per expert queue of `tokens` tokens: ceil(capacity_factor x tokens x k / experts)."""
+    return None if capacity_factor is None else -(-int(capacity_factor * tokens * k) // num_experts)
+
+
+def _tagged_rows(tag_capacity_factor: float | None, tokens: int, k: int, group: int) -> int:
+    """Rows of a ring step whose expert products are tagged: ceil(factor x tokens x k / group),
+    `factor` times what a balanced router sends a device per step; all (tokens x k) for None."""
+    return tokens * k if tag_capacity_factor is None else -(-int(tag_capacity_factor * tokens * k) // group)
+
+
 def dropless_moe(
     x: Float[Array, "tokens dim"],
     indices: Int[Array, "tokens k"],
@@ -204,18 +374,94 @@ def dropless_moe(
     experts: Experts,
     capacity_factor: float | None = None,
     tile_rows: int | None = None,
+    tag_capacity_factor: float | None = None,
 ) -> Float[Array, "tokens dim"]:
     """Sort the (token, expert) slots by expert and run each expert on exactly its tokens with
     grouped matmuls (`lax.ragged_dot`, or tiles of `tile_rows` rows): no token is dropped, no
     expert computes a token it was not routed. Under a mesh of several devices the dispatch is
     per device (`expert_parallel_moe`), unless the tokens do not split evenly over the batch axes
-    (abstract traces with a toy shape), where XLA partitions the single-device dispatch."""
+    (abstract traces with a toy shape), where XLA partitions the single-device dispatch. The
+    expert products of the rows past `tag_capacity_factor` x a balanced load (`_tagged_rows`)
+    are not tagged: the backward pass recomputes them whatever the offload policy."""
     mesh = context_mesh()
     if mesh is not None and mesh.size > 1 and x.shape[0] % data_parallel_size(mesh) == 0:
-        return expert_parallel_moe(x, indices, weights, experts, mesh, capacity_factor, tile_rows)
+        return expert_parallel_moe(x, indices, weights, experts, mesh, capacity_factor, tile_rows, tag_capacity_factor)
+    tokens, k = indices.shape
     num_experts = experts.gate.shape[0]
-    d = dispatch(x, indices, weights, 0, num_experts, num_experts, capacity_factor, tile_rows)
-    return combine(expert_ffn(d, experts, _local_matmul), d, x.shape[0])
+    d = dispatch(indices, weights, 0, num_experts, tile_rows, _capacity(capacity_factor, tokens, k, num_experts))
+    windows = tagged_windows(d, _tagged_rows(tag_capacity_factor, tokens, k, 1))
+    return combine_windows(routed_experts(x, windows, experts, grouped_matmul), windows, tokens)
+
+
+def per_device_experts(experts: Experts, mesh: Any) -> tuple[Experts, PartitionSpec]:
+    """The expert weights with a leading axis of one copy per device of each expert shard, split
+    over the batch axes, and its spec. A `shard_map` taking the weights unsplit over an axis
+    would sum their gradient over it at every use (a full all-reduce per ring step and matmul);
+    with a copy per device the ring steps' gradients add up on each device and the copies' sum,
+    the transpose of the broadcast, is one reduce-scatter onto the FSDP-split weights."""
+    copy_axes = tuple(axis for axis in mesh_axes("batch", ACTIVATION_RULES, mesh) if axis != "expert")
+    copies = math.prod(mesh.shape[axis] for axis in copy_axes)
+    spec = PartitionSpec(copy_axes or None, "expert" if mesh.shape["expert"] > 1 else None)
+
+    def copy(w: jax.Array) -> jax.Array:
+        w = jnp.broadcast_to(w[None], (copies, *w.shape))
+        return jax.lax.with_sharding_constraint(w, NamedSharding(mesh, spec))
+
+    return jax.tree.map(copy, experts), spec
+
+
+def _from_device_ahead(a: jax.Array, shift: int, group: int) -> jax.Array:
+    """Device j of the `expert` group receives `a` of device (j + shift) mod group."""
+    return jax.lax.ppermute(a, "expert", [(s, (s - shift) % group) for s in range(group)])
+
+
+def _to_device_ahead(a: jax.Array, shift: int, group: int) -> jax.Array:
+    """Device j of the `expert` group sends `a` to device (j + shift) mod group."""
+    return jax.lax.ppermute(a, "expert", [(s, (s + shift) % group) for s in range(group)])
+
+
+def _queue_start(
+    indices: Int[Array, "tokens k"], source: Int[Array, ""], first: Int[Array, ""], num_local: int, num_experts: int
+) -> Int[Array, " local_experts"]:
+    """Slots the group's devices before `source` route to each local expert: the queue is the
+    group's tokens in order, as if they were one device's."""
+    counts = jax.lax.all_gather(jnp.bincount(indices.reshape(-1), length=num_experts), "expert")
+    before = jnp.cumsum(counts, axis=0) - counts
+    return jax.lax.dynamic_slice_in_dim(before[source], first, num_local).astype(jnp.int32)
+
+
+def _receive_and_dispatch(
+    x: jax.Array,
+    indices: jax.Array,
+    weights: jax.Array,
+    *,
+    shift: int,
+    group: int,
+    num_experts: int,
+    tile_rows: int | None,
+    capacity: int | None,
+    tagged_rows: int,
+) -> tuple[jax.Array, tuple[Dispatch, ...]]:
+    """One step of the ring, on one device: the tokens and routing of the device `shift` ahead
+    in the group, and the dispatch of their slots to this device's experts (`tagged_windows`)."""
+    num_local = num_experts // group
+    position = jax.lax.axis_index("expert")
+    first = position * num_local
+    queue_start = 0
+    if capacity is not None:
+        queue_start = _queue_start(indices, (position + shift) % group, first, num_local, num_experts)
+    if shift:
+        x, indices, weights = (_from_device_ahead(a, shift, group) for a in (x, indices, weights))
+    d = dispatch(indices, weights, first, num_local, tile_rows, capacity, queue_start)
+    return x, tagged_windows(d, tagged_rows)
+
+
+def _combine_and_return(
+    outs: tuple[jax.Array, ...], windows: tuple[Dispatch, ...], *, shift: int, group: int, tokens: int
+) -> jax.Array:
+    """The token sums of one ring step, sent back to the device whose tokens they are."""
+    sums = combine_windows(outs, windows, tokens)
+    return _to_device_ahead(sums, shift, group) if shift else sums
 
 
 def expert_parallel_moe(
@@ -226,35 +472,58 @@ def expert_parallel_moe(
     mesh: Any,
     capacity_factor: float | None = None,
     tile_rows: int | None = None,
+    tag_capacity_factor: float | None = None,
 ) -> Float[Array, "tokens dim"]:
     """Dropless MoE with the experts split over the mesh's `expert` axis and the tokens over its
-    batch axes. Each device all-gathers the tokens of its `expert` group (the token exchange),
-    sorts the slots routed to its own experts, runs them, and a reduce-scatter returns every
-    token's sum to the device that holds it. Nothing is dropped: a device's buffers hold every
-    slot of its group, the worst case of all of them choosing its experts. The three expert
-    products leave the `shard_map` between stages so the offload policy can tag them."""
+    batch axes, as a ring over the `expert` group: at step s every device receives the tokens
+    and routing of the device s ahead, runs its own experts on the slots routed to them, and
+    sends the token sums back. Nothing is dropped, and a step's buffers hold at most one
+    device's slots (tokens x k rows, all routed here) whatever the group size, where gathering
+    the whole group would hold group x as many. The steps are unrolled and each expert product
+    leaves the `shard_map`s, so the offload policy places it per step; only the rows up to
+    `tag_capacity_factor` x a balanced step's load are tagged, so what a policy saves stays
+    near the tokens x k rows a balanced router gives a device, not group x as many."""
     num_experts = experts.gate.shape[0]
-    expert_shards = mesh.shape["expert"] if "expert" in mesh.axis_names else 1
-    check_divisible("num_experts", num_experts, "expert", expert_shards, "choose an expert size that divides it")
-    local_experts = num_experts // expert_shards
+    group = mesh.shape["expert"]
+    check_divisible("num_experts", num_experts, "expert", group, "choose an expert size that divides it")
     rows = batch_spec(mesh)
-    expert_split = PartitionSpec("expert") if expert_shards > 1 else PartitionSpec()
+    tokens, k = x.shape[0] // data_parallel_size(mesh), indices.shape[1]
+    capacity = _capacity(capacity_factor, tokens * group, k, num_experts)
+    tagged_rows = _tagged_rows(tag_capacity_factor, tokens, k, group)
+    experts, expert_spec = per_device_experts(experts, mesh)
 
-    def local_dispatch(x: jax.Array, indices: jax.Array, weights: jax.Array) -> Dispatch:
-        first = 0
-        if expert_shards > 1:
-            x, indices, weights = (jax.lax.all_gather(a, "expert", tiled=True) for a in (x, indices, weights))
-            first = jax.lax.axis_index("expert") * local_experts
-        return dispatch(x, indices, weights, first, local_experts, num_experts, capacity_factor, tile_rows)
+    def matmul(a: jax.Array, w: jax.Array, d: Dispatch, gather: bool) -> jax.Array:
+        local = functools.partial(_copy_matmul, gather=gather)
+        return jax.shard_map(local, mesh=mesh, in_specs=(rows, expert_spec, rows), out_specs=rows)(a, w, d)
 
-    def local_combine(out: jax.Array, d: Dispatch) -> jax.Array:
-        tokens = combine(out, d, d.slot_token.shape[0] // indices.shape[1])
-        return jax.lax.psum_scatter(tokens, "expert", tiled=True) if expert_shards > 1 else tokens
+    total = None
+    for shift in range(group):
+        receive = functools.partial(
+            _receive_and_dispatch,
+            shift=shift,
+            group=group,
+            num_experts=num_experts,
+            tile_rows=tile_rows,
+            capacity=capacity,
+            tagged_rows=tagged_rows,
+        )
+        x_ahead, windows = jax.shard_map(receive, mesh=mesh, in_specs=rows, out_specs=rows)(x, indices, weights)
+        if total is not None:
+            # Start once the last step is done, so one step's buffers are live at a time. The
+            # weights pass the barrier too, each step using the last step's output: their
+            # gradient then adds up step by step in the backward pass, where gradients of
+            # independent uses would be fused into one sum, all of them live at once.
+            (x_ahead, windows, experts), total = jax.lax.optimization_barrier(((x_ahead, windows, experts), total))
+        outs = routed_experts(x_ahead, windows, experts, matmul)
+        send = functools.partial(_combine_and_return, shift=shift, group=group, tokens=tokens)
+        total_step = jax.shard_map(send, mesh=mesh, in_specs=rows, out_specs=rows)(outs, windows)
+        total = total_step if total is None else total + total_step
+    return total
 
-    d = jax.shard_map(local_dispatch, mesh=mesh, in_specs=rows, out_specs=rows)(x, indices, weights)
-    matmul = jax.shard_map(_local_matmul, mesh=mesh, in_specs=(rows, expert_split, rows), out_specs=rows)
-    out = expert_ffn(d, experts, matmul)
-    return jax.shard_map(local_combine, mesh=mesh, in_specs=rows, out_specs=rows)(out, d)
+
+def _copy_matmul(x: jax.Array, weights: Float[Array, "1 experts d_in d_out"], d: Dispatch, gather: bool) -> jax.Array:
+    """`grouped_matmul` on one device, with its copy of its experts (`per_device_experts`)."""
+    return grouped_matmul(x, weights[0], d, gather)
 
 
 def dense_moe(
@@ -291,6 +560,7 @@ class DeepSeekMoE(eqx.Module):
     routed_scaling: float = eqx.field(static=True)
     capacity_factor: float | None = eqx.field(static=True)
     tile_rows: int | None = eqx.field(static=True)
+    tag_capacity_factor: float | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -304,6 +574,7 @@ class DeepSeekMoE(eqx.Module):
         routed_scaling: float,
         capacity_factor: float | None,
         tile_rows: int | None = None,
+        tag_capacity_factor: float | None = None,
         *,
         key: PRNGKeyArray,
     ):
@@ -316,6 +587,7 @@ class DeepSeekMoE(eqx.Module):
         self.experts_per_token, self.routed_scaling = experts_per_token, routed_scaling
         self.capacity_factor = capacity_factor
         self.tile_rows = tile_rows
+        self.tag_capacity_factor = tag_capacity_factor
 
     def __call__(self, x: Float[Array, "batch seq dim"]) -> tuple[Float[Array, "batch seq dim"], MoEStats]:
         batch, seq, dim = x.shape
@@ -330,7 +602,13 @@ class DeepSeekMoE(eqx.Module):
         )
         indices, weights = per_device_tokens(select)(flat_scores, self.correction_bias.astype(jnp.float32))
         routed = dropless_moe(
-            x.reshape(batch * seq, dim), indices, weights, self.experts, self.capacity_factor, self.tile_rows
+            x.reshape(batch * seq, dim),
+            indices,
+            weights,
+            self.experts,
+            self.capacity_factor,
+            self.tile_rows,
+            self.tag_capacity_factor,
         )
         out = routed.reshape(x.shape) + self.shared(x)
         load = jnp.bincount(indices.reshape(-1), length=scores.shape[-1]).astype(jnp.float32)
