@@ -20,7 +20,8 @@ from ferry.train.config import FerryConfig, OffloadConfig, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
-PRESETS = sorted(p.stem for p in (CONFIGS / "offload").glob("*.yaml"))
+# the placement presets; `auto` is not one but the planner's instruction to choose one
+PRESETS = sorted(p.stem for p in (CONFIGS / "offload").glob("*.yaml") if p.stem != "auto")
 
 
 def load_model_config(name: str, **overrides):

@@ -24,7 +24,9 @@ _DTYPE_BYTES |= {"f64": 8, "s64": 8, "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[\w.\-]+)\s")
 _INSTRUCTION = re.compile(r"=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<op>[a-z\-]+)\(")
 _ARRAY = re.compile(r"(?P<dtype>[a-z]+[0-9]*[a-z0-9]*)\[(?P<dims>[0-9,]*)\]")
-_CALLEE = re.compile(r"\b(?P<kind>body|condition|calls|to_apply)=%(?P<name>[\w.\-]+)")
+_CALLEE = re.compile(
+    r"\b(?P<kind>body|condition|calls|to_apply|true_computation|false_computation)=%(?P<name>[\w.\-]+)"
+)
 _BRANCHES = re.compile(r"branch_computations=\{(?P<names>[^}]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"\}')
 _CONDITION = re.compile(r"\bcondition=%(?P<name>[\w.\-]+)")
@@ -282,5 +284,6 @@ def overlapped_flops(hlo_text: str, copies: list[HostCopy]) -> dict[str, float]:
     for copy in copies:
         covered.setdefault(copy.computation, set()).update(range(copy.window[0] + 1, copy.window[1]))
     return {
-        name: sum((module.line_flops(module.bodies[name][i]) for i in positions), 0.0) for name, positions in covered.items()
+        name: sum((module.line_flops(module.bodies[name][i]) for i in positions), 0.0)
+        for name, positions in covered.items()
     }

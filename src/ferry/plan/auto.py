@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from ferry.models.registry import abstract_model
 from ferry.offload import LAYER_INPUT, Policy, record_tags
-from ferry.plan.planner import MemoryPlan, for_gpu
+from ferry.plan.planner import MemoryPlan, for_target
 from ferry.plan.targets import Target
 from ferry.precision import cast_floating
 from ferry.schedule import format_bytes, model_schedule
@@ -51,7 +51,7 @@ class TensorCost:
 
     name: str
     bytes: int  # held in HBM by every layer's copy, per micro step
-    layer_bytes: dict[str, int]  # per layer group: one layer's copy
+    layer_bytes: dict[str, int]  # per layer group: one layer's copies (a ring step tags its own)
     recompute_flops: float  # per micro step: its producing matmul in every layer
 
 
@@ -140,11 +140,11 @@ def layer_flops(model: Any, run: Callable[[Any, jax.Array], Any], x: jax.ShapeDt
     return total_dot_flops(jaxpr), per_tag
 
 
-def tensor_costs(config: FerryConfig, mesh: Any) -> tuple[dict[str, TensorCost], dict[str, float]]:
+def tensor_costs(config: FerryConfig, target: Target, mesh: Any) -> tuple[dict[str, TensorCost], dict[str, float]]:
     """Every tagged tensor's HBM bytes (sized on `mesh` by the transfer schedule) and recompute
     FLOPs, and each layer group's forward FLOPs, per device per micro step. FLOPs are traced on
     the whole micro batch and split evenly over the devices."""
-    model_config = for_gpu(config.model)
+    model_config = for_target(config.model, target)
     model = abstract_model(model_config)
     tagged = model.tagged_names()
     keep = Policy.from_dict({name: "device" for name in tagged})
@@ -160,14 +160,16 @@ def tensor_costs(config: FerryConfig, mesh: Any) -> tuple[dict[str, TensorCost],
         x = jax.ShapeDtypeStruct((rows, config.train.seq_len - kind.seq_shrink, model.config.dim), dtype)
         flops, per_tag = layer_flops(cast_floating(model, dtype), kind.run, x)
         forward[group.name] = flops / config.mesh.num_devices
-        for residual in group.residuals:
-            old = costs.get(residual.name, TensorCost(residual.name, 0, {}, 0.0))
-            recompute = per_tag.get(residual.name, 0.0) / config.mesh.num_devices
-            costs[residual.name] = TensorCost(
-                residual.name,
-                old.bytes + group.num_layers * residual.bytes_per_device,
-                old.layer_bytes | {group.name: residual.bytes_per_device},
-                old.recompute_flops + group.num_layers * recompute,
+        layer_bytes: dict[str, int] = {}
+        for residual in group.residuals:  # a ring step of expert parallelism tags its own copy
+            layer_bytes[residual.name] = layer_bytes.get(residual.name, 0) + residual.bytes_per_device
+        for name, size in layer_bytes.items():
+            old = costs.get(name, TensorCost(name, 0, {}, 0.0))
+            costs[name] = TensorCost(
+                name,
+                old.bytes + group.num_layers * size,
+                old.layer_bytes | {group.name: size},
+                old.recompute_flops + group.num_layers * per_tag.get(name, 0.0) / config.mesh.num_devices,
             )
     return costs, forward
 
@@ -233,7 +235,7 @@ def auto_plan(
     shed more per check until it fits: the bytes the estimate fell short by while tensors remain
     on device, else rematerialise the offloaded tensor cheapest to recompute (an offloaded
     residual still passes through HBM, so offloading frees less than its size)."""
-    costs, forward = tensor_costs(config, mesh)
+    costs, forward = tensor_costs(config, target, mesh)
     keep = [Choice(c.name, "device", c.bytes, 0.0, "fits on device: no recompute, no copies") for c in costs.values()]
     plan = compile_policy(policy_of(keep), "auto")
     if plan.fits:

@@ -7,6 +7,7 @@ their real shardings over a mesh of compile-only devices; nothing is allocated.
 """
 
 import dataclasses
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -51,6 +52,7 @@ class MemoryPlan:
     compile_options: tuple[tuple[str, object], ...]
     transfers: tuple[Transfer, ...]
     transfer_summary: TransferSummary
+    compile_seconds: float  # lowering and compiling on this machine
 
     @property
     def device_bytes(self) -> int:
@@ -80,13 +82,13 @@ def compile_only_mesh(target: Target, mesh_config: MeshConfig) -> Mesh:
     return Mesh(devices, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
-def for_gpu(model_config: Any) -> Any:
-    """The model as it runs on a GPU: tiled grouped matmuls for the experts where the config
-    leaves the choice to the backend (this process's backend is the CPU, which `auto` would also
-    tile; said explicitly because XLA's GPU backend expands `ragged_dot` into every expert on
-    every row)."""
+def for_target(model_config: Any, target: Target) -> Any:
+    """The model as it runs on `target` where its config leaves a choice to the backend (this
+    process's backend is the CPU): the experts' grouped matmul is TPU's grouped GEMM
+    (`ragged_dot`) on a TPU, tiles on a GPU, whose XLA backend expands `ragged_dot` into every
+    expert on every row."""
     if getattr(model_config, "moe_matmul", None) == "auto":
-        return dataclasses.replace(model_config, moe_matmul="tiled")
+        return dataclasses.replace(model_config, moe_matmul="ragged_dot" if target.platform == "tpu" else "tiled")
     return model_config
 
 
@@ -106,7 +108,7 @@ def plan_memory(
     mesh = compile_only_mesh(target, config.mesh)
     optimizer = make_optimizer(config.train)
     data_parallel = config.mesh.data_parallel
-    model_config = for_gpu(config.model)
+    model_config = for_target(config.model, target)
     layout = state_layout(model_config, optimizer, mesh)
     sharding = layout.sharding
     sharded = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), layout.shapes, sharding)
@@ -127,8 +129,10 @@ def plan_memory(
         return body(eqx.combine(arrays, layout.static), tokens)
 
     options = target.compile_options(dict(xla_flags or {}))
+    started = time.perf_counter()
     with jax.set_mesh(mesh):
         compiled = jax.jit(step, donate_argnums=0).lower(sharded, batch).compile(options)
+    compile_seconds = time.perf_counter() - started
     memory = compiled.memory_analysis()
     host = memory.host_temp_size_in_bytes + memory.host_argument_size_in_bytes + memory.host_output_size_in_bytes
     offloads = any(placement == "offload" for _, placement in policy.placements)
@@ -154,6 +158,7 @@ def plan_memory(
         compile_options=tuple(sorted(options.items())),
         transfers=transfers,
         transfer_summary=summary,
+        compile_seconds=compile_seconds,
     )
 
 

@@ -81,6 +81,12 @@ def run_plan(
     return plans, choices
 
 
+def format_seconds(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    return f"{seconds * 1e3:.2f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} us"
+
+
 def plan_table(plans: list[MemoryPlan], config: FerryConfig) -> Table:
     first = plans[0]
     pool = "" if first.host_capacity_bytes is None else f"; pinned host pool {format_bytes(first.host_capacity_bytes)}"
@@ -90,7 +96,7 @@ def plan_table(plans: list[MemoryPlan], config: FerryConfig) -> Table:
         caption="compile options: " + ", ".join(f"{k}={v}" for k, v in first.compile_options) + pool,
     )
     columns = ("preset", "arguments", "outputs", "temp", "HBM total", "capacity", "verdict", "pinned host")
-    for column in (*columns, "matmul TFLOP", "copies exposed"):
+    for column in (*columns, "matmul TFLOP", "copies exposed", "compile"):
         table.add_column(column, justify="left" if column in ("preset", "verdict") else "right")
     for plan in plans:
         summary = plan.transfer_summary
@@ -104,7 +110,8 @@ def plan_table(plans: list[MemoryPlan], config: FerryConfig) -> Table:
             "FITS" if plan.fits else "OOM",
             format_bytes(plan.host_bytes),
             f"{plan.flops / 1e12:.4f}",
-            f"{summary.exposed_seconds * 1e3:.2f} ms" if plan.transfers else "-",
+            format_seconds(summary.exposed_seconds) if plan.transfers else "-",
+            f"{plan.compile_seconds:.0f} s",
         )
     return table
 
@@ -115,8 +122,8 @@ def transfer_table(plan: MemoryPlan) -> Table:
     table = Table(
         title=f"{plan.policy}: host copies in the compiled program (per device)",
         caption=f"per step: {format_bytes(summary.bytes_to_host)} to host, {format_bytes(summary.bytes_to_device)} "
-        f"back; link busy {summary.link_seconds * 1e3:.2f} ms, compute overlapping copies "
-        f"{summary.overlapped_compute_seconds * 1e3:.2f} ms, exposed {summary.exposed_seconds * 1e3:.2f} ms",
+        f"back; link busy {format_seconds(summary.link_seconds)}, compute overlapping copies "
+        f"{format_seconds(summary.overlapped_compute_seconds)}, exposed {format_seconds(summary.exposed_seconds)}",
     )
     for column in ("tensor", "direction", "shape", "bytes", "x per step", "transfer", "hiding compute", "hidden"):
         table.add_column(column, justify="left" if column in ("tensor", "direction", "shape", "hidden") else "right")
@@ -127,8 +134,8 @@ def transfer_table(plan: MemoryPlan) -> Table:
             t.shape,
             format_bytes(t.bytes),
             str(t.executions),
-            f"{t.transfer_seconds * 1e6:.1f} us",
-            f"{t.compute_seconds * 1e6:.1f} us",
+            format_seconds(t.transfer_seconds),
+            format_seconds(t.compute_seconds),
             "yes" if t.hidden else "no",
         )
     return table
