@@ -47,7 +47,12 @@ MESHES = {
 
 @pytest.mark.parametrize(
     "model, preset",
-    [("llama_tiny", "minimal_offloaded"), ("deepseek_v3_tiny", "moe_offload")],
+    [
+        ("llama_tiny", "minimal_offloaded"),
+        # slow (about 150 s); in CI the expert-parallel ring's values and gradients are checked
+        # against dense MoE on 8 devices (test_moe), the training path on meshes by llama_tiny
+        pytest.param("deepseek_v3_tiny", "moe_offload", marks=pytest.mark.slow),
+    ],
 )
 def test_meshes_train_like_one_device(model, preset, tmp_path):
     common = f"model={model} offload={preset} {COMMON}"

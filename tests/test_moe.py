@@ -239,7 +239,11 @@ def test_expert_buffers_per_device_hold_one_devices_slots_whatever_the_group(gro
     assert tags == list(zip(["moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo"] * group, shapes * group, strict=True))
 
 
-@GROUPED_MATMULS
+@pytest.mark.parametrize(
+    "tile_rows",
+    [None, 8, pytest.param(1, marks=pytest.mark.slow), pytest.param(64, marks=pytest.mark.slow)],
+    ids=lambda t: f"tiles{t}" if t else "ragged_dot",
+)  # windows do not depend on the tile size: tiles of 1 and 64 rows are covered by the tests above
 def test_rows_past_the_tag_capacity_are_computed_untagged(tile_rows):
     """With a tag capacity below the slots, the tagged products cover the first rows only and
     the rest is computed apart: values and float64 gradients still equal dense masking's."""
