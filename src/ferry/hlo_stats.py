@@ -6,6 +6,7 @@ weighted by how often its computation runs: the product of the trip counts XLA r
 """
 
 import dataclasses
+import functools
 import re
 from collections import Counter
 
@@ -199,12 +200,18 @@ class _Module:
         return self._flops[name]
 
 
+@functools.lru_cache(maxsize=2)
+def _parsed(hlo_text: str) -> "_Module":
+    """The planner reads FLOPs, host copies and their overlap from one program: parse it once."""
+    return _Module(hlo_text)
+
+
 def matmul_flops(hlo_text: str) -> float:
     """FLOPs of every matrix product in a compiled module (`dot`, cuBLAS GEMM custom calls,
     `ragged-dot` counted as dense, and TPU `convolution`s), weighted by how often its computation runs: what
     `cost_analysis()` does not report for compile-only GPU devices. 2 x output elements x the
     contracted size; elementwise work is not counted."""
-    module = _Module(hlo_text)
+    module = _parsed(hlo_text)
     return module.computation_flops(module.entry)
 
 
@@ -229,7 +236,7 @@ class HostCopy:
 def host_copies(hlo_text: str) -> list[HostCopy]:
     """Every async start/done pair whose result or operands live in pinned host memory: an
     offload (a `dynamic-update-slice` into a host buffer, a `copy` to host) or a reload."""
-    module = _Module(hlo_text)
+    module = _parsed(hlo_text)
     counts = _execution_counts(module.bodies, module.entry)
     copies = []
     for name, lines in module.bodies.items():
@@ -279,7 +286,7 @@ def overlapped_flops(hlo_text: str, copies: list[HostCopy]) -> dict[str, float]:
     """Per computation, the FLOPs scheduled while at least one host copy is in flight: the copies
     share one host link, so together they are hidden by this much compute, not by the sum of
     their windows."""
-    module = _Module(hlo_text)
+    module = _parsed(hlo_text)
     covered: dict[str, set[int]] = {}
     for copy in copies:
         covered.setdefault(copy.computation, set()).update(range(copy.window[0] + 1, copy.window[1]))

@@ -120,18 +120,13 @@ def producer_flops(jaxpr: Any, var: Any) -> float:
 def layer_flops(model: Any, run: Callable[[Any, jax.Array], Any], x: jax.ShapeDtypeStruct) -> tuple[float, dict]:
     """One layer's forward matmul FLOPs and, per tag, its producing matmul's FLOPs."""
 
-    def tagged_values(model: Any, x: jax.Array) -> Any:
-        _, values = record_tags(run, model, x)
-        return [value for _, value in values]
-
     names: list[str] = []
 
-    def record_names(model: Any, x: jax.Array) -> Any:
+    def tagged_values(model: Any, x: jax.Array) -> Any:
         _, values = record_tags(run, model, x)
-        names.extend(name for name, _ in values)
+        names.extend(name for name, _ in values)  # traced once: the names in the outputs' order
         return [value for _, value in values]
 
-    eqx.filter_eval_shape(record_names, model, x)
     closed = eqx.filter_make_jaxpr(tagged_values)(model, x)[0]
     jaxpr = closed.jaxpr
     per_tag: dict[str, float] = {}
