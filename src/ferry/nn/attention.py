@@ -22,20 +22,24 @@ def causal_attention(
     query_chunk: int = QUERY_CHUNK,
 ) -> Float[Array, "batch seq heads v_dim"]:
     """softmax(q k^T * scale + causal mask) v, each group of heads sharing one key/value head.
-    A sequence longer than `query_chunk` (and a multiple of it) is attended `query_chunk` query
-    rows at a time, each chunk rematerialised in the backward pass: every row's softmax still
-    sees all its keys, so the result is the same, but only one chunk's float32 scores exist at
-    once (DeepSeek-V3 at 8 x 4096 tokens: 8 GiB instead of 64 GiB per buffer per device)."""
+    A sequence longer than `query_chunk` is attended `query_chunk` query rows at a time, each
+    chunk rematerialised in the backward pass: every row's softmax still sees all its keys, so
+    the result is the same, but only one chunk's float32 scores exist at once (DeepSeek-V3 at
+    8 x 4096 tokens: 8 GiB instead of 64 GiB per buffer per device). A length that is no
+    multiple of the chunk (MTP's seq - 1) pads the queries; the padding rows are dropped."""
     batch, seq, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     q = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)
-    if seq <= query_chunk or seq % query_chunk:
+    if seq <= query_chunk:
         context = _attend(q, k, v, scale, 0)
     else:
-        chunks = q.reshape(batch, seq // query_chunk, query_chunk, *q.shape[2:]).swapaxes(0, 1)
-        starts = jnp.arange(seq // query_chunk) * query_chunk
+        num_chunks = -(-seq // query_chunk)
+        q = jnp.pad(q, ((0, 0), (0, num_chunks * query_chunk - seq), (0, 0), (0, 0), (0, 0)))
+        chunks = q.reshape(batch, num_chunks, query_chunk, *q.shape[2:]).swapaxes(0, 1)
+        starts = jnp.arange(num_chunks) * query_chunk
         attend = jax.checkpoint(lambda chunk, start: _attend(chunk, k, v, scale, start))
         context = jax.lax.map(lambda args: attend(*args), (chunks, starts)).swapaxes(0, 1)
+        context = context.reshape(batch, num_chunks * query_chunk, *context.shape[3:])[:, :seq]
     return context.reshape(batch, seq, heads, v.shape[-1])
 
 
