@@ -227,7 +227,10 @@ def ferry_deepseek(hf_deepseek):
 
 
 forward = eqx.filter_jit(lambda model, tokens: model(tokens))
-training_loss = eqx.filter_jit(lambda model, batch: model.training_loss(batch, SAVE_ALL)[1])
+# the logits of batch[:, :-1] and the training statistics on batch, compiled together (XLA shares the forward pass)
+logits_and_metrics = eqx.filter_jit(
+    lambda model, batch: (model(batch[:, :-1]), model.training_loss(batch, SAVE_ALL)[1])
+)
 
 
 def test_llama_logits_match_transformers(hf_llama, ferry_llama, batch):
@@ -244,7 +247,7 @@ def test_deepseek_v3_logits_routing_and_mtp_match_transformers(hf_deepseek, ferr
     _, reference, router, mtp_loss = hf_deepseek
     model = ferry_deepseek
     assert model.config.mtp_depth == 1 and model.config.yarn.mscale_all_dim == 0.8
-    logits = forward(model, jnp.asarray(batch[:, :-1], jnp.int32))
+    logits, metrics = logits_and_metrics(model, jnp.asarray(batch, jnp.int32))
     np.testing.assert_allclose(np.asarray(logits), reference, rtol=0, atol=ATOL)
 
     config = model.config
@@ -258,7 +261,6 @@ def test_deepseek_v3_logits_routing_and_mtp_match_transformers(hf_deepseek, ferr
             config.routed_scaling,
         )[0]
     )
-    metrics = training_loss(model, jnp.asarray(batch, jnp.int32))
     for layer, (x, hf_experts) in enumerate(router):
         moe = model.moe_layers.layer(layer).mlp
         experts = np.asarray(select(jnp.asarray(x), moe.router, moe.correction_bias))
