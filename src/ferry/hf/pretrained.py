@@ -37,6 +37,7 @@ class Checkpoint:
 
 
 def open_checkpoint(directory: str | Path) -> Checkpoint:
+    """Read config.json and the safetensors headers: the family, and the ferry config they describe."""
     directory = Path(directory)
     config_file = directory / "config.json"
     if not config_file.is_file():
