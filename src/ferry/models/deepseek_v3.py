@@ -171,8 +171,9 @@ def moe_layer(config: DeepSeekV3Config, *, key: PRNGKeyArray) -> DecoderBlock:
 
 
 class MultiTokenPrediction(eqx.Module):
-    """One MTP depth: h' = block(proj[RMSNorm(emb(t + k)); RMSNorm(h)]), read out through its own
-    final norm and the model's shared output head."""
+    """One MTP depth: h' = final_norm(block(proj[RMSNorm(emb(t + k)); RMSNorm(h)])), read out
+    through the model's shared output head; h is the previous depth's h' (the main model's
+    output after its final norm for depth 1), as Megatron-LM and Hugging Face chain them."""
 
     embedding_norm: RMSNorm
     hidden_norm: RMSNorm
@@ -283,15 +284,17 @@ class DeepSeekV3(eqx.Module):
         mesh: Mesh | None,
     ) -> tuple[Float[Array, " depth"], MoEStats]:
         """Each MTP depth's cross-entropy (depth k predicts token t + k + 1 from the previous
-        depth's hidden state and the embedding of token t + k) and its MoE block's stats."""
+        depth's normalised output and the embedding of token t + k; `h` is the main model's
+        output after its final norm) and its MoE block's stats."""
         seq = batch.shape[1] - 1
         block = offloaded(lambda layer, x: layer(x), policy, mesh=mesh, check_names=False)
         losses, stats = [], []
         for depth, module in enumerate(self.mtp, start=1):
             embedded = module.embedding_norm(self.embed(batch[:, depth:seq]))
             joined = jnp.concatenate([embedded, module.hidden_norm(h[:, : seq - depth])], axis=-1)
-            h, block_stats = block(module.block, module.projection(joined))
-            losses.append(next_token_loss(self.head(module.final_norm(h)), batch[:, depth + 1 :])[1])
+            out, block_stats = block(module.block, module.projection(joined))
+            h = module.final_norm(out)
+            losses.append(next_token_loss(self.head(h), batch[:, depth + 1 :])[1])
             stats.append(block_stats)
         return jnp.stack(losses), stack_trees(stats)
 
@@ -305,8 +308,9 @@ class DeepSeekV3(eqx.Module):
         """Main next-token loss + alpha x the balance losses of every MoE layer (MTP blocks
         included) + lambda x the mean of the MTP depths' losses."""
         config = self.config
-        h, stats = self.hidden(batch[:, :-1], policy, mesh)
-        loss, cross_entropy = next_token_loss(self.head(self.final_norm(h)), batch[:, 1:], z_loss_weight)
+        hidden, stats = self.hidden(batch[:, :-1], policy, mesh)
+        h = self.final_norm(hidden)
+        loss, cross_entropy = next_token_loss(self.head(h), batch[:, 1:], z_loss_weight)
         metrics: dict[str, Array] = {"loss": cross_entropy, "balance_loss": jnp.zeros((), jnp.float32)}
         if stats is not None:
             metrics["balance_loss"] += stats.balance_loss.sum()

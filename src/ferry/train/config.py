@@ -136,6 +136,14 @@ class DistributedConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class InitConfig:
+    """Where the first parameters come from: a random init (`train.seed`), or `from_hf`, a local
+    Hugging Face checkpoint directory whose config.json the model config must match."""
+
+    from_hf: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class PlanConfig:
     """`mode=plan`: the target to compile for, and the presets to compare (default: save_all,
     full_remat and the run's own `offload`). `capacity_gib` overrides the target's HBM."""
@@ -166,6 +174,7 @@ class FerryConfig:
     mode: str = "train"
     target: str | None = None
     plan: PlanConfig = PlanConfig()
+    init: InitConfig = InitConfig()
 
     def __post_init__(self) -> None:
         if self.mode not in ("train", "plan"):
@@ -181,7 +190,20 @@ class FerryConfig:
 
 def load_config(node: Mapping) -> FerryConfig:
     """Validate a resolved Hydra config (a plain dict) into frozen dataclasses."""
-    known = {"model", "train", "offload", "data", "run", "platform", "mesh", "distributed", "mode", "target", "plan"}
+    known = {
+        "model",
+        "train",
+        "offload",
+        "data",
+        "run",
+        "platform",
+        "mesh",
+        "distributed",
+        "mode",
+        "target",
+        "plan",
+        "init",
+    }
     unknown = sorted(set(node) - known)
     if unknown:
         raise ConfigError(f"unknown top-level config key(s) {unknown}; known: {sorted(known)}")
@@ -199,4 +221,5 @@ def load_config(node: Mapping) -> FerryConfig:
         mode=str(node.get("mode", "train")),
         target=None if node.get("target") is None else str(node["target"]),
         plan=from_dict(PlanConfig, node.get("plan", {}), "plan"),
+        init=from_dict(InitConfig, node.get("init", {}), "init"),
     )

@@ -22,6 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ferry.data.batches import PackedBatches
 from ferry.data.stdlib_corpus import Corpus, load_stdlib_corpus
 from ferry.data.tokenizer import ByteTokenizer
+from ferry.hf import check_checkpoint, load_pretrained
 from ferry.memory import check_fits
 from ferry.metrics import MetricsWriter
 from ferry.models.registry import TINY_MODELS, abstract_model, build_model, count_parameters, size_summary
@@ -91,6 +92,8 @@ def prepare(config: FerryConfig, console: Console) -> PreparedRun:
     """Every check that can refuse the run, cheapest first; allocates no model, writes nothing."""
     model = abstract_model(config.model)  # traced once, shapes only
     num_parameters = count_parameters(model)
+    if config.init.from_hf is not None:  # config.json and the tensors' headers: nothing is read yet
+        check_checkpoint(config.init.from_hf, config.model)
     check_mesh_shape(config)
     mesh = make_mesh(config.mesh)  # the devices
     tiny = TINY_MODELS[type(config.model)]
@@ -167,9 +170,15 @@ def state_layout(model_config: Any, optimizer: Any, mesh: Mesh, seed: int = 0) -
 
 def initial_state(config: FerryConfig, optimizer: Any, mesh: Mesh) -> tuple[TrainState, Any]:
     """The train state built on the devices in its sharding (no host copy of the whole model),
-    and that sharding; the random init is the same on every mesh."""
+    and that sharding; the random init is the same on every mesh. With `init.from_hf` the
+    parameters are read from the checkpoint straight into their sharding."""
     layout = state_layout(config.model, optimizer, mesh, config.train.seed)
-    arrays = jax.jit(lambda: eqx.partition(layout.make(), eqx.is_array)[0], out_shardings=layout.sharding)()
+    if config.init.from_hf is None:
+        arrays = jax.jit(lambda: eqx.partition(layout.make(), eqx.is_array)[0], out_shardings=layout.sharding)()
+    else:
+        params, static = eqx.partition(load_pretrained(config.init.from_hf, config.model, mesh), eqx.is_array)
+        wrap = lambda p: eqx.partition(init_state(eqx.combine(p, static), optimizer), eqx.is_array)[0]
+        arrays = jax.jit(wrap, out_shardings=layout.sharding, donate_argnums=0)(params)
     return eqx.combine(arrays, layout.static), layout.sharding
 
 

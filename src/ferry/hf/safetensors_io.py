@@ -1,0 +1,172 @@
+"""Reading and writing Hugging Face safetensors checkpoints, tensor by tensor.
+
+Reading maps each tensor's bytes from its file (the header gives dtype, shape and offsets) and
+slices the map, so only the requested rows and columns are read from disk: a process loads the
+shards its devices hold, never the whole checkpoint. The format is read directly because
+`safe_open(..., framework="numpy")` cannot return float8 tensors (safetensors 0.8), which
+DeepSeek-V3's published weights are. FP8 weights are dequantised with their block scales
+(`<name>_scale_inv`, one float32 per block of `weight_block_size` rows x columns).
+
+Writing goes through `safetensors.numpy.save_file`, one file per shard of at most
+`max_shard_bytes`, with the `model.safetensors.index.json` that `transformers` reads.
+"""
+
+import dataclasses
+import json
+import math
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+SCALE_SUFFIX = "_scale_inv"
+
+DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+}
+FP8 = "F8_E4M3"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory ferry cannot read, or one that does not hold the model it should."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor's bytes lie: its file, dtype, shape and absolute byte offset."""
+
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+
+
+def read_header(file: Path) -> dict[str, TensorEntry]:
+    """The tensors of one .safetensors file (an 8-byte little-endian header size, a JSON header
+    of name -> dtype, shape and data offsets relative to the header's end, then the data)."""
+    with open(file, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return {
+        name: TensorEntry(file, info["dtype"], tuple(info["shape"]), 8 + size + info["data_offsets"][0])
+        for name, info in header.items()
+    }
+
+
+class CheckpointReader:
+    """The tensors of a checkpoint directory, read lazily by name and slice."""
+
+    def __init__(self, directory: str | Path, fp8_block: tuple[int, int] | None = None):
+        self.directory = Path(directory)
+        self.fp8_block = fp8_block
+        index = self.directory / INDEX_FILE
+        if (self.directory / SINGLE_FILE).is_file():  # before the index, as transformers looks
+            files = [SINGLE_FILE]
+        elif index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            raise CheckpointError(
+                f"{self.directory} holds neither {SINGLE_FILE} nor {INDEX_FILE}; ferry reads safetensors "
+                "checkpoints only (load a PyTorch .bin checkpoint in transformers and save it with save_pretrained)"
+            )
+        self.entries: dict[str, TensorEntry] = {}
+        for name in files:
+            path = self.directory / name
+            if not path.is_file():
+                raise CheckpointError(f"{INDEX_FILE} in {self.directory} names {name}, which is missing")
+            self.entries |= read_header(path)
+
+    def names(self) -> set[str]:
+        return set(self.entries)
+
+    def problem(self, name: str, shape: tuple[int, ...]) -> str | None:
+        """Why tensor `name` cannot be read as `shape` (absent, another shape, an unknown dtype, or
+        FP8 without its block scales), or None."""
+        entry = self.entries.get(name)
+        if entry is None:
+            return f"{name} is missing"
+        if entry.shape != shape:
+            return f"{name} has shape {list(entry.shape)}, the config needs {list(shape)}"
+        if entry.dtype not in DTYPES:
+            return f"{name} has dtype {entry.dtype}; ferry reads {sorted(DTYPES)}"
+        if entry.dtype == FP8:
+            if len(shape) != 2:
+                return f"{name} is {FP8} with {len(shape)} dimensions; block scales cover matrices only"
+            if self.fp8_block is None:
+                return f"{name} is {FP8} but config.json has no quantization_config.weight_block_size"
+            scale = self.entries.get(name + SCALE_SUFFIX)
+            blocks = tuple(math.ceil(n / b) for n, b in zip(shape, self.fp8_block, strict=True))
+            if scale is None or scale.shape != blocks:
+                found = "missing" if scale is None else f"of shape {list(scale.shape)}"
+                return f"{name} is {FP8}; its block scales {name + SCALE_SUFFIX} are {found}, need {list(blocks)}"
+        return None
+
+    def _mapped(self, entry: TensorEntry) -> np.ndarray:
+        dtype = DTYPES[entry.dtype]
+        if math.prod(entry.shape) == 0:
+            return np.zeros(entry.shape, dtype)
+        return np.memmap(entry.file, dtype, mode="r", offset=entry.offset, shape=entry.shape or (1,)).reshape(
+            entry.shape
+        )
+
+    def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray:
+        """The tensor's `index` slices (unit steps) in float32; FP8 dequantised block by block."""
+        entry = self.entries[name]
+        block = np.asarray(self._mapped(entry)[index]).astype(np.float32)
+        if entry.dtype != FP8:
+            return block
+        full = tuple(index) + (slice(None),) * (len(entry.shape) - len(index))
+        rows, cols = (np.arange(*s.indices(n)) // b for s, n, b in zip(full, entry.shape, self.fp8_block, strict=True))
+        scales = self._mapped(self.entries[name + SCALE_SUFFIX])[np.ix_(rows, cols)]
+        return block * scales.astype(np.float32)
+
+
+class ShardedWriter:
+    """Writes named tensors into `model-0000i-of-0000n.safetensors` files of at most
+    `max_shard_bytes` each (a larger tensor gets a file of its own) and their index; a single
+    file is `model.safetensors`, as `save_pretrained` names it."""
+
+    def __init__(self, directory: str | Path, max_shard_bytes: int):
+        self.directory = Path(directory)
+        self.max_shard_bytes = max_shard_bytes
+        self.pending: dict[str, np.ndarray] = {}
+        self.pending_bytes = 0
+        self.shards: list[list[str]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: np.ndarray) -> None:
+        if self.pending and self.pending_bytes + tensor.nbytes > self.max_shard_bytes:
+            self._flush()
+        self.pending[name] = np.ascontiguousarray(tensor)
+        self.pending_bytes += tensor.nbytes
+        self.total_bytes += tensor.nbytes
+
+    def _flush(self) -> None:
+        save_file(self.pending, str(self.directory / f"shard-{len(self.shards)}.tmp"), metadata={"format": "pt"})
+        self.shards.append(list(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> list[Path]:
+        """Write the last shard, name the files and write the index; returns the files written."""
+        if self.pending or not self.shards:
+            self._flush()
+        count = len(self.shards)
+        names = [SINGLE_FILE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        for i, name in enumerate(names):
+            (self.directory / f"shard-{i}.tmp").replace(self.directory / name)
+        written = [self.directory / name for name in names]
+        if count > 1:
+            weight_map = {tensor: name for name, tensors in zip(names, self.shards, strict=True) for tensor in tensors}
+            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+            (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+            written.append(self.directory / INDEX_FILE)
+        return written
