@@ -49,15 +49,20 @@ def test_llama_presets_on_h200():
 
 
 def test_deepseek_presets_on_h200():
-    """At 8 x 1024 tokens. The device temporaries of deepseek_v3_tiny are mostly not residuals
-    (the MoE ring's buffers, attention): full_remat is below minimal_offloaded by 0.3 MB of
-    518 MB here, and at 8 x 256 tokens above it by 0.2 MB of 57 MB."""
+    """full_remat and minimal_offloaded keep the same tensors in HBM, each layer's input; the
+    second also stages its copies there. Which of the two needs more temporaries is decided by
+    the backward pass's MoE working set, not the staging: measured for deepseek_v3_tiny,
+    minimal_offloaded is 1% below full_remat at 32 x 64, 128 x 64 and 8 x 256 tokens. What the
+    offload buys shows in recompute: fewer FLOPs than full_remat at far less HBM than save_all."""
     presets = ("save_all", "full_remat", "minimal_offloaded")  # the last offloads the expert products too
-    plans = {preset: plan("deepseek_v3_tiny", preset, seq_len=1024) for preset in presets}
+    plans = {
+        preset: plan("deepseek_v3_tiny", preset, "train.global_batch_size=32", seq_len=64) for preset in presets
+    }
     assert plans["minimal_offloaded"].host_bytes > 0
     assert any("moe_mlpwi_0" in t.tensor for t in plans["minimal_offloaded"].transfers)
     assert plans["save_all"].host_bytes == plans["full_remat"].host_bytes == 0
-    assert plans["full_remat"].temp_bytes < plans["minimal_offloaded"].temp_bytes < plans["save_all"].temp_bytes
+    assert max(plans["full_remat"].temp_bytes, plans["minimal_offloaded"].temp_bytes) < plans["save_all"].temp_bytes
+    assert plans["full_remat"].flops > plans["minimal_offloaded"].flops > plans["save_all"].flops > 0
 
 
 def test_a_dropped_offload_is_an_error(monkeypatch):
