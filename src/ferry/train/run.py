@@ -3,6 +3,7 @@ or one whose checkpoints it resumes), then the loop. Nothing is written or alloc
 config, the memory estimate, the data, the offload policy and any checkpoint's model have all
 been accepted."""
 
+import contextlib
 import dataclasses
 import datetime
 import itertools
@@ -274,7 +275,8 @@ def train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
     flops = training_flops(config.model, tc.global_batch_size, tc.seq_len).per_device(jax.device_count())
     peak, peak_source = device_peak(jax.devices()[0], tc.compute_dtype)
 
-    with jax.set_mesh(mesh), SigtermStop() as sigterm:
+    # closing the iterators stops their prefetch threads, also when the run fails
+    with jax.set_mesh(mesh), SigtermStop() as sigterm, contextlib.closing(batches), contextlib.closing(held_out):
         layout = state_layout(config.model, optimizer, mesh, tc.seed)
         checkpoints = Checkpoints(run_dir / "checkpoints", config.checkpoint)
         if prepared.resume_step is not None:  # before anything is written: a bad checkpoint loses nothing
@@ -335,7 +337,7 @@ def train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
         bad_step = None
         with progress:
             task = progress.add_task("train", total=tc.steps, completed=start, status="")
-            last_time, last_step = time.perf_counter(), start
+            last_time, last_step, overhead = time.perf_counter(), start, 0.0  # overhead: saving, between logs
             for step in range(start + 1, tc.steps + 1):
                 batch = first_batch if step == start + 1 else make_batch()
                 data_states[step] = batches.get_state()
@@ -356,8 +358,7 @@ def train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
                     break
                 if log_now or eval_now:
                     record = {k: float(v) for k, v in step_metrics.items() if k != "nonfinite"}  # blocks on the step
-                    step_time = (time.perf_counter() - last_time) / (step - last_step)
-                    last_step = step
+                    step_time = (time.perf_counter() - last_time - overhead) / (step - last_step)
                     record |= {
                         "step": step,
                         "step_time_s": step_time,
@@ -375,9 +376,12 @@ def train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
                         record["eval_perplexity"] = float(np.exp(record["eval_loss"]))
                     loggers.write(record)
                     progress.update(task, status=f"loss {record['loss']:.3f}  {record['tokens_per_s']:,.0f} tok/s")
+                    last_time, last_step, overhead = time.perf_counter(), step, 0.0  # evaluating is not step time
                 if save_now or stop_now:
+                    jax.block_until_ready(state)  # the step's own time counts; the copy to host does not
+                    saving = time.perf_counter()
                     save(step)
-                last_time = time.perf_counter()  # evaluation, logging and saving are not step time
+                    overhead += time.perf_counter() - saving
                 progress.update(task, completed=step)
                 if stop_now:
                     console.print(f"SIGTERM: stopped after step {step}; checkpoint saved in {checkpoints.directory}")
