@@ -19,8 +19,9 @@ from ferry.config import ConfigError, from_dict
 from ferry.memory import InsufficientMemoryError
 from ferry.offload import PolicyError
 from ferry.platform import PlatformConfig, apply_platform
+from ferry.train.checkpoint import CheckpointError
 from ferry.train.config import FerryConfig, OffloadConfig, load_config
-from ferry.train.run import RunDirectoryError, prepare, resolve_run_dir, train
+from ferry.train.run import NonFiniteLossError, RunDirectoryError, prepare, resolve_run_dir, train
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 _TENSOR_OVERRIDE = re.compile(r"^offload\.tensors\.\w+=")
@@ -51,15 +52,20 @@ def main(cfg: DictConfig) -> None:
         prepared = prepare(config, console)
     except REFUSALS as error:
         refuse(error)
-    train(prepared, OmegaConf.to_yaml(cfg), console)
+    try:
+        train(prepared, OmegaConf.to_yaml(cfg), console)
+    except CheckpointError as error:  # raised before anything is written
+        refuse(error)
+    except NonFiniteLossError as error:
+        refuse(error, code=3)
 
 
 REFUSALS = (ConfigError, PolicyError, InsufficientMemoryError, RunDirectoryError, ValueError, FileNotFoundError)
 
 
-def refuse(error: Exception) -> None:
+def refuse(error: Exception, code: int = 2) -> None:
     Console().print(f"[bold red]error:[/] {error}", highlight=False)
-    sys.exit(2)
+    sys.exit(code)
 
 
 def plan(config: FerryConfig, console: Console) -> int:

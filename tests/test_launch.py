@@ -72,14 +72,6 @@ def test_unknown_config_key_is_refused(tmp_path):
     assert "stepz" in result.stderr and "not in struct" in result.stderr
 
 
-def test_existing_run_is_not_overwritten(tmp_path):
-    (tmp_path / "metrics.jsonl").write_text("precious\n")
-    result = run_launcher("train.steps=1", "train.warmup_steps=0", f"run.dir={tmp_path}")
-    assert result.returncode == 2
-    assert "already holds files" in result.stdout
-    assert (tmp_path / "metrics.jsonl").read_text() == "precious\n"
-
-
 def test_model_too_large_fails_fast(tmp_path):
     start = time.monotonic()
     result = run_launcher("model=llama3_1_405b", f"run.dir={tmp_path / 'run'}")

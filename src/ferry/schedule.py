@@ -90,6 +90,11 @@ class TransferSchedule:
         return self.device_to_host_bytes
 
     @property
+    def pinned_host_bytes(self) -> int:
+        """Pinned host bytes each device holds at once: one micro step's offloaded residuals."""
+        return self._bytes("offload")
+
+    @property
     def device_bytes(self) -> int:
         """Tagged residual bytes each device keeps in HBM between forward and backward."""
         return self._bytes("device")

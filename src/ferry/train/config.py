@@ -4,6 +4,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from ferry.config import ConfigError, from_dict
+from ferry.data.config import DataConfig
 from ferry.models.registry import model_config
 from ferry.offload import Policy
 from ferry.platform import PlatformConfig
@@ -30,6 +31,7 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 50
     eval_batches: int = 4  # 0: no evaluation
+    on_nonfinite: str = "stop"  # stop: checkpoint the last good state and stop; skip: skip the update
 
     def micro_steps(self, data_parallel: int = 1) -> int:
         """Micro batches accumulated per optimizer step when a batch is split `data_parallel` ways."""
@@ -68,6 +70,8 @@ class TrainConfig:
                 f"train.warmup_steps {self.warmup_steps} must lie in [0, train.steps={self.steps}): "
                 "the cosine decay needs at least one step after the warmup"
             )
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise ValueError(f"train.on_nonfinite is {self.on_nonfinite!r}; use stop or skip")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"train.compute_dtype is {self.compute_dtype!r}; use float32 or bfloat16")
 
@@ -91,22 +95,52 @@ class OffloadConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class DataConfig:
-    source: str = "stdlib"
-    eval_fraction: float = 0.05
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.source != "stdlib":
-            raise ValueError(f"data.source is {self.source!r}; the available source is 'stdlib'")
-        if not 0 < self.eval_fraction < 1:
-            raise ValueError(f"data.eval_fraction must lie in (0, 1), got {self.eval_fraction}")
-
-
-@dataclasses.dataclass(frozen=True)
 class RunConfig:
     dir: str | None = None
     root: str = "runs"
+    resume: bool = True  # a run.dir holding checkpoints of this model resumes from the latest
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints in <run dir>/checkpoints: every `every` steps (0: only the final save and
+    on preemption), the last `keep` kept, and also every `keep_every`-th step when set."""
+
+    every: int = 100
+    keep: int = 3
+    keep_every: int | None = None
+    async_save: bool = True  # write in a background thread; the step loop goes on
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"checkpoint.every must be 0 (final save only) or more, got {self.every}")
+        if self.keep < 1:
+            raise ValueError(f"checkpoint.keep must be at least 1, got {self.keep}")
+        if self.keep_every is not None and self.keep_every < 1:
+            raise ValueError(f"checkpoint.keep_every must be at least 1 or null, got {self.keep_every}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LogConfig:
+    """Where logged steps go besides the console and metrics.jsonl."""
+
+    tensorboard: bool = True  # event files in <run dir>/tensorboard
+    wandb: bool = False  # Weights & Biases (pip install wandb)
+    wandb_project: str = "ferry"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+    """A jax.profiler trace of `steps` steps from `start_step` into <run dir>/profile."""
+
+    start_step: int | None = None
+    steps: int = 3
+
+    def __post_init__(self) -> None:
+        if self.start_step is not None and self.start_step < 1:
+            raise ValueError(f"profile.start_step must be at least 1 (or null: no profile), got {self.start_step}")
+        if self.steps < 1:
+            raise ValueError(f"profile.steps must be at least 1, got {self.steps}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +202,9 @@ class FerryConfig:
     offload: OffloadConfig
     data: DataConfig
     run: RunConfig
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    log: LogConfig = LogConfig()
+    profile: ProfileConfig = ProfileConfig()
     platform: PlatformConfig = PlatformConfig()
     mesh: MeshConfig = MeshConfig()
     distributed: DistributedConfig = DistributedConfig()
@@ -190,20 +227,8 @@ class FerryConfig:
 
 def load_config(node: Mapping) -> FerryConfig:
     """Validate a resolved Hydra config (a plain dict) into frozen dataclasses."""
-    known = {
-        "model",
-        "train",
-        "offload",
-        "data",
-        "run",
-        "platform",
-        "mesh",
-        "distributed",
-        "mode",
-        "target",
-        "plan",
-        "init",
-    }
+    known = {"model", "train", "offload", "data", "run", "checkpoint", "log", "profile", "init"}
+    known |= {"platform", "mesh", "distributed", "mode", "target", "plan"}
     unknown = sorted(set(node) - known)
     if unknown:
         raise ConfigError(f"unknown top-level config key(s) {unknown}; known: {sorted(known)}")
@@ -215,6 +240,9 @@ def load_config(node: Mapping) -> FerryConfig:
         offload=from_dict(OffloadConfig, node.get("offload", {}), "offload"),
         data=from_dict(DataConfig, node.get("data", {}), "data"),
         run=from_dict(RunConfig, node.get("run", {}), "run"),
+        checkpoint=from_dict(CheckpointConfig, node.get("checkpoint", {}), "checkpoint"),
+        log=from_dict(LogConfig, node.get("log", {}), "log"),
+        profile=from_dict(ProfileConfig, node.get("profile", {}), "profile"),
         platform=from_dict(PlatformConfig, node.get("platform", {}), "platform"),
         mesh=from_dict(MeshConfig, node.get("mesh", {}), "mesh"),
         distributed=from_dict(DistributedConfig, node.get("distributed", {}), "distributed"),

@@ -16,15 +16,18 @@ from ferry.precision import cast_floating
 
 
 class TrainState(eqx.Module):
-    """Float32 master parameters, their optimizer state and the step counter."""
+    """Float32 master parameters, their optimizer state, the step counter and how many steps had
+    a non-finite loss or gradient (their updates were not applied)."""
 
     model: eqx.Module
     opt_state: optax.OptState
     step: Int[Array, ""]
+    nonfinite_steps: Int[Array, ""]
 
 
 def init_state(model: eqx.Module, optimizer: optax.GradientTransformation) -> TrainState:
-    return TrainState(model, optimizer.init(eqx.filter(model, eqx.is_inexact_array)), jnp.zeros((), jnp.int32))
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    return TrainState(model, opt_state, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,12 +76,13 @@ def make_train_step(
     learning_rate: optax.Schedule,
     micro_steps: int = 1,
     state_sharding: Any = None,
+    on_nonfinite: str = "stop",
 ) -> Callable[[TrainState, Int[Array, "batch seq_plus_one"]], tuple[TrainState, dict[str, Array]]]:
     """The one jitted step, accumulating gradients over `micro_steps` micro batches. Its arguments
     are donated: parameters and optimizer moments are updated in place, and the batch buffer is
     consumed (place a fresh batch every step). `state_sharding` (the shardings of the state's
     arrays) pins the new state to the old one's layout, so the step compiles once."""
-    body = train_step_body(optimizer, settings, learning_rate, micro_steps, state_sharding)
+    body = train_step_body(optimizer, settings, learning_rate, micro_steps, state_sharding, on_nonfinite)
     return eqx.filter_jit(donate="all")(body)
 
 
@@ -88,9 +92,15 @@ def train_step_body(
     learning_rate: optax.Schedule,
     micro_steps: int = 1,
     state_sharding: Any = None,
+    on_nonfinite: str = "stop",
 ) -> Callable[[TrainState, Int[Array, "batch seq_plus_one"]], tuple[TrainState, dict[str, Array]]]:
     """The train step before jit: what `make_train_step` compiles, and what the planner lowers
-    with abstract inputs."""
+    with abstract inputs.
+
+    A step whose loss or gradient norm is not finite applies no update (the new state is the old
+    one, selected on device: no host sync). With `on_nonfinite="stop"` every later step applies
+    none either and the step counter stays, so the state stays the last good one until the loop,
+    which reads `nonfinite` a step later, checkpoints it; with "skip" training goes on."""
 
     def train_step(state: TrainState, batch: Int[Array, "batch seq_plus_one"]) -> tuple[TrainState, dict[str, Array]]:
         (loss, stats), grads = accumulated_loss_and_grad(state.model, batch, settings, micro_steps)
@@ -103,7 +113,19 @@ def train_step_body(
             "grad_norm": optax.tree.norm(grads),
             "learning_rate": learning_rate(state.step),
         }
-        new_state = TrainState(model, opt_state, state.step + 1)
+        finite = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"])
+        apply = finite if on_nonfinite == "skip" else finite & (state.nonfinite_steps == 0)
+        metrics["nonfinite"] = ~finite
+        nonfinite_steps = state.nonfinite_steps + (~finite).astype(jnp.int32)
+        metrics["nonfinite_steps"] = nonfinite_steps
+        step = state.step + (1 if on_nonfinite == "skip" else apply.astype(jnp.int32))
+        updated = jax.tree.map(
+            lambda new, old: jnp.where(apply, new, old),
+            eqx.filter((model, opt_state), eqx.is_array),
+            eqx.filter((state.model, state.opt_state), eqx.is_array),
+        )
+        model, opt_state = eqx.combine(updated, eqx.filter((model, opt_state), eqx.is_array, inverse=True))
+        new_state = TrainState(model, opt_state, step, nonfinite_steps)
         if state_sharding is not None:
             arrays, static = eqx.partition(new_state, eqx.is_array)
             new_state = eqx.combine(jax.lax.with_sharding_constraint(arrays, state_sharding), static)
