@@ -18,6 +18,8 @@ transformers = pytest.importorskip(
 )
 
 import ml_dtypes  # noqa: E402
+from ferry.data.batches import PackedBatches  # noqa: E402
+from ferry.data.stdlib_corpus import load_stdlib_corpus  # noqa: E402
 from rich.console import Console  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -25,8 +27,6 @@ from transformers.modeling_layers import MtpModel  # noqa: E402
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention  # noqa: E402
 
-from ferry.data.batches import PackedBatches  # noqa: E402
-from ferry.data.stdlib_corpus import load_stdlib_corpus  # noqa: E402
 from ferry.data.tokenizer import ByteTokenizer  # noqa: E402
 from ferry.hf import CheckpointError, check_checkpoint, load_pretrained, save_pretrained  # noqa: E402
 from ferry.hf import deepseek_v3 as hf_deepseek_v3  # noqa: E402

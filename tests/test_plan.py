@@ -55,9 +55,7 @@ def test_deepseek_presets_on_h200():
     minimal_offloaded is 1% below full_remat at 32 x 64, 128 x 64 and 8 x 256 tokens. What the
     offload buys shows in recompute: fewer FLOPs than full_remat at far less HBM than save_all."""
     presets = ("save_all", "full_remat", "minimal_offloaded")  # the last offloads the expert products too
-    plans = {
-        preset: plan("deepseek_v3_tiny", preset, "train.global_batch_size=32", seq_len=64) for preset in presets
-    }
+    plans = {preset: plan("deepseek_v3_tiny", preset, "train.global_batch_size=32", seq_len=64) for preset in presets}
     assert plans["minimal_offloaded"].host_bytes > 0
     assert any("moe_mlpwi_0" in t.tensor for t in plans["minimal_offloaded"].transfers)
     assert plans["save_all"].host_bytes == plans["full_remat"].host_bytes == 0
