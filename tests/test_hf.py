@@ -18,8 +18,6 @@ transformers = pytest.importorskip(
 )
 
 import ml_dtypes  # noqa: E402
-from ferry.data.batches import PackedBatches  # noqa: E402
-from ferry.data.stdlib_corpus import load_stdlib_corpus  # noqa: E402
 from rich.console import Console  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -27,7 +25,9 @@ from transformers.modeling_layers import MtpModel  # noqa: E402
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention  # noqa: E402
 
-from ferry.data.tokenizer import ByteTokenizer  # noqa: E402
+from ferry.data.corpus import load_corpus  # noqa: E402
+from ferry.data.pipeline import PackedWindows, window_batches  # noqa: E402
+from ferry.data.tokenizer import load_tokenizer  # noqa: E402
 from ferry.hf import CheckpointError, check_checkpoint, load_pretrained, save_pretrained  # noqa: E402
 from ferry.hf import deepseek_v3 as hf_deepseek_v3  # noqa: E402
 from ferry.hf import llama as hf_llama_family  # noqa: E402
@@ -415,7 +415,7 @@ def test_training_continues_from_imported_weights(hf_llama, tmp_path):
     directory, _ = hf_llama
     seq_len = 64
     run_dir = tmp_path / "run"
-    result = run_launcher(
+    overrides = (
         "model=llama_tiny",
         f"init.from_hf={directory}",
         "model.rope_scaling.original_max_position=64",
@@ -428,13 +428,15 @@ def test_training_continues_from_imported_weights(hf_llama, tmp_path):
         "train.eval_batches=0",
         f"run.dir={run_dir}",
     )
+    result = run_launcher(*overrides)
     assert result.returncode == 0, result.stderr + result.stdout
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
 
-    corpus = load_stdlib_corpus(0.05, ByteTokenizer())
-    source = PackedBatches(corpus.train, 8, seq_len, seed=0)
-    first = source.window_batch(next(source.window_ids())).astype(np.int64)
+    config = compose_config(*overrides)  # the run's first batch, as its data pipeline builds it
+    corpus = load_corpus(config.data, load_tokenizer(config.data.tokenizer, config.data.eos_token), 256)
+    windows = PackedWindows(corpus.train, seq_len)
+    first = windows.rows(window_batches(windows, config.train.global_batch_size, config.data.seed)[0]).astype(np.int64)
     model = LlamaForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
     with torch.no_grad():
         logits = model(torch.tensor(first[:, :-1])).logits.numpy()
