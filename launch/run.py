@@ -16,6 +16,7 @@ from rich.console import Console
 
 from ferry import distributed
 from ferry.config import ConfigError, from_dict
+from ferry.hf import CheckpointError as HFCheckpointError
 from ferry.memory import InsufficientMemoryError
 from ferry.offload import PolicyError
 from ferry.platform import PlatformConfig, apply_platform
@@ -54,7 +55,7 @@ def main(cfg: DictConfig) -> None:
         refuse(error)
     try:
         train(prepared, OmegaConf.to_yaml(cfg), console)
-    except CheckpointError as error:  # raised before anything is written
+    except (CheckpointError, HFCheckpointError) as error:  # raised before anything is written
         refuse(error)
     except NonFiniteLossError as error:
         refuse(error, code=3)

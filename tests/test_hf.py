@@ -295,6 +295,21 @@ def test_export_reimports_identically_and_transformers_loads_it(family, request,
         assert hf_mtp_loss(exported, batch) == pytest.approx(request.getfixturevalue("hf_deepseek")[3], abs=1e-6)
 
 
+def test_export_config_overrides_add_keys_but_never_change_the_model(ferry_llama, tmp_path):
+    """Keys the model does not read (max_position_embeddings, token ids) may be set; a key that
+    would change the model is refused before anything is written, and so is a second export
+    into the same directory."""
+    overrides = {"max_position_embeddings": 131072, "bos_token_id": 128000}
+    save_pretrained(ferry_llama, tmp_path / "export", config_overrides=overrides)
+    written = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert {k: written[k] for k in overrides} == overrides
+    with pytest.raises(ValueError, match=r"config_overrides changes the model \(\['hidden_size'\]\)"):
+        save_pretrained(ferry_llama, tmp_path / "other", config_overrides={"hidden_size": 128})
+    assert not (tmp_path / "other").exists()
+    with pytest.raises(FileExistsError, match="already holds a checkpoint"):
+        save_pretrained(ferry_llama, tmp_path / "export")
+
+
 def quantise_fp8(weight: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
     """DeepSeek's FP8 format: e4m3 values and one float32 scale per block x block tile
     (weight = value x scale; partial tiles at the edges)."""

@@ -152,14 +152,21 @@ def save_pretrained(
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype is {dtype!r}; export as one of {sorted(EXPORT_DTYPES)}")
     hf = family.config_to_hf(model.config)
-    clashes = sorted(set(config_overrides or {}) & set(hf))
-    if clashes:
-        raise ValueError(f"config_overrides sets {clashes}, which the model's own config determines")
+    mtp_depth = getattr(model.config, "mtp_depth", 0)
+    merged = hf | (config_overrides or {})
+    if family.config_to_hf(family.config_from_hf(merged, mtp_depth)) != hf:
+        changed = sorted(k for k in config_overrides or {} if k in hf and config_overrides[k] != hf[k])
+        raise ValueError(
+            f"config_overrides changes the model ({changed}): it may only add keys, or set ones the model "
+            "does not read (max_position_embeddings)"
+        )
+    hf = merged
     directory = Path(directory)
+    # every process checks (no one writes before the first tensor is gathered from all of them)
+    if (directory / "config.json").exists() or any(directory.glob("*.safetensors")):
+        raise FileExistsError(f"{directory} already holds a checkpoint; save into a new directory")
     writing = jax.process_index() == 0
     if writing:
-        if (directory / "config.json").exists() or any(directory.glob("*.safetensors")):
-            raise FileExistsError(f"{directory} already holds a checkpoint; save into a new directory")
         directory.mkdir(parents=True, exist_ok=True)
     maps = family.tensor_maps(model.config, hf)
     writer = ShardedWriter(directory, max_shard_bytes)

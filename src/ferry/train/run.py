@@ -18,6 +18,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -47,10 +48,13 @@ class RunDirectoryError(FileExistsError):
 
 
 def resolve_run_dir(config: FerryConfig) -> Path:
-    """A new run's directory (an existing non-empty one is refused); only process 0 checks it
-    (it alone writes there, and the others would otherwise see the files it has just written)."""
-    if not is_main_process():
-        return Path(config.run.dir or config.run.root)
+    """A new run's directory (an existing non-empty one is refused), chosen by process 0 (it alone
+    writes there, and the others would otherwise see the files it has just written) and told to
+    every process, so all save into one directory and a refusal stops them all."""
+    return _from_process_zero(lambda: _new_run_dir(config))
+
+
+def _new_run_dir(config: FerryConfig) -> Path:
     if config.run.dir is not None:
         path = Path(config.run.dir)
         if path.exists() and any(path.iterdir()):
@@ -65,6 +69,26 @@ def resolve_run_dir(config: FerryConfig) -> Path:
         if not path.exists():
             return path
     raise AssertionError("unreachable")
+
+
+def _from_process_zero(decide: Callable[[], Path], limit: int = 4096) -> Path:
+    """`decide()` on process 0 and its answer, a path or the RunDirectoryError it raised, on every
+    process."""
+    if jax.process_count() == 1:
+        return decide()
+    answer = b""
+    if is_main_process():
+        try:
+            answer = b"path:" + str(decide()).encode()
+        except RunDirectoryError as error:
+            answer = b"error:" + str(error).encode()
+    buffer = np.zeros(limit, np.uint8)
+    buffer[: len(answer[:limit])] = np.frombuffer(answer[:limit], np.uint8)
+    received = bytes(np.asarray(multihost_utils.broadcast_one_to_all(buffer))).rstrip(b"\0").decode()
+    kind, _, text = received.partition(":")
+    if kind == "error":
+        raise RunDirectoryError(text)
+    return Path(text)
 
 
 def run_directory(config: FerryConfig, identity: dict[str, Any]) -> tuple[Path, int | None]:
@@ -106,7 +130,7 @@ class PreparedRun:
     been accepted; `resume_step` is the checkpoint it continues from (None: a new run)."""
 
     config: FerryConfig
-    corpus: Corpus
+    corpus: Corpus | None  # None for a run that is already complete
     schedule: TransferSchedule
     policy: Policy
     run_dir: Path
@@ -150,6 +174,8 @@ def prepare(config: FerryConfig, console: Console) -> PreparedRun:
     layout = state_layout(config.model, make_optimizer(config.train), mesh, config.train.seed)
     identity = model_identity(config.model_name, config.model, layout.shapes)
     run_dir, resume_step = run_directory(config, identity)
+    if resume_step is not None and resume_step >= config.train.steps:  # `train` says so; no data needed
+        return PreparedRun(config, None, schedule, policy, run_dir, mesh, resume_step, identity)
     corpus = load_corpus(config.data, tokenizer, config.model.vocab_size)
     for split, tokens in (("train", corpus.train), ("held-out", corpus.eval)):
         window_batches(PackedWindows(tokens, config.train.seq_len), config.train.global_batch_size, 0, where=split)
@@ -314,6 +340,7 @@ def train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
             layout.sharding,
             tc.on_nonfinite,
         )
+        data_states = {start: batches.get_state()}  # the position before the first batch is taken
         first_batch = make_batch()
         with warnings.catch_warnings():  # the batch's buffer cannot be reused for an output; that is fine
             warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
@@ -323,7 +350,6 @@ def train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
         if eval_batches and prepared.resume_step is None:
             loggers.write({"step": 0, "eval_loss": evaluate(eval_step, state.model, eval_batches)})
 
-        data_states = {start: batches.get_state()}
         profiler = StepProfiler(config.profile, run_dir / "profile")
         progress = Progress(
             TextColumn("step"),
