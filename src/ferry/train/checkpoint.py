@@ -75,9 +75,6 @@ class Checkpoints:
         self.every = config.every
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
 
-    def latest_step(self) -> int | None:
-        return self.manager.latest_step()
-
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 

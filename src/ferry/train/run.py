@@ -135,8 +135,9 @@ class PreparedRun:
     policy: Policy
     run_dir: Path
     mesh: Mesh
-    resume_step: int | None = None
-    identity: dict[str, Any] = dataclasses.field(default_factory=dict)
+    resume_step: int | None
+    identity: dict[str, Any]
+    layout: "StateLayout"  # the train state's shapes and shardings, traced once
 
 
 def prepare(config: FerryConfig, console: Console) -> PreparedRun:
@@ -175,7 +176,7 @@ def prepare(config: FerryConfig, console: Console) -> PreparedRun:
     identity = model_identity(config.model_name, config.model, layout.shapes)
     run_dir, resume_step = run_directory(config, identity)
     if resume_step is not None and resume_step >= config.train.steps:  # `train` says so; no data needed
-        return PreparedRun(config, None, schedule, policy, run_dir, mesh, resume_step, identity)
+        return PreparedRun(config, None, schedule, policy, run_dir, mesh, resume_step, identity, layout)
     corpus = load_corpus(config.data, tokenizer, config.model.vocab_size)
     for split, tokens in (("train", corpus.train), ("held-out", corpus.eval)):
         window_batches(PackedWindows(tokens, config.train.seq_len), config.train.global_batch_size, 0, where=split)
@@ -189,7 +190,7 @@ def prepare(config: FerryConfig, console: Console) -> PreparedRun:
         f"in {jax.process_count()} process(es); micro steps per step: {config.train.micro_steps(data_parallel)}",
         highlight=False,
     )
-    return PreparedRun(config, corpus, schedule, policy, run_dir, mesh, resume_step, identity)
+    return PreparedRun(config, corpus, schedule, policy, run_dir, mesh, resume_step, identity, layout)
 
 
 def write_start_files(run_dir: Path, config_yaml: str, schedule: TransferSchedule, resume_step: int | None) -> None:
@@ -246,11 +247,13 @@ def state_layout(model_config: Any, optimizer: Any, mesh: Mesh, seed: int = 0) -
     return StateLayout(make, shapes, static, tree_shardings(shapes, mesh))
 
 
-def initial_state(config: FerryConfig, optimizer: Any, mesh: Mesh) -> tuple[TrainState, Any]:
+def initial_state(
+    config: FerryConfig, optimizer: Any, mesh: Mesh, layout: StateLayout | None = None
+) -> tuple[TrainState, Any]:
     """The train state built on the devices in its sharding (no host copy of the whole model),
     and that sharding; the random init is the same on every mesh. With `init.from_hf` the
     parameters are read from the checkpoint straight into their sharding."""
-    layout = state_layout(config.model, optimizer, mesh, config.train.seed)
+    layout = layout or state_layout(config.model, optimizer, mesh, config.train.seed)
     if config.init.from_hf is None:
         arrays = jax.jit(lambda: eqx.partition(layout.make(), eqx.is_array)[0], out_shardings=layout.sharding)()
     else:
@@ -312,14 +315,14 @@ def train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
 
     # closing the iterators stops their prefetch threads, also when the run fails
     with jax.set_mesh(mesh), SigtermStop() as sigterm, contextlib.closing(batches), contextlib.closing(held_out):
-        layout = state_layout(config.model, optimizer, mesh, tc.seed)
+        layout = prepared.layout
         checkpoints = Checkpoints(run_dir / "checkpoints", config.checkpoint)
         if prepared.resume_step is not None:  # before anything is written: a bad checkpoint loses nothing
             arrays, data_state = checkpoints.restore(prepared.resume_step, layout.abstract())
             state = eqx.combine(arrays, layout.static)
             batches.set_state(data_state)
         else:
-            state, _ = initial_state(config, optimizer, mesh)
+            state, _ = initial_state(config, optimizer, mesh, layout)
         console.print(schedule_table(schedule))
         if is_main_process():
             write_start_files(run_dir, config_yaml, schedule, prepared.resume_step)
