@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ferry.hf.hf_config import refuse_unless, required, rope_settings
+from ferry.hf.hf_config import copied_from_hf, copied_to_hf, refuse_unless, required, rope_settings
 from ferry.hf.layout import TensorMap, single, stacked
 from ferry.hf.safetensors_io import CheckpointError
 from ferry.models.deepseek_v3 import DeepSeekV3Config
@@ -47,6 +47,26 @@ CONFIG_KEYS = {
     "yarn": "rope_scaling",
     "norm_eps": "rms_norm_eps",
 }
+# fields config.json holds as they are, both ways
+COPIED = (
+    "vocab_size",
+    "dim",
+    "num_layers",
+    "num_dense_layers",
+    "dense_mlp_dim",
+    "moe_mlp_dim",
+    "num_heads",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_dim",
+    "qk_rope_dim",
+    "v_dim",
+    "num_experts",
+    "num_shared_experts",
+    "experts_per_token",
+    "num_groups",
+    "groups_per_token",
+)
 
 
 def yarn_from_hf(rope: Mapping[str, Any] | None, max_position_embeddings: int) -> YarnScaling:
@@ -128,23 +148,7 @@ def config_from_hf(hf: Mapping[str, Any], mtp_layers: int = 0) -> DeepSeekV3Conf
         raise CheckpointError("config.json has q_lora_rank null (a full-rank q_proj); ferry's MLA needs a query LoRA")
     theta, rope = rope_settings(hf, default_theta=10000.0)
     return DeepSeekV3Config(
-        vocab_size=required(hf, "vocab_size"),
-        dim=required(hf, "hidden_size"),
-        num_layers=required(hf, "num_hidden_layers"),
-        num_dense_layers=required(hf, "first_k_dense_replace"),
-        dense_mlp_dim=required(hf, "intermediate_size"),
-        moe_mlp_dim=required(hf, "moe_intermediate_size"),
-        num_heads=heads,
-        q_lora_rank=hf["q_lora_rank"],
-        kv_lora_rank=required(hf, "kv_lora_rank"),
-        qk_nope_dim=required(hf, "qk_nope_head_dim"),
-        qk_rope_dim=required(hf, "qk_rope_head_dim"),
-        v_dim=required(hf, "v_head_dim"),
-        num_experts=required(hf, "n_routed_experts"),
-        num_shared_experts=required(hf, "n_shared_experts"),
-        experts_per_token=required(hf, "num_experts_per_tok"),
-        num_groups=required(hf, "n_group"),
-        groups_per_token=required(hf, "topk_group"),
+        **copied_from_hf(hf, CONFIG_KEYS, COPIED),
         routed_scaling=float(required(hf, "routed_scaling_factor")),
         mtp_depth=mtp_layers,
         rope_theta=theta,
@@ -158,25 +162,9 @@ def config_to_hf(config: DeepSeekV3Config) -> dict[str, Any]:
     return {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": MODEL_TYPE,
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.dim,
-        "intermediate_size": config.dense_mlp_dim,
-        "moe_intermediate_size": config.moe_mlp_dim,
-        "num_hidden_layers": config.num_layers,
-        "first_k_dense_replace": config.num_dense_layers,
+        **copied_to_hf(config, CONFIG_KEYS, COPIED),
         "moe_layer_freq": 1,
-        "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.num_heads,
-        "q_lora_rank": config.q_lora_rank,
-        "kv_lora_rank": config.kv_lora_rank,
-        "qk_nope_head_dim": config.qk_nope_dim,
-        "qk_rope_head_dim": config.qk_rope_dim,
-        "v_head_dim": config.v_dim,
-        "n_routed_experts": config.num_experts,
-        "n_shared_experts": config.num_shared_experts,
-        "num_experts_per_tok": config.experts_per_token,
-        "n_group": config.num_groups,
-        "topk_group": config.groups_per_token,
         "routed_scaling_factor": config.routed_scaling,
         "norm_topk_prob": True,
         "scoring_func": "sigmoid",

@@ -27,6 +27,16 @@ def required(hf: Mapping[str, Any], key: str) -> Any:
     return hf[key]
 
 
+def copied_from_hf(hf: Mapping[str, Any], config_keys: Mapping[str, str], fields: tuple[str, ...]) -> dict[str, Any]:
+    """The ferry fields whose value is config.json's as it is (`config_keys` names the key)."""
+    return {field: required(hf, config_keys[field]) for field in fields}
+
+
+def copied_to_hf(config: Any, config_keys: Mapping[str, str], fields: tuple[str, ...]) -> dict[str, Any]:
+    """The config.json keys of `copied_from_hf`'s fields, from `config`."""
+    return {config_keys[field]: getattr(config, field) for field in fields}
+
+
 def rope_settings(hf: Mapping[str, Any], default_theta: float) -> tuple[float, dict[str, Any] | None]:
     """RoPE's base and its scaling parameters (with `rope_type` set), or None for plain RoPE."""
     parameters = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})

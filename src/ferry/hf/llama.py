@@ -8,7 +8,7 @@ transposed from [out, in] to [in, out]."""
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ferry.hf.hf_config import refuse_unless, required, rope_settings
+from ferry.hf.hf_config import copied_from_hf, copied_to_hf, refuse_unless, required, rope_settings
 from ferry.hf.layout import TensorMap, single, stacked
 from ferry.hf.safetensors_io import CheckpointError
 from ferry.models.llama import LlamaConfig
@@ -31,6 +31,7 @@ CONFIG_KEYS = {
     "rope_scaling": "rope_scaling",
     "norm_eps": "rms_norm_eps",
 }
+COPIED = ("vocab_size", "dim", "num_layers", "num_heads", "mlp_dim")  # as config.json holds them, both ways
 
 
 def config_from_hf(hf: Mapping[str, Any], mtp_layers: int = 0) -> LlamaConfig:
@@ -52,13 +53,9 @@ def config_from_hf(hf: Mapping[str, Any], mtp_layers: int = 0) -> LlamaConfig:
             original_max_position=int(rope["original_max_position_embeddings"]),
         )
     return LlamaConfig(
-        vocab_size=required(hf, "vocab_size"),
-        dim=required(hf, "hidden_size"),
-        num_layers=required(hf, "num_hidden_layers"),
-        num_heads=heads,
+        **copied_from_hf(hf, CONFIG_KEYS, COPIED),
         num_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        mlp_dim=required(hf, "intermediate_size"),
         rope_theta=theta,
         rope_scaling=scaling,
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
@@ -82,11 +79,7 @@ def config_to_hf(config: LlamaConfig) -> dict[str, Any]:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": MODEL_TYPE,
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.dim,
-        "intermediate_size": config.mlp_dim,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
+        **copied_to_hf(config, CONFIG_KEYS, COPIED),
         "num_key_value_heads": config.num_kv_heads,
         "head_dim": config.head_dim,
         "hidden_act": "silu",
