@@ -60,6 +60,12 @@ def run_launcher(*overrides: str, timeout: float = 300) -> subprocess.CompletedP
     )
 
 
+def run_python(code: str, timeout: float) -> subprocess.CompletedProcess:
+    """`python -c CODE` from the repository root: for checks that need a fresh JAX backend
+    (XLA flags, a device count) other than this process's."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+
+
 class Background:
     """A command running in the background, its output going to files (a full pipe would stall
     it while the test waits on something else)."""

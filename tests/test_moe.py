@@ -3,8 +3,6 @@ device and expert-parallel on a mesh), the capacity factor, the per-device size 
 buffers, and the auxiliary-loss-free bias update."""
 
 import functools
-import subprocess
-import sys
 
 import equinox as eqx
 import jax
@@ -17,7 +15,7 @@ from ferry.models.deepseek_v3 import _update_bias
 from ferry.nn.moe import DeepSeekMoE, Experts, dense_moe, dropless_moe, route, tile_layout
 from ferry.offload import record_tags
 from ferry.sharding import MESH_AXES
-from tests.conftest import ROOT
+from tests.conftest import run_python
 
 
 def route_by_loop(scores, bias, num_groups, groups_per_token, k, scaling):
@@ -202,7 +200,7 @@ def test_expert_parallel_ring_equals_dense_masking():
         "apply_platform(PlatformConfig('cpu', cpu_devices=8)); "
         "from tests.test_moe import check_expert_parallel_equals_dense; check_expert_parallel_equals_dense()"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    result = run_python(code, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
 
 

@@ -1,15 +1,12 @@
 """Platform configs: XLA flags reach the backend only when applied before it starts."""
 
-import subprocess
-import sys
-
 import jax
 import pytest
 from omegaconf import OmegaConf
 
 from ferry.config import from_dict
 from ferry.platform import PlatformConfig, apply_platform
-from tests.conftest import CONFIGS, ROOT, run_launcher
+from tests.conftest import CONFIGS, run_launcher, run_python
 
 
 def load_platform(name: str) -> PlatformConfig:
@@ -35,7 +32,7 @@ def test_flags_take_effect_before_the_backend_starts():
         "apply_platform(PlatformConfig('cpu', {'xla_force_host_platform_device_count': 3})); "
         "print(jax.device_count())"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    result = run_python(code, timeout=120)
     assert result.stdout.strip() == "3", result.stderr
 
 
