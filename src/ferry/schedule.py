@@ -43,6 +43,8 @@ class LayerKind:
     num_layers: int
     run: Callable[[Any, jax.Array], Any]  # (model, x) -> the output of one such layer
     seq_shrink: int = 0  # its input is this much shorter than the batch (MTP depth k: k)
+    # builds one such layer from a key, without the model (the gradient self-check stacks a few)
+    make: Callable[[Any], Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

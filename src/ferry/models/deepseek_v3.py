@@ -243,13 +243,18 @@ class DeepSeekV3(eqx.Module):
         return [s for s in (self.dense_layers, self.moe_layers) if s is not None]
 
     def layer_kinds(self) -> list[LayerKind]:
-        kinds = []
+        config, kinds = self.config, []
+        make_dense = lambda k: dense_layer(config, key=k)  # noqa: E731
+        make_moe = lambda k: moe_layer(config, key=k)  # noqa: E731
         if self.dense_layers is not None:
-            kinds.append(LayerKind("dense", self.dense_layers.num_layers, lambda m, x: m.dense_layers.layer(0)(x)))
+            run_dense = lambda m, x: m.dense_layers.layer(0)(x)  # noqa: E731
+            kinds.append(LayerKind("dense", self.dense_layers.num_layers, run_dense, make=make_dense))
         if self.moe_layers is not None:
-            kinds.append(LayerKind("moe", self.moe_layers.num_layers, lambda m, x: m.moe_layers.layer(0)(x)))
+            run_moe = lambda m, x: m.moe_layers.layer(0)(x)  # noqa: E731
+            kinds.append(LayerKind("moe", self.moe_layers.num_layers, run_moe, make=make_moe))
         for depth in range(1, len(self.mtp) + 1):
-            kinds.append(LayerKind(f"mtp_{depth}", 1, lambda m, x, i=depth - 1: m.mtp[i].block(x), seq_shrink=depth))
+            run_mtp = lambda m, x, i=depth - 1: m.mtp[i].block(x)  # noqa: E731
+            kinds.append(LayerKind(f"mtp_{depth}", 1, run_mtp, seq_shrink=depth, make=make_moe))  # its block
         return kinds
 
     def tagged_names(self) -> frozenset[str]:

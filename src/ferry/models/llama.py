@@ -113,7 +113,8 @@ class Llama(eqx.Module):
         return self
 
     def layer_kinds(self) -> list[LayerKind]:
-        return [LayerKind("decoder", self.config.num_layers, lambda m, x: m.layers.layer(0)(x))]
+        make = lambda k: llama_decoder_layer(self.config, key=k)  # noqa: E731
+        return [LayerKind("decoder", self.config.num_layers, lambda m, x: m.layers.layer(0)(x), make=make)]
 
     def tagged_names(self) -> frozenset[str]:
         """Every activation name a decoder layer of this model tags."""
