@@ -12,6 +12,14 @@ from ferry.data.pipeline import PackedWindows, local_batches, window_batches
 from ferry.data.sources import DataSourceError, stdlib_files
 from ferry.data.tokenizer import ByteTokenizer, load_tokenizer
 
+
+@pytest.fixture(autouse=True)
+def token_cache(tmp_path, monkeypatch):
+    """Raw sources cache their tokens under $XDG_CACHE_HOME: a fresh one per test."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "ferry" / "tokens"
+
+
 TEXTS = [f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * (i % 5 + 1) for i in range(40)]
 
 
@@ -21,7 +29,8 @@ def corpus_of(tokenizer=None, vocab_size=256, **data):
 
 def documents_of(corpus, end_of_document=0):
     """The documents of both splits, as byte strings (byte tokenizer)."""
-    return {d for split in (corpus.train, corpus.eval) for d in bytes(split).split(bytes([end_of_document])) if d}
+    splits = (np.asarray(corpus.train), np.asarray(corpus.eval))
+    return {d for split in splits for d in bytes(split).split(bytes([end_of_document])) if d}
 
 
 def test_byte_tokenizer_round_trip():
@@ -40,7 +49,8 @@ def test_stdlib_corpus_split_is_disjoint_and_deterministic(tmp_path):
     again = load_corpus(DataConfig(path=str(tmp_path), eval_fraction=0.5), ByteTokenizer(), 256)
     np.testing.assert_array_equal(corpus.train, again.train)
     assert len(corpus.train) + len(corpus.eval) == 4 * 7
-    assert not set(bytes(corpus.train).split(b"\0")) - {b""} & set(bytes(corpus.eval).split(b"\0"))
+    train, held_out = bytes(np.asarray(corpus.train)), bytes(np.asarray(corpus.eval))
+    assert not set(train.split(b"\0")) - {b""} & set(held_out.split(b"\0"))
 
 
 def test_text_jsonl_parquet_and_arrayrecord_sources(tmp_path):
@@ -108,8 +118,9 @@ def test_hugging_face_tokenizer(hf_tokenizer_file, tmp_path):
     assert tokenizer.decode(ids[:-1]) == TEXTS[3]
     (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in TEXTS))
     corpus = corpus_of(tokenizer, 300, source="jsonl", path=str(tmp_path / "docs.jsonl"))
-    assert corpus.train.dtype == np.uint16 and corpus.train.max() < 300
-    assert np.count_nonzero(corpus.train == 0) + np.count_nonzero(corpus.eval == 0) == len(TEXTS)
+    train, held_out = np.asarray(corpus.train), np.asarray(corpus.eval)
+    assert train.dtype == np.uint16 and train.max() < 300
+    assert np.count_nonzero(train == 0) + np.count_nonzero(held_out == 0) == len(TEXTS)
     with pytest.raises(ValueError, match="has 300 ids but model llama_tiny has vocab_size 256"):
         check_vocab(tokenizer, 256, "llama_tiny")
     with pytest.raises(ValueError, match="no end-of-document token '<eos>'; set data.eos_token"):

@@ -1,4 +1,4 @@
-"""The `data` config group: where documents come from, how they are tokenized and batched."""
+"""The `data` config group: where documents come from, how they are tokenized, stored and batched."""
 
 import dataclasses
 
@@ -9,16 +9,24 @@ SOURCES = ("stdlib", *FILE_SOURCES, "synthetic")
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    source: str = "stdlib"  # stdlib | text | jsonl | parquet | arrayrecord | synthetic
+    source: str = "stdlib"  # stdlib | text | jsonl | parquet | arrayrecord | hf_dataset | synthetic
     path: str | None = None  # a file, or a directory of them (stdlib: another source tree)
     pattern: str | None = None  # files of a directory to read (default per source, e.g. *.jsonl)
-    field: str = "text"  # jsonl: the field holding a document's text; parquet: the column
+    field: str = "text"  # jsonl: the field holding a document's text; parquet / hf_dataset: the column
+    separator: str | None = None  # text: split each file into documents at this string ("\n\n"; escapes read)
+    document_bytes: int | None = None  # text: or cut each file into documents of about this many bytes
     tokenizer: str = "byte"  # byte, or the path of a Hugging Face tokenizer.json
     eos_token: str | None = None  # Hugging Face tokenizers: the token that ends a document
     eval_fraction: float = 0.05  # documents held out, picked by a hash of their key
     seed: int = 0  # shuffling (and synthetic tokens)
     synthetic_tokens: int = 1_000_000  # synthetic: tokens in the train split
     prefetch: int = 4  # batches built ahead in a background thread
+    prepared: str | None = None  # a directory of token shards written by launch/prepare_data.py
+    cache_dir: str | None = None  # raw sources: where their tokens are cached (default ~/.cache/ferry/tokens)
+    workers: int | None = None  # tokenizing processes (default: every core)
+    shard_bytes: int = 64 * 2**20  # source text per shard (and per unit of work)
+    document_mask: bool = False  # attention does not cross documents; positions restart at each
+    loss_across_documents: bool = True  # document_mask: also predict a document's first token from the last one's end
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -29,3 +37,20 @@ class DataConfig:
             raise ValueError(f"data.synthetic_tokens must be at least 2, got {self.synthetic_tokens}")
         if self.prefetch < 1:
             raise ValueError(f"data.prefetch must be at least 1, got {self.prefetch}")
+        if self.workers is not None and self.workers < 1:
+            raise ValueError(f"data.workers must be at least 1 (or null: every core), got {self.workers}")
+        if self.shard_bytes < 1:
+            raise ValueError(f"data.shard_bytes must be at least 1, got {self.shard_bytes}")
+        if self.separator is not None and self.document_bytes is not None:
+            raise ValueError("set data.separator or data.document_bytes, not both: a file is split one way")
+        if (self.separator is not None or self.document_bytes is not None) and self.source != "text":
+            raise ValueError(
+                f"data.separator and data.document_bytes split text files; data.source is {self.source}, "
+                "whose documents are its records"
+            )
+        if self.separator == "":
+            raise ValueError('data.separator is empty; use a string that ends a document, e.g. "\\n\\n"')
+        if self.document_bytes is not None and self.document_bytes < 1:
+            raise ValueError(f"data.document_bytes must be at least 1, got {self.document_bytes}")
+        if self.prepared is not None and self.source == "synthetic":
+            raise ValueError("data=synthetic makes random tokens; data.prepared reads token shards. Drop one of them")

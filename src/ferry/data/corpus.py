@@ -1,34 +1,34 @@
-"""A corpus: every document of a source tokenized, split into train and held-out token streams.
+"""A corpus: train and held-out token streams, read from token shards on disk.
 
-Documents are split by a hash of their key, so the split is the same on every machine. The
-whole corpus is tokenized once at start-up and held in host memory (a byte per token for the
-byte tokenizer, four for larger vocabularies); every check happens here, before the model is
-built.
+`data.prepared=DIR` reads shards written by `launch/prepare_data.py`, checked against the
+tokenizer and the model's vocabulary first; nothing is tokenized at start-up. A raw source
+(stdlib, text, JSONL, ...) is tokenized once into a cache directory keyed by the source's keys, its
+files and the tokenizer, and read from there on every later start. Either way the streams are
+memory-mapped, so start-up time and memory do not grow with the corpus. Documents are split by a
+hash of their key, so the split is the same on every machine.
 """
 
 import dataclasses
-import itertools
-import zlib
+from pathlib import Path
 
 import numpy as np
+from rich.console import Console
 
 from ferry.data.config import DataConfig
-from ferry.data.sources import documents
+from ferry.data.prepare import cache_directory, is_held_out, prepare_corpus, token_dtype
+from ferry.data.shards import Manifest, PreparedDataError, ShardedTokens, check_prepared, read_manifest
 from ferry.data.tokenizer import Tokenizer
 
-_TOKENIZE_BATCH = 512  # documents per tokenizer call (Hugging Face tokenizers encode a batch in parallel)
+__all__ = ["Corpus", "check_vocab", "is_held_out", "load_corpus", "open_prepared", "token_dtype"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Corpus:
-    train: np.ndarray  # token ids, each document followed by the tokenizer's end-of-document id
-    eval: np.ndarray
+    train: np.ndarray | ShardedTokens  # token ids, each document followed by the end-of-document id
+    eval: np.ndarray | ShardedTokens
     num_documents: int
     description: str  # for the start-up line, e.g. "1,812 stdlib documents"
-
-
-def is_held_out(key: str, eval_fraction: float) -> bool:
-    return zlib.crc32(key.encode()) / 2**32 < eval_fraction
+    end_of_document: int | None = None  # None: synthetic tokens, which have no documents
 
 
 def check_vocab(tokenizer: Tokenizer, vocab_size: int, model_name: str) -> None:
@@ -40,35 +40,57 @@ def check_vocab(tokenizer: Tokenizer, vocab_size: int, model_name: str) -> None:
         )
 
 
-def load_corpus(config: DataConfig, tokenizer: Tokenizer, vocab_size: int) -> Corpus:
-    """The corpus `config` names, tokenized; synthetic tokens are uniform over `vocab_size`."""
+def open_prepared(
+    directory: Path, tokenizer: Tokenizer, tokenizer_spec: str, vocab_size: int, model_name: str = "the model"
+) -> Manifest:
+    """A prepared directory's manifest, after checking its format, its tokenizer against
+    `tokenizer`, its vocabulary against the model's and that every shard is whole."""
+    if not directory.is_dir():
+        raise PreparedDataError(
+            f"data.prepared={directory} is not a directory; write one with python launch/prepare_data.py "
+            f"data.prepared={directory} data.source=... data.path=..."
+        )
+    manifest = read_manifest(directory)
+    if manifest.vocab_size > vocab_size:
+        raise PreparedDataError(
+            f"{directory / 'manifest.json'} holds tokens of a {manifest.vocab_size}-id vocabulary but model "
+            f"{model_name} has vocab_size {vocab_size}; use a model with model.vocab_size={manifest.vocab_size} "
+            "or more, or prepare the corpus with a smaller tokenizer"
+        )
+    check_prepared(directory, manifest, tokenizer.identity, tokenizer_spec)
+    return manifest
+
+
+def load_corpus(
+    config: DataConfig,
+    tokenizer: Tokenizer,
+    vocab_size: int,
+    console: Console | None = None,
+    model_name: str = "the model",
+) -> Corpus:
+    """The corpus `config` names; synthetic tokens are uniform over `vocab_size`. A raw source is
+    tokenized into its cache on first use (a progress line on `console`)."""
     if config.source == "synthetic":
         rng = np.random.default_rng(config.seed)
         eval_tokens = max(2, int(config.synthetic_tokens * config.eval_fraction))
         tokens = rng.integers(0, vocab_size, config.synthetic_tokens + eval_tokens, dtype=np.int64)
         tokens = tokens.astype(token_dtype(vocab_size))
         return Corpus(tokens[: config.synthetic_tokens], tokens[config.synthetic_tokens :], 0, "synthetic tokens")
-    dtype = token_dtype(tokenizer.vocab_size)
-    train: list[np.ndarray] = []
-    held_out: list[np.ndarray] = []
-    count = 0
-    stream = documents(config.source, config.path, config.field, config.pattern)
-    while chunk := list(itertools.islice(stream, _TOKENIZE_BATCH)):
-        count += len(chunk)
-        for (key, _), ids in zip(chunk, tokenizer.encode_documents([text for _, text in chunk]), strict=True):
-            (held_out if is_held_out(key, config.eval_fraction) else train).append(ids.astype(dtype))
-    where = config.path or "the Python standard library"
-    if count == 0 or sum(len(ids) for ids in train + held_out) == count:  # only end-of-document ids
-        raise ValueError(f"data.source={config.source} found no text in {where}: the corpus is empty")
-    if not train or not held_out:
-        raise ValueError(
-            f"data.eval_fraction={config.eval_fraction} leaves the "
-            f"{'train' if not train else 'held-out'} split of {count} documents empty; "
-            "use more documents or another eval_fraction"
-        )
-    description = f"{count:,} {config.source} documents"
-    return Corpus(np.concatenate(train), np.concatenate(held_out), count, description)
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint8 if vocab_size <= 256 else np.uint16 if vocab_size <= 65536 else np.uint32)
+    if config.prepared is not None:
+        directory = Path(config.prepared).expanduser()
+        manifest = open_prepared(directory, tokenizer, config.tokenizer, vocab_size, model_name)
+        origin = f"prepared in {directory}"
+    else:
+        check_vocab(tokenizer, vocab_size, model_name)
+        directory = cache_directory(config, tokenizer)
+        prepared = prepare_corpus(config, directory, tokenizer, console)
+        manifest = prepared.manifest
+        origin = f"tokenized into {directory}" if prepared.units_written else f"cached in {directory}"
+    documents = manifest.documents("train") + manifest.documents("eval")
+    return Corpus(
+        ShardedTokens.of(directory, manifest, "train"),
+        ShardedTokens.of(directory, manifest, "eval"),
+        documents,
+        f"{documents:,} {manifest.source.get('source', config.source)} documents {origin}",
+        manifest.end_of_document,
+    )

@@ -1,8 +1,9 @@
 """Batches as a Grain pipeline: packed windows of a token stream, shuffled with a seed, the rows a
 process needs built in a background thread, and the position checkpointable.
 
-The token stream (documents joined by end-of-document ids) is cut into non-overlapping windows
-of `seq_len + 1` tokens (inputs plus the shifted targets). Each epoch visits every window once in
+The token stream (documents joined by end-of-document ids; an array, or memory-mapped shards) is
+cut into non-overlapping windows of `seq_len + 1` tokens (inputs plus the shifted targets); a
+batch reads only its own windows. Each epoch visits every window once in
 an order Grain's `shuffle` derives from the seed and the epoch. Every process walks the same
 global order of batches but builds only the rows its own devices hold, so the batches do not
 depend on the number of processes; the iterator's state (a batch index) is the same everywhere.
@@ -14,10 +15,12 @@ import grain
 import numpy as np
 from jaxtyping import Int
 
+from ferry.data.shards import ShardedTokens
+
 
 @dataclasses.dataclass(frozen=True)
 class PackedWindows:
-    tokens: np.ndarray
+    tokens: np.ndarray | ShardedTokens
     seq_len: int
 
     @property
@@ -25,8 +28,10 @@ class PackedWindows:
         return (len(self.tokens) - 1) // self.seq_len
 
     def rows(self, windows: Int[np.ndarray, " rows"]) -> Int[np.ndarray, "rows seq_plus_one"]:
-        offsets = windows[:, None] * self.seq_len + np.arange(self.seq_len + 1)[None, :]
-        return self.tokens[offsets].astype(np.int32)
+        starts = np.asarray(windows, np.int64) * self.seq_len
+        if not len(starts):
+            return np.zeros((0, self.seq_len + 1), np.int32)
+        return np.stack([self.tokens[start : start + self.seq_len + 1] for start in starts]).astype(np.int32)
 
 
 def window_batches(

@@ -3,6 +3,7 @@ local path. Both end every document with an end-of-document id, so packed window
 documents still mark where one ends."""
 
 import dataclasses
+import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -17,6 +18,7 @@ END_OF_DOCUMENT_TOKENS = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "
 class Tokenizer(Protocol):
     vocab_size: int
     end_of_document: int
+    identity: str  # what a prepared corpus records: the same ids for the same text
 
     def encode_documents(self, texts: Sequence[bytes]) -> list[np.ndarray]: ...
 
@@ -27,6 +29,7 @@ class ByteTokenizer:
 
     vocab_size: int = 256
     end_of_document: int = 0
+    identity: str = "byte"
 
     def encode_document(self, data: bytes) -> np.ndarray:
         ids = np.frombuffer(data.replace(b"\0", b""), dtype=np.uint8)
@@ -46,6 +49,7 @@ class HuggingFaceTokenizer:
     tokenizer: Any
     end_of_document: int
     vocab_size: int
+    identity: str  # the tokenizer.json's SHA-256 and the end-of-document id
 
     def encode_documents(self, texts: Sequence[bytes]) -> list[np.ndarray]:
         decoded = [text.decode("utf-8", errors="replace") for text in texts]
@@ -78,7 +82,8 @@ def load_tokenizer(spec: str, eos_token: str | None = None) -> Tokenizer:
     for token in candidates:
         token_id = tokenizer.token_to_id(token)
         if token_id is not None:
-            return HuggingFaceTokenizer(tokenizer, token_id, tokenizer.get_vocab_size(with_added_tokens=True))
+            identity = f"tokenizer.json sha256:{hashlib.sha256(path.read_bytes()).hexdigest()} eos:{token_id}"
+            return HuggingFaceTokenizer(tokenizer, token_id, tokenizer.get_vocab_size(with_added_tokens=True), identity)
     raise ValueError(
         f"the tokenizer {path} has no end-of-document token "
         + (f"{eos_token!r}" if eos_token is not None else f"among {list(END_OF_DOCUMENT_TOKENS)}")

@@ -177,7 +177,7 @@ def prepare(config: FerryConfig, console: Console) -> PreparedRun:
     run_dir, resume_step = run_directory(config, identity)
     if resume_step is not None and resume_step >= config.train.steps:  # `train` says so; no data needed
         return PreparedRun(config, None, schedule, policy, run_dir, mesh, resume_step, identity, layout)
-    corpus = load_corpus(config.data, tokenizer, config.model.vocab_size)
+    corpus = load_corpus(config.data, tokenizer, config.model.vocab_size, console, config.model_name)
     for split, tokens in (("train", corpus.train), ("held-out", corpus.eval)):
         window_batches(PackedWindows(tokens, config.train.seq_len), config.train.global_batch_size, 0, where=split)
     console.print(
