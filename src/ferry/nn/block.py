@@ -6,6 +6,7 @@ from typing import Any
 import equinox as eqx
 from jaxtyping import Array, Float
 
+from ferry.nn.attention import Segments
 from ferry.nn.norm import RMSNorm
 
 
@@ -22,10 +23,11 @@ class DecoderBlock(eqx.Module):
         self.mlp = mlp
 
     def __call__(
-        self, x: Float[Array, "batch seq dim"]
+        self, x: Float[Array, "batch seq dim"], segments: Segments | None = None
     ) -> Float[Array, "batch seq dim"] | tuple[Float[Array, "batch seq dim"], Any]:
-        """The block's output, with the feed-forward's statistics when it returns some (MoE)."""
-        x = x + self.attention(self.attention_norm(x))
+        """The block's output, with the feed-forward's statistics when it returns some (MoE).
+        `segments`: packed documents' segment ids and positions, for attention (None: one sequence)."""
+        x = x + self.attention(self.attention_norm(x), segments)
         out = self.mlp(self.mlp_norm(x))
         if isinstance(out, tuple):
             out, stats = out

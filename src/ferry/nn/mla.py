@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from ferry.nn.attention import causal_attention
+from ferry.nn.attention import Segments, causal_attention
 from ferry.nn.linear import Linear
 from ferry.nn.norm import RMSNorm
 from ferry.nn.rope import YarnScaling, apply_rope, yarn_frequencies, yarn_mscale
@@ -63,12 +63,16 @@ class MultiHeadLatentAttention(eqx.Module):
         mscale = yarn_mscale(self.yarn.factor, self.yarn.mscale_all_dim)
         return (self.qk_nope_dim + self.qk_rope_dim) ** -0.5 * mscale * mscale
 
-    def __call__(self, x: Float[Array, "batch seq dim"]) -> Float[Array, "batch seq dim"]:
+    def __call__(
+        self, x: Float[Array, "batch seq dim"], segments: Segments | None = None
+    ) -> Float[Array, "batch seq dim"]:
+        """`segments`: packed documents' segment ids and positions (None: one sequence)."""
         batch, seq, _ = x.shape
         frequencies, cos_sin_scale = yarn_frequencies(self.qk_rope_dim, self.rope_theta, self.yarn)
+        segment_ids, positions = (None, None) if segments is None else segments
 
         def rope(t: jax.Array) -> jax.Array:
-            return apply_rope(t, frequencies, interleaved=True, cos_sin_scale=cos_sin_scale)
+            return apply_rope(t, frequencies, interleaved=True, cos_sin_scale=cos_sin_scale, positions=positions)
 
         q_latent = tag(self.q_a(x), "query_wa_proj", LATENT)
         q = tag(self.q_b(self.q_a_norm(q_latent)), "mla_q", HEADS).reshape(batch, seq, self.num_heads, -1)
@@ -83,6 +87,6 @@ class MultiHeadLatentAttention(eqx.Module):
         key = tag(jnp.concatenate([k_nope, k_rope], axis=-1), "key_proj", SPLIT_HEADS)
         value = tag(value, "value_proj", SPLIT_HEADS)
 
-        context = causal_attention(query, key, value, scale=self.softmax_scale())
+        context = causal_attention(query, key, value, scale=self.softmax_scale(), segment_ids=segment_ids)
         context = tag(context.reshape(batch, seq, self.num_heads * self.v_dim), "attention_out", HEADS)
         return tag(self.out(context), "out_proj", EMBED)

@@ -9,7 +9,7 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,13 +83,20 @@ def apply_rope(
     *,
     interleaved: bool = False,
     cos_sin_scale: float = 1.0,
+    positions: Int[Array, "batch seq"] | None = None,
 ) -> Float[Array, "batch seq heads head_dim"]:
     """Rotate pairs of x by position x frequency, in float32: pairs (x[i], x[i + head_dim/2]), or
-    (x[2i], x[2i+1]) when `interleaved`."""
-    seq = x.shape[1]
-    angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * jnp.asarray(frequencies, jnp.float32)[None, :]
-    cos = cos_sin_scale * jnp.cos(angles)[None, :, None, :]
-    sin = cos_sin_scale * jnp.sin(angles)[None, :, None, :]
+    (x[2i], x[2i+1]) when `interleaved`. Positions are 0, 1, ... unless given per token (packed
+    documents restart them at each document)."""
+    if positions is None:
+        seq = x.shape[1]
+        angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * jnp.asarray(frequencies, jnp.float32)[None, :]
+        cos = cos_sin_scale * jnp.cos(angles)[None, :, None, :]
+        sin = cos_sin_scale * jnp.sin(angles)[None, :, None, :]
+    else:
+        angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(frequencies, jnp.float32)
+        cos = cos_sin_scale * jnp.cos(angles)[:, :, None, :]
+        sin = cos_sin_scale * jnp.sin(angles)[:, :, None, :]
     x32 = x.astype(jnp.float32)
     if interleaved:
         first, second = x32[..., 0::2], x32[..., 1::2]
