@@ -294,3 +294,336 @@ def overlapped_flops(hlo_text: str, copies: list[HostCopy]) -> dict[str, float]:
         name: sum((module.line_flops(module.bodies[name][i]) for i in positions), 0.0)
         for name, positions in covered.items()
     }
+
+
+# --------------------------------------------------------------------------------------------
+# Reading a program's host-memory slices and metadata, for the plan's verifier
+# (`ferry.plan.verify`): which op each instruction came from, how many matrix products run, and
+# how each host buffer in a loop is walked.
+
+_OP_NAME = re.compile(r'\bop_name="(?P<name>[^"]*)"')
+_COMMENT = re.compile(r"/\*.*?\*/")
+_WHILE = re.compile(r"\bwhile\((?P<init>[^)]*)\).*?\bbody=%(?P<body>[\w.\-]+)")
+_INDEX = re.compile(r"\bindex=(?P<k>\d+)")
+_DIRECTION = re.compile(r"\bdirection=(?P<d>[A-Z]+)")
+_BACKEND_CONFIG = "backend_config="
+_LAYOUT = re.compile(r"\]\{(?P<minor_to_major>[0-9,]*)")
+
+
+def op_names(hlo_text: str) -> dict[str, str]:
+    """Every instruction's `op_name` metadata (the JAX name stack it was traced under), by
+    instruction name (names are unique in a module)."""
+    module = _parsed(hlo_text)
+    names = {}
+    for lines in module.bodies.values():
+        for line in lines:
+            definition, op_name = _DEFINITION.match(line), _OP_NAME.search(line)
+            if definition and op_name:
+                names[definition["name"]] = op_name["name"]
+    return names
+
+
+def matmul_count(hlo_text: str) -> int:
+    """How many matrix products (`dot`, cuBLAS GEMM, `ragged-dot`, TPU `convolution`) one call of
+    the program runs: each counted once per execution of its computation, fusions included."""
+    module = _parsed(hlo_text)
+    counts = _execution_counts(module.bodies, module.entry)
+    return sum(
+        counts.get(name, 0) * sum(1 for line in lines if module.own_flops(line) > 0)
+        for name, lines in module.bodies.items()
+    )
+
+
+def backend_config(line: str) -> dict:
+    """An instruction's `backend_config` JSON ({} when it has none)."""
+    import json
+
+    at = line.find(_BACKEND_CONFIG)
+    if at < 0 or line[at + len(_BACKEND_CONFIG)] != "{":
+        return {}
+    try:
+        config, _ = json.JSONDecoder().raw_decode(line[at + len(_BACKEND_CONFIG) :])
+    except ValueError:
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _operands(definition: re.Match) -> list[str]:
+    return [a.strip().lstrip("%") for a in _COMMENT.sub("", definition["args"]).split(",") if a.strip()]
+
+
+def byte_strides(shape: str) -> list[int]:
+    """Bytes between consecutive indices of each dimension of an array shape in its layout
+    (`bf16[2,8,64]{2,1,0}`: row-major; no layout: row-major)."""
+    match = _ARRAY.search(shape)
+    dims = _dims(shape)
+    layout = _LAYOUT.search(shape)
+    minor_to_major = [int(d) for d in layout["minor_to_major"].split(",") if d] if layout else []
+    if sorted(minor_to_major) != list(range(len(dims))):
+        minor_to_major = list(range(len(dims)))[::-1]
+    strides, step = [0] * len(dims), _DTYPE_BYTES.get(match["dtype"], 0) if match else 0
+    for d in minor_to_major:
+        strides[d] = step
+        step *= dims[d]
+    return strides
+
+
+@dataclasses.dataclass(frozen=True)
+class HostSliceWalk:
+    """A `dynamic-slice` (host read) or `dynamic-update-slice` (host write) of a pinned-host
+    buffer in a loop body, with what its index does and what XLA's descriptor says it does.
+
+    XLA:GPU precomputes the addresses of such slices as `byte_offset + iteration x byte_stride`
+    (`dynamic_slice_config`, under `"linear"` since jax 0.12); the walk is right when that is the
+    address the index expression gives at every iteration."""
+
+    computation: str  # the loop body
+    instruction: str  # the (async) instruction that runs the slice
+    kind: str  # "host read" or "host write"
+    buffer_shape: str  # the pinned-host buffer
+    slice_bytes: int  # bytes moved per iteration
+    op_name: str
+    trip_count: int
+    index_start: int | None  # the index (of the walked dimension) at the first and second iteration
+    index_next: int | None
+    expected_offset: int | None  # bytes, from the index expression; None where it was not resolved
+    expected_stride: int | None
+    descriptor_offset: int | None  # bytes, from XLA's descriptor; None where there is none
+    descriptor_stride: int | None
+
+    @property
+    def checked(self) -> bool:
+        return None not in (self.expected_offset, self.expected_stride, self.descriptor_offset, self.descriptor_stride)
+
+    @property
+    def agrees(self) -> bool:
+        """The descriptor walks where the index goes (True where nothing can be compared)."""
+        if not self.checked:
+            return True
+        return (self.descriptor_offset, self.descriptor_stride) == (self.expected_offset, self.expected_stride)
+
+
+class _ScalarEvaluator:
+    """Evaluates integer scalars of a loop body for a given value of its induction variable: the
+    index expressions of dynamic slices (`i`, `n - 1 - i`, through fusions). None where a value
+    is not an affine-enough scalar this evaluator knows (a loop-carried value, a load...)."""
+
+    _BINARY = {
+        "add": lambda a, b: a + b,
+        "subtract": lambda a, b: a - b,
+        "multiply": lambda a, b: a * b,
+        "maximum": max,
+        "minimum": min,
+    }
+    _COMPARE = {
+        "LT": lambda a, b: a < b,
+        "LE": lambda a, b: a <= b,
+        "GT": lambda a, b: a > b,
+        "GE": lambda a, b: a >= b,
+        "EQ": lambda a, b: a == b,
+        "NE": lambda a, b: a != b,
+    }
+
+    def __init__(self, module: "_Module"):
+        self.lines: dict[str, dict[str, re.Match]] = {}
+        self.param_names: dict[str, dict[int, str]] = {}
+        self.roots: dict[str, str] = {}
+        for computation, lines in module.bodies.items():
+            table, params = {}, {}
+            for line in lines:
+                definition = _DEFINITION.match(line)
+                if definition is None:
+                    continue
+                table[definition["name"]] = definition
+                if definition["op"] == "parameter":
+                    params[int(definition["args"])] = definition["name"]
+                if line.lstrip().startswith("ROOT"):
+                    self.roots[computation] = definition["name"]
+            self.lines[computation], self.param_names[computation] = table, params
+
+    def value(self, computation: str, name: str, bindings: dict, depth: int = 0) -> int | None:
+        """`name` in `computation`, where `bindings` maps parameter numbers to values and the
+        loop body's tuple parameter is bound to {"tuple": {index: value}}."""
+        definition = self.lines.get(computation, {}).get(name)
+        if definition is None or depth > 64:
+            return None
+        op, operands, line = definition["op"], _operands(definition), definition.string
+        if op == "parameter":
+            return bindings.get(int(definition["args"]))
+        if op == "constant":
+            try:
+                return int(definition["args"])
+            except ValueError:
+                return None
+        if op == "get-tuple-element":
+            tuple_value = self._tuple(computation, operands[0], bindings)
+            index = _INDEX.search(line)
+            return tuple_value.get(int(index["k"])) if tuple_value is not None and index else None
+
+        def arg(k: int) -> int | None:
+            return self.value(computation, operands[k], bindings, depth + 1) if k < len(operands) else None
+
+        if op in ("bitcast", "copy", "convert", "reshape") and operands:
+            return arg(0)
+        if op == "negate":
+            a = arg(0)
+            return None if a is None else -a
+        if op in self._BINARY:
+            a, b = arg(0), arg(1)
+            return None if a is None or b is None else self._BINARY[op](a, b)
+        if op == "compare":
+            a, b, direction = arg(0), arg(1), _DIRECTION.search(line)
+            return None if a is None or b is None or not direction else int(self._COMPARE[direction["d"]](a, b))
+        if op == "select":
+            predicate = arg(0)
+            return None if predicate is None else arg(1 if predicate else 2)
+        if op == "clamp":
+            low, x, high = arg(0), arg(1), arg(2)
+            return None if None in (low, x, high) else min(max(x, low), high)
+        if op == "fusion":
+            callee = _CALLEE.search(line)
+            if callee is None:
+                return None
+            inner = {k: arg(k) for k in range(len(operands))}
+            return self.value(callee["name"], self.roots.get(callee["name"], ""), inner, depth + 1)
+        return None
+
+    def _tuple(self, computation: str, name: str, bindings: dict) -> dict[int, int | None] | None:
+        definition = self.lines.get(computation, {}).get(name)
+        if definition is None:
+            return None
+        if definition["op"] == "parameter":
+            bound = bindings.get(int(definition["args"]))
+            return bound.get("tuple") if isinstance(bound, dict) else None
+        return None
+
+
+def host_slice_walks(hlo_text: str) -> list[HostSliceWalk]:
+    """Every dynamic slice of a pinned-host (`S(5)`) buffer inside a loop body, with the index
+    its walked dimension takes at the loop's first two iterations (evaluated from the index
+    expression and the loop's counter: its initial value in the `while`'s operand, its step in
+    the body's result) and XLA's address descriptor where it has one (GPU)."""
+    module = _parsed(hlo_text)
+    evaluator = _ScalarEvaluator(module)
+    names = op_names(hlo_text)
+    walks = []
+    for caller, lines in module.bodies.items():
+        for line in lines:
+            loop = _WHILE.search(line)
+            if loop is None or _DEFINITION.match(line) is None:
+                continue
+            body = loop["body"]
+            for site in module.bodies.get(body, []):
+                walk = _walk(module, evaluator, caller, line, body, site, names)
+                if walk is not None:
+                    walks.append(walk)
+    return walks
+
+
+def _slice_root(module: "_Module", evaluator: _ScalarEvaluator, site: re.Match) -> tuple[str, re.Match] | None:
+    """The dynamic slice an instruction runs: itself, or the root of the computation it calls."""
+    if site["op"] in ("dynamic-slice", "dynamic-update-slice"):
+        return "", site
+    callee = _CALLEE.search(site.string)
+    if site["op"] not in ("fusion", "fusion-start", "async-start") or callee is None:
+        return None
+    root = evaluator.lines.get(callee["name"], {}).get(evaluator.roots.get(callee["name"], ""))
+    if root is None or root["op"] not in ("dynamic-slice", "dynamic-update-slice"):
+        return None
+    return callee["name"], root
+
+
+def _walk(
+    module: "_Module",
+    evaluator: _ScalarEvaluator,
+    caller: str,
+    while_line: str,
+    body: str,
+    line: str,
+    names: dict[str, str],
+) -> HostSliceWalk | None:
+    site = _DEFINITION.match(line)
+    if site is None:
+        return None
+    found = _slice_root(module, evaluator, site)
+    if found is None:
+        return None
+    callee, root = found
+    root_operands = _operands(root)
+    is_write = root["op"] == "dynamic-update-slice"
+    buffer_shape = root["shape"] if is_write else _shape_in(evaluator, callee or body, root_operands[0])
+    if HOST_MEMORY_SPACE not in buffer_shape:
+        return None
+    config = backend_config(root.string).get("dynamic_slice_config") or backend_config(line).get("dynamic_slice_config")
+    descriptor = (config.get("linear") or config) if config else None
+    counter = int(config.get("loop_index", 0)) if config else 0
+    start, step = _counter(evaluator, caller, while_line, body, counter)
+    first_index = 2 if is_write else 1
+    site_operands = _operands(site)
+
+    def indices(i: int | None) -> list[int | None]:
+        if i is None:
+            return [None] * (len(root_operands) - first_index)
+        loop = {0: {"tuple": {counter: i}}}
+        if callee:  # the root's operands are the callee's parameters, bound to the site's operands
+            params = {k: evaluator.value(body, name, loop) for k, name in enumerate(site_operands)}
+            return [evaluator.value(callee, name, params) for name in root_operands[first_index:]]
+        return [evaluator.value(body, name, loop) for name in root_operands[first_index:]]
+
+    first = indices(start)
+    second = indices(None if start is None or step is None else start + step)
+    strides = byte_strides(buffer_shape)
+    expected_offset = expected_stride = None
+    if None not in first and None not in second and len(first) == len(strides):
+        expected_offset = sum(i * s for i, s in zip(first, strides, strict=True))
+        expected_stride = sum((b - a) * s for a, b, s in zip(first, second, strides, strict=True))
+    walked = next((d for d in range(len(first)) if first[d] != second[d]), 0)
+    sliced = root["shape"] if not is_write else _shape_in(evaluator, callee or body, root_operands[1])
+    return HostSliceWalk(
+        computation=body,
+        instruction=site["name"],
+        kind="host write" if is_write else "host read",
+        buffer_shape=buffer_shape.split("{")[0],
+        slice_bytes=shape_bytes(sliced),
+        op_name=names.get(site["name"], names.get(root["name"], "")),
+        trip_count=_trip_count(while_line, module.bodies),
+        index_start=first[walked] if first else None,
+        index_next=second[walked] if second else None,
+        expected_offset=expected_offset,
+        expected_stride=expected_stride,
+        descriptor_offset=_int(descriptor.get("byte_offset")) if descriptor else None,
+        descriptor_stride=_int(descriptor.get("byte_stride")) if descriptor else None,
+    )
+
+
+def _int(value: object) -> int | None:
+    try:
+        return int(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+
+
+def _shape_in(evaluator: _ScalarEvaluator, computation: str, name: str) -> str:
+    definition = evaluator.lines.get(computation, {}).get(name)
+    return definition["shape"] if definition else ""
+
+
+def _counter(
+    evaluator: _ScalarEvaluator, caller: str, while_line: str, body: str, counter: int
+) -> tuple[int | None, int | None]:
+    """The loop counter's initial value (the `while` operand's element, a constant) and its step
+    (the body's result element at the first iteration minus the initial value)."""
+    loop = _WHILE.search(while_line)
+    init_name = loop["init"].strip().lstrip("%") if loop else ""
+    init = evaluator.lines.get(caller, {}).get(init_name)
+    start = None
+    if init is not None and init["op"] == "tuple":
+        elements = _operands(init)
+        start = evaluator.value(caller, elements[counter], {}) if counter < len(elements) else None
+    if start is None:
+        return None, None
+    root = evaluator.lines.get(body, {}).get(evaluator.roots.get(body, ""))
+    if root is None or root["op"] != "tuple":
+        return start, None
+    following = evaluator.value(body, _operands(root)[counter], {0: {"tuple": {counter: start}}})
+    return start, None if following is None else following - start

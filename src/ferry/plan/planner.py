@@ -17,12 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from ferry.hlo_stats import matmul_flops
+from ferry.hlo_stats import matmul_count, matmul_flops
 from ferry.models.registry import abstract_model
 from ferry.offload import Policy
+from ferry.plan.replay import LayerGroupTrace, read_by_backward
 from ferry.plan.targets import Target
 from ferry.plan.transfers import Transfer, TransferSummary, time_transfers, transfers_json
-from ferry.schedule import model_schedule
+from ferry.schedule import TransferSchedule, model_schedule
 from ferry.sharding import MESH_AXES, MeshConfig, batch_sharded
 from ferry.train.config import FerryConfig
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer
@@ -47,12 +48,14 @@ class MemoryPlan:
     temp_bytes: int
     host_bytes: int  # pinned host: temporaries, arguments and outputs
     flops: float  # matrix products per device per step, from the compiled HLO (`matmul_flops`)
+    matmuls: int  # how many matrix products run per device per step (`matmul_count`)
     capacity_bytes: int
     host_capacity_bytes: int | None  # the pinned host pool a run sets up, where the platform sizes one
     compile_options: tuple[tuple[str, object], ...]
     transfers: tuple[Transfer, ...]
     transfer_summary: TransferSummary
     compile_seconds: float  # lowering and compiling on this machine
+    verification: Any = None  # `ferry.plan.verify.Verification`: the compiled program checked against the plan
 
     @property
     def device_bytes(self) -> int:
@@ -67,11 +70,12 @@ class MemoryPlan:
 
     def to_json(self) -> dict[str, Any]:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        del fields["transfers"], fields["transfer_summary"]
+        del fields["transfers"], fields["transfer_summary"], fields["verification"]
         return fields | {
             "device_bytes": self.device_bytes,
             "fits": self.fits,
             "transfers": transfers_json(self.transfers, self.transfer_summary),
+            "verification": None if self.verification is None else self.verification.to_json(),
         }
 
 
@@ -104,7 +108,12 @@ def plan_memory(
     """Compile the train step of `config` under `policy` for `target` with the XLA flags a real
     run on it uses (`xla_flags`, from its platform preset) and report its memory and host
     copies. An offloading policy whose program has no pinned host bytes is an error: the
-    offload was dropped somewhere, and a plan that silently keeps it on device would be a lie."""
+    offload was dropped somewhere, and a plan that silently keeps it on device would be a lie.
+    The program is then verified (`ferry.plan.verify`): every offloaded tensor's copies are in
+    it, and every host slice in a loop walks the way its index goes; a failed check is a
+    `CompiledProgramError` naming the tensor, its layer group and what the program does instead."""
+    from ferry.plan.verify import verify_program  # verify subclasses this module's PlanError
+
     mesh = compile_only_mesh(target, config.mesh)
     optimizer = make_optimizer(config.train)
     data_parallel = config.mesh.data_parallel
@@ -142,7 +151,15 @@ def plan_memory(
             "in pinned host memory: the offload was dropped"
         )
     hlo = compiled.as_text()
-    transfers, summary = time_transfers(hlo, target, _offloaded_bytes(config, model_config, policy, mesh))
+    schedule = _schedule(config, model_config, policy, mesh)
+    transfers, summary = time_transfers(hlo, target, _offloaded_bytes(schedule))
+    verification = verify_program(
+        hlo,
+        schedule,
+        config.train.micro_steps(data_parallel),
+        BackwardReads(config, model_config, policy),
+        f"policy {policy_name} compiled for {target.name}",
+    )
     return MemoryPlan(
         target=target.name,
         mesh=config.mesh.describe(),
@@ -153,20 +170,21 @@ def plan_memory(
         temp_bytes=memory.temp_size_in_bytes,
         host_bytes=host,
         flops=matmul_flops(hlo),
+        matmuls=matmul_count(hlo),
         capacity_bytes=target.hbm_bytes if capacity_bytes is None else capacity_bytes,
         host_capacity_bytes=host_capacity_bytes,
         compile_options=tuple(sorted(options.items())),
         transfers=transfers,
         transfer_summary=summary,
         compile_seconds=compile_seconds,
+        verification=verification,
     )
 
 
-def _offloaded_bytes(config: FerryConfig, model_config: Any, policy: Policy, mesh: Mesh) -> dict[str, int]:
-    """Bytes per device of one layer's copy of each residual `policy` offloads (the transfer
-    schedule, sized on `mesh`): how a copy in the compiled program is named."""
+def _schedule(config: FerryConfig, model_config: Any, policy: Policy, mesh: Mesh) -> TransferSchedule:
+    """The transfer schedule of one micro step, sized per device of `mesh`."""
     data_parallel = config.mesh.data_parallel
-    schedule = model_schedule(
+    return model_schedule(
         abstract_model(model_config),
         policy,
         config.train.rows_per_micro_step(data_parallel) // data_parallel,
@@ -174,9 +192,45 @@ def _offloaded_bytes(config: FerryConfig, model_config: Any, policy: Policy, mes
         jnp.dtype(config.train.compute_dtype),
         mesh=mesh,
     )
+
+
+def _offloaded_bytes(schedule: TransferSchedule) -> dict[str, int]:
+    """Bytes per device of one layer's copy of each residual the schedule offloads: how a copy
+    in the compiled program is named."""
     return {
         f"{group.name}:{r.name}" if len(schedule.groups) > 1 else r.name: r.bytes_per_device
         for group in schedule.groups
         for r in group.residuals
         if r.placement == "offload"
     }
+
+
+def layer_group_traces(config: FerryConfig, model_config: Any) -> dict[str, LayerGroupTrace]:
+    """Each layer group of the model as the verifier traces it: one device's rows of a micro
+    step, in the compute dtype."""
+    model = abstract_model(model_config)
+    data_parallel = config.mesh.data_parallel
+    rows = config.train.rows_per_micro_step(data_parallel) // data_parallel
+    dtype = jnp.dtype(config.train.compute_dtype)
+    return {
+        kind.name: LayerGroupTrace(
+            kind.name, kind.run, (rows, config.train.seq_len - kind.seq_shrink, model.config.dim), dtype
+        )
+        for kind in model.layer_kinds()
+    }
+
+
+class BackwardReads:
+    """Does the backward pass of a group's layer read a tensor `policy` offloads? Asked by the
+    verifier only for copies missing from a program (a trace of one layer each, cached)."""
+
+    def __init__(self, config: FerryConfig, model_config: Any, policy: Policy):
+        self.model = abstract_model(model_config)
+        self.groups = layer_group_traces(config, model_config)
+        self.policy = policy
+        self.answers: dict[tuple[str, str], bool] = {}
+
+    def __call__(self, group: str, tensor: str) -> bool:
+        if (group, tensor) not in self.answers:
+            self.answers[(group, tensor)] = read_by_backward(self.model, self.groups[group], self.policy, tensor)
+        return self.answers[(group, tensor)]

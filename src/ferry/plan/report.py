@@ -13,8 +13,9 @@ from ferry.config import ConfigError
 from ferry.models.registry import abstract_model
 from ferry.offload import Policy
 from ferry.plan.auto import Choice, auto_plan
-from ferry.plan.planner import MemoryPlan, compile_only_mesh, plan_memory
+from ferry.plan.planner import MemoryPlan, compile_only_mesh, for_target, layer_group_traces, plan_memory
 from ferry.plan.targets import TARGETS, Target
+from ferry.plan.verify import DEAD, explain_recompute, recompute_checked
 from ferry.platform import PlatformConfig
 from ferry.schedule import format_bytes
 from ferry.train.config import FerryConfig, OffloadConfig
@@ -68,6 +69,18 @@ def run_plan(
         return plan_memory(config, target, policy, name, capacity, dict(platform.xla_flags), host_capacity)
 
     plans = [compile_policy(policy, name) for name, policy in policies.items()]
+    model_config = for_target(config.model, target)
+    model, groups = abstract_model(model_config), layer_group_traces(config, model_config)
+    micro_steps = config.train.micro_steps(config.mesh.data_parallel)
+    layers = {kind.name: kind.num_layers * micro_steps for kind in model.layer_kinds()}
+    plans = recompute_checked(
+        plans,
+        list(policies.values()),
+        tagged,
+        compile_policy,
+        lambda policy: explain_recompute(model, groups, layers, policy),
+        f"{config.model_name} compiled for {target.name}",
+    )
     choices: list[Choice] = []
     if auto:
         auto_result, choices = auto_plan(config, target, compile_only_mesh(target, config.mesh), compile_policy)
@@ -76,6 +89,8 @@ def run_plan(
     for plan in plans:
         if plan.transfers:
             console.print(transfer_table(plan))
+        if plan.verification is not None and (plan.verification.copies or plan.verification.recompute):
+            console.print(verification_table(plan))
     if choices:
         console.print(choice_table(choices, plans[-1]))
     return plans, choices
@@ -137,6 +152,51 @@ def transfer_table(plan: MemoryPlan) -> Table:
             format_seconds(t.transfer_seconds),
             format_seconds(t.compute_seconds),
             "yes" if t.hidden else "no",
+        )
+    return table
+
+
+def verification_table(plan: MemoryPlan) -> Table:
+    """The compiled program checked against the plan (`ferry.plan.verify`): each offloaded
+    tensor's copies per step, listed and found, and the walks of its host slices in loops."""
+    verification = plan.verification
+    recompute = verification.recompute
+    caption = []
+    if recompute is not None:
+        caption.append(
+            f"nothing rematerialised ({recompute.policy}): {recompute.matmuls} matmuls, "
+            f"{recompute.flops / 1e12:.4f} TFLOP per step; save_all: {recompute.save_all_matmuls}, "
+            f"{recompute.save_all_flops / 1e12:.4f} TFLOP"
+            + (
+                f" (untagged intermediates recomputed between saved values: {recompute.untagged_matmuls:.0f})"
+                if recompute.untagged_matmuls
+                else ""
+            )
+        )
+    if verification.unmatched:
+        caption.append("host copies of no offloaded tensor's size: " + ", ".join(verification.unmatched))
+    table = Table(
+        title=f"{plan.policy}: the compiled program checked (per device, per step)", caption="; ".join(caption)
+    )
+    for column in ("layers", "tensor", "bytes", "to host", "to device", "host slices in loops", "named by", "verdict"):
+        table.add_column(column, justify="right" if column in ("bytes", "to host", "to device") else "left")
+    rows: dict[tuple[str, str], dict] = {}
+    for c in verification.copies:
+        row = rows.setdefault((c.group, c.tensor), {"bytes": c.bytes, "named": c.named_by, "verdicts": []})
+        row[c.direction] = f"{c.found}/{c.expected}"
+        row["verdicts"].append(f"{c.direction}: {c.status}")
+    for (group, tensor), row in rows.items():
+        walks = [w for w in verification.walks if w.group == group and tensor in w.tensor.split("/")]
+        verdicts = {v.split(": ", 1)[1] for v in row["verdicts"]}
+        table.add_row(
+            group,
+            tensor,
+            format_bytes(row["bytes"]),
+            row.get("to host", "-"),
+            row.get("to device", "-"),
+            ", ".join(sorted({f"{w.kind.removeprefix('host ')} {w.index} {w.status}" for w in walks})) or "-",
+            row["named"],
+            verdicts.pop() if len(verdicts) == 1 else "; ".join(row["verdicts"]),
         )
     return table
 

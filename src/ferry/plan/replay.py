@@ -1,0 +1,200 @@
+"""What one layer's backward pass reads and recomputes, found on its jaxpr (traced abstractly on
+the CPU, nothing computed): the planner's verifier asks it why a copy is missing from a compiled
+program and which tag keeps its producer alive.
+
+A value is *needed* when the gradients depend on it. Dependence is followed through the
+equations whose inner jaxpr maps inputs to outputs one to one (calls, custom derivatives,
+`device_put`, optimisation barriers); any other equation with an inner jaxpr (a `scan`, a
+`cond`) needs all its inputs once any of its outputs is needed. The walk therefore never calls a
+needed value unneeded: "never read by the backward pass" is a proof, not a guess.
+"""
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex
+from jax.sharding import Mesh
+
+from ferry.offload import LAYER_INPUT, Policy, offloaded, record_tags, tagged_names
+from ferry.precision import cast_floating
+
+_MATMULS = ("dot_general", "ragged_dot")
+_ONE_TO_ONE = ("device_put", "optimization_barrier")  # output k is input k, moved or fenced
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerGroupTrace:
+    """One kind of layer of a model, as the verifier traces it: `run(model, x)` on an input of
+    `input_shape` in `dtype` (the compute dtype of the step)."""
+
+    name: str
+    run: Callable[[Any, jax.Array], Any]
+    input_shape: tuple[int, ...]
+    dtype: Any
+
+
+def _is_host(sharding: Any) -> bool:
+    kind = getattr(sharding, "memory_kind", None)
+    return kind == "pinned_host" or sharding == jax.memory.Space.Host
+
+
+def _inner_jaxprs(eqn: Any) -> list[Any]:
+    found = []
+    for value in eqn.params.values():
+        for item in value if isinstance(value, tuple | list) else (value,):
+            if isinstance(item, jex.ClosedJaxpr):
+                found.append(item.jaxpr)
+            elif isinstance(item, jex.Jaxpr):
+                found.append(item)
+    return found
+
+
+@dataclasses.dataclass
+class _Needed:
+    """The equations the gradients need, counted with the trip counts of the loops around them."""
+
+    host_copies: int = 0  # device_puts to pinned host
+    matmuls: float = 0.0
+
+
+def _walk(jaxpr: Any, needed_out: list[bool], found: _Needed, times: float) -> list[bool]:
+    """Mark what `jaxpr` needs to produce the outputs flagged in `needed_out`; returns which of
+    its inputs are needed."""
+    needed = {v for v, n in zip(jaxpr.outvars, needed_out, strict=True) if n and isinstance(v, jex.Var)}
+    for eqn in reversed(jaxpr.eqns):
+        outs = [isinstance(o, jex.Var) and not isinstance(o, jex.DropVar) and o in needed for o in eqn.outvars]
+        if not any(outs):
+            continue
+        name = eqn.primitive.name
+        inner = _inner_jaxprs(eqn)
+        ins = [True] * len(eqn.invars)
+        if name in _ONE_TO_ONE and len(eqn.invars) == len(eqn.outvars):
+            ins = outs
+            if name == "device_put":
+                found.host_copies += sum(
+                    1 for out, to in zip(outs, eqn.params.get("devices", ()), strict=False) if out and _is_host(to)
+                )
+        elif name in _MATMULS:
+            found.matmuls += times
+        elif len(inner) == 1 and len(inner[0].invars) == len(eqn.invars) and len(inner[0].outvars) == len(eqn.outvars):
+            ins = _walk(inner[0], outs, found, times)
+        else:
+            repeat = eqn.params.get("length", 1) if name == "scan" else 1
+            for sub in inner:
+                _walk(sub, [True] * len(sub.outvars), found, times * repeat)
+        needed.update(v for v, n in zip(eqn.invars, ins, strict=True) if n and isinstance(v, jex.Var))
+    return [isinstance(v, jex.Var) and v in needed for v in jaxpr.invars]
+
+
+def _cotangent(out: Any) -> Any:
+    if jnp.issubdtype(out.dtype, jnp.inexact):
+        return jnp.ones(out.shape, out.dtype)
+    return np.zeros(out.shape, jax.dtypes.float0)
+
+
+def _needed(model: Any, group: LayerGroupTrace, policy: Policy) -> _Needed:
+    """Trace the gradient of one layer of `group` under `policy` (through the engine, or plain
+    autodiff for `save_all`) and count what it needs."""
+    mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("data",))  # memory kinds: host copies are device_puts
+    layer = group.run if policy.keep_all else offloaded(group.run, policy, mesh=mesh, check_names=False)
+
+    def gradients(model: Any, x: jax.Array) -> Any:
+        out, vjp = eqx.filter_vjp(lambda m, h: layer(cast_floating(m, group.dtype), h), model, x)
+        return out, vjp(jax.tree.map(_cotangent, out))  # the output too: in a model the next layer reads it
+
+    x = jax.ShapeDtypeStruct(group.input_shape, group.dtype)
+    closed = eqx.filter_make_jaxpr(gradients)(model, x)[0]
+    found = _Needed()
+    _walk(closed.jaxpr, [True] * len(closed.jaxpr.outvars), found, 1.0)
+    return found
+
+
+def read_by_backward(model: Any, group: LayerGroupTrace, policy: Policy, tensor: str) -> bool:
+    """Does the backward pass of a `group` layer read `tensor` when `policy` offloads it? Traced
+    with only `tensor` offloaded (everything else placed as `policy` places it, on device where
+    it offloads): its host copy is needed exactly when the backward pass reads the value."""
+    placements = {name: ("device" if p == "offload" else p) for name, p in policy.placements}
+    placements |= {tensor: "offload"}
+    if tensor != LAYER_INPUT:
+        placements.setdefault(LAYER_INPUT, "device")
+        if placements[LAYER_INPUT] == "offload":
+            placements[LAYER_INPUT] = "device"
+    return _needed(model, group, Policy.from_dict(placements)).host_copies > 0
+
+
+def record_names(model: Any, group: LayerGroupTrace) -> frozenset[str]:
+    """The names a `group` layer tags (with the layer input), found abstractly."""
+    return tagged_names(group.run, model, jax.ShapeDtypeStruct(group.input_shape, group.dtype))
+
+
+def all_saved(policy: Policy, tagged: frozenset[str] | set[str]) -> Policy:
+    """`policy` with nothing rematerialised: each of the `tagged` names kept where the policy
+    keeps or offloads it, the rest on device. Its matmuls equal `save_all`'s unless a saved
+    value's producer is recomputed anyway."""
+    if policy.keep_all:
+        return policy
+    return Policy.from_dict({name: policy.placement(name).replace("remat", "device") for name in tagged})
+
+
+def matmul_fed(model: Any, group: LayerGroupTrace) -> frozenset[str]:
+    """The tags of a `group` layer whose value a matmul of the layer feeds through untagged
+    values (`tanh(x @ w)`, `x @ w`; not `norm(x)`, nor `silu(u)` of another tag `u`): the ones
+    whose saving can spare a recomputed matmul."""
+    names: list[str] = []
+
+    def tagged_values(model: Any, x: jax.Array) -> Any:
+        _, values = record_tags(group.run, model, x)
+        names.extend(name for name, _ in values)
+        return [value for _, value in values]
+
+    x = jax.ShapeDtypeStruct(group.input_shape, group.dtype)
+    jaxpr = eqx.filter_make_jaxpr(tagged_values)(cast_floating(model, group.dtype), x)[0].jaxpr
+    producers = {out: eqn for eqn in jaxpr.eqns for out in eqn.outvars}
+    fed = set()
+    for name, var in zip(names, jaxpr.outvars, strict=True):
+        others = {v for v in jaxpr.outvars if v is not var}
+        stack, seen = [var], set()
+        while stack:
+            eqn = producers.get(stack.pop())
+            if eqn is None or id(eqn) in seen:
+                continue
+            seen.add(id(eqn))
+            if eqn.primitive.name in _MATMULS or any(_has_matmul(inner) for inner in _inner_jaxprs(eqn)):
+                fed.add(name)
+                break
+            stack += [v for v in eqn.invars if isinstance(v, jex.Var) and v not in others]
+    return frozenset(fed)
+
+
+def _has_matmul(jaxpr: Any) -> bool:
+    return any(e.primitive.name in _MATMULS or any(_has_matmul(i) for i in _inner_jaxprs(e)) for e in jaxpr.eqns)
+
+
+def recomputed_producers(model: Any, group: LayerGroupTrace, policy: Policy, tagged: list[str]) -> list[str]:
+    """The tags of a `group` layer the backward pass reads but whose saving spares no matmul: the
+    gradient of the layer with every tag saved (`all_saved`) needs as many matmuls as with that
+    one tag rematerialised, so its producer runs again either way (a tag on a nonlinear output,
+    whose tangent needs the recomputed matmul). Only tags a matmul feeds (`matmul_fed`) can be
+    blamed; a tag the backward pass never reads (`mlpwo`) costs no recompute either way."""
+    base = dict(all_saved(policy, set(tagged)).placements)
+    saved = _needed(model, group, Policy.from_dict(base)).matmuls
+    blamed = []
+    for name in sorted(matmul_fed(model, group) - {LAYER_INPUT}):
+        without = _needed(model, group, Policy.from_dict(base | {name: "remat"})).matmuls
+        if math.isclose(without, saved) and read_by_backward(model, group, policy, name):
+            blamed.append(name)
+    return blamed
+
+
+def untagged_matmuls(model: Any, group: LayerGroupTrace, policy: Policy, tagged: list[str]) -> float:
+    """Matmuls the gradient of one `group` layer needs with every tag saved (`all_saved`) beyond
+    plain autodiff's (`save_all`): those whose output nobody tags, which the replay recomputes
+    between saved values (an attention's scores, which its softmax's gradient reads)."""
+    saved = _needed(model, group, all_saved(policy, set(tagged))).matmuls
+    return saved - _needed(model, group, Policy.save_all()).matmuls

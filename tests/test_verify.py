@@ -1,0 +1,280 @@
+"""The verifier of the compiled program (`ferry.plan.verify`) on real deviceless compiles for an
+H200 and a TPU v5p: every offloaded tensor's copies are there (or named dead), host slices in
+loops walk the way their index goes, and no saved value's producer is recomputed. Each check is
+also forced to fail, and the refusal names the tensor, its layer group and what the program does
+instead. The programs are compiled once per module and shared."""
+
+import dataclasses
+import importlib.util
+import json
+import re
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+from rich.console import Console
+
+from ferry.hlo_stats import matmul_count, matmul_flops
+from ferry.models.registry import abstract_model
+from ferry.nn.stack import LayerStack
+from ferry.offload import Policy, tag
+from ferry.plan import verify
+from ferry.plan.planner import (
+    BackwardReads,
+    MemoryPlan,
+    _schedule,
+    compile_only_mesh,
+    for_target,
+    layer_group_traces,
+    plan_memory,
+)
+from ferry.plan.replay import LayerGroupTrace
+from ferry.plan.report import verification_table
+from ferry.plan.targets import TARGETS
+from ferry.plan.verify import (
+    DEAD,
+    MissingCopyError,
+    RecomputeCheck,
+    RecomputedProducerError,
+    WrongWalkError,
+    explain_recompute,
+    recompute_checked,
+    verify_program,
+    verify_recompute,
+)
+from ferry.sharding import MeshConfig
+from ferry.train.config import FerryConfig
+from tests.conftest import compose_config, load_preset
+
+needs_cuda_plugin = pytest.mark.skipif(
+    importlib.util.find_spec("jax_cuda12_plugin") is None,
+    reason='the planner needs the CUDA plugin for GPU targets: pip install -e ".[plan]"',
+)
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason='the planner needs libtpu for TPU targets: pip install -e ".[plan]"',
+)
+pytestmark = needs_cuda_plugin
+H200, V5P = TARGETS["h200"], TARGETS["v5p"]
+GPU_FLAGS = {"xla_gpu_enable_latency_hiding_scheduler": True}
+
+
+class Compiled(NamedTuple):
+    plan: MemoryPlan
+    hlo: str
+    config: FerryConfig
+    policy: Policy
+
+
+def compile_plan(model: str, preset: str, *overrides: str, target=H200) -> Compiled:
+    """`plan_memory` at 64 tokens a row, keeping the program's HLO text for the forced failures."""
+    config = compose_config(f"model={model}", f"offload={preset}", "train.seq_len=64", *overrides)
+    policy = load_preset(preset).policy(abstract_model(config.model).tagged_names())
+    captured = {}
+
+    def keep_text(hlo: str, *args: Any, **kwargs: Any) -> Any:
+        captured["hlo"] = hlo
+        return real(hlo, *args, **kwargs)
+
+    real = verify.verify_program
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(verify, "verify_program", keep_text)
+        plan = plan_memory(config, target, policy, preset, xla_flags=GPU_FLAGS)
+    return Compiled(plan, captured["hlo"], config, policy)
+
+
+@pytest.fixture(scope="module")
+def llama_h200() -> Compiled:
+    return compile_plan("llama_tiny", "minimal_offloaded")
+
+
+def verify_text(compiled: Compiled, hlo: str, target=H200):
+    """Run the verifier on `hlo` as the planner ran it on `compiled`'s program."""
+    config = compiled.config
+    model_config = for_target(config.model, target)
+    schedule = _schedule(config, model_config, compiled.policy, compile_only_mesh(target, config.mesh))
+    reads = BackwardReads(config, model_config, compiled.policy)
+    return verify_program(hlo, schedule, 1, reads, f"policy minimal_offloaded compiled for {target.name}")
+
+
+def test_every_offloaded_tensor_of_llama_is_copied_both_ways_or_named_dead(llama_h200):
+    """mlpwo, the layer's last product, only joins the residual stream: its backward pass never
+    reads it, XLA removes its copies, and the report says so instead of calling them missing."""
+    copies = llama_h200.plan.verification.copies
+    offloaded = {t for t, p in llama_h200.policy.placements if p == "offload"}
+    assert {c.tensor for c in copies} == offloaded and {c.group for c in copies} == {"decoder"}
+    dead = {(c.tensor, c.direction) for c in copies if c.status == DEAD}
+    assert dead == {("mlpwo", "to host"), ("mlpwo", "to device")}
+    assert all(c.status == "copied" and c.found == c.expected == 2 for c in copies if c.tensor != "mlpwo")
+    assert not llama_h200.plan.verification.unmatched
+    record = json.loads(json.dumps(llama_h200.plan.to_json()))
+    assert {c["status"] for c in record["verification"]["copies"]} == {"copied", DEAD}
+    console = Console(record=True, width=200)
+    console.print(verification_table(llama_h200.plan))
+    assert "dead: never read by the backward pass" in console.export_text()
+
+
+def test_backward_reads_of_offloaded_scan_residuals_walk_backwards(llama_h200):
+    """Issue 13's first proof, on the compiled H200 program with jax 0.12: the backward loop reads
+    layer n-1-i of each stacked residual in host memory, and XLA's descriptor of every such read
+    starts at the last layer and steps back (jax 0.10.2 annotated offset 0, stride +size)."""
+    walks = llama_h200.plan.verification.walks
+    reads = [w for w in walks if w.kind == "host read"]
+    writes = [w for w in walks if w.kind == "host write"]
+    assert len(reads) == len(writes) == 7  # every offloaded tensor but the dead mlpwo
+    for read in reads:
+        offset, stride = read.descriptor
+        assert read.status == "right" and read.index == "1, 0, ..."
+        assert stride < 0 and offset == -stride  # layer 1 of 2 first, then one layer back
+        assert read.expected == read.descriptor
+    assert all(w.status == "right" and w.index == "0, 1, ..." and w.descriptor[1] > 0 for w in writes)
+
+
+_BACKWARD_WALK = re.compile(r'"linear":\{"byte_offset":"(\d+)","byte_stride":"-(\d+)"\}')
+
+
+def test_a_host_read_walking_against_its_index_is_refused(llama_h200):
+    """The openxla/xla #46231 descriptor (offset 0, stride +size on a read of layer n-1-i),
+    written into the real program's first backward host read, is refused naming the tensor."""
+    wrong = _BACKWARD_WALK.sub(r'"linear":{"byte_offset":"0","byte_stride":"\2"}', llama_h200.hlo, count=1)
+    assert wrong != llama_h200.hlo
+    with pytest.raises(WrongWalkError) as refusal:
+        verify_text(llama_h200, wrong)
+    message = str(refusal.value)
+    assert "the host read of mlpwi_0/mlpwi_1 (decoder layers, host buffer bf16[2,8,64,192]" in message
+    assert "takes index 1, 0, ..., byte offset 196608 then steps of -196608" in message
+    assert "XLA's descriptor walks from byte 0 in steps of 196608" in message and "#46231" in message
+    # jax 0.10 put the walk at the top level of dynamic_slice_config: read there too
+    old_format = re.sub(
+        r'"byte_offset":"0","byte_stride":"0","linear":\{"byte_offset":"(-?\d+)","byte_stride":"(-?\d+)"\}',
+        r'"byte_offset":"\1","byte_stride":"\2"',
+        llama_h200.hlo,
+    )
+    assert old_format != llama_h200.hlo
+    assert {w.status for w in verify_text(llama_h200, old_format).walks} == {"right"}
+
+
+def test_an_offload_the_compiler_dropped_is_refused(llama_h200):
+    """Where XLA keeps an offloaded buffer in HBM (its layout loses the host memory space `S(5)`,
+    as the H200 compile did for DeepSeek's dense layer and MTP block), its copies are gone and the
+    plan is refused naming the tensors, the group and where the values stay."""
+    dropped = llama_h200.hlo.replace("bf16[2,8,64,192]{3,2,1,0:S(5)}", "bf16[2,8,64,192]{3,2,1,0}")
+    with pytest.raises(MissingCopyError) as refusal:
+        verify_text(llama_h200, dropped)
+    message = str(refusal.value)
+    assert "fewer copies per step than the schedule lists (found/listed): decoder layers: " in message
+    for tensor in ("mlpwi_0", "mlpwi_1"):
+        assert f"{tensor} (192.0 KiB per layer per device) 0/2 to host, 0/2 to device" in message
+    assert "query_proj" not in message and "the value stays in HBM" in message
+
+
+def test_llama_all_saved_recomputes_no_saved_value(llama_h200):
+    """minimal_offloaded rematerialises nothing, so it is its own all-saved form. Its compiled
+    program runs one matmul per layer more than save_all: the attention scores, which nobody tags
+    and the replay recomputes for the softmax's gradient (at 64 tokens the attention is not
+    chunked, so save_all keeps them). The layers' jaxprs explain exactly that, and no tag is
+    blamed; a count beyond what they explain is refused."""
+    save_all = compile_plan("llama_tiny", "save_all").plan
+    full_remat = dataclasses.replace(llama_h200.plan, policy="full_remat")
+    plans = [save_all, llama_h200.plan, full_remat]
+    policies = [Policy.save_all(), llama_h200.policy, Policy.from_dict({"decoder_layer_input": "device"})]
+    config = llama_h200.config
+    model_config = for_target(config.model, H200)
+    model, groups = abstract_model(model_config), layer_group_traces(config, model_config)
+    layers = {"decoder": config.model.num_layers}
+
+    def no_compile(policy, name):
+        raise AssertionError(f"{name} needs no compile: both programs are at hand")
+
+    def explain(policy):
+        return explain_recompute(model, groups, layers, policy)
+
+    checked = recompute_checked(plans, policies, model.tagged_names(), no_compile, explain, "llama_tiny on h200")
+    check = checked[1].verification.recompute
+    assert checked[2].verification.recompute == check and checked[0].verification.recompute is None
+    assert check.matmuls - check.save_all_matmuls == check.untagged_matmuls == config.model.num_layers
+    beyond = dataclasses.replace(check, matmuls=check.matmuls + 1, untagged_matmuls=None)
+    with pytest.raises(RecomputedProducerError, match="the compiler recomputes 1 matmuls of saved values"):
+        verify_recompute(beyond, lambda: explain(llama_h200.policy), "llama_tiny on h200")
+
+
+def compile_user_stack(nonlinear_tag: bool, policy: Policy) -> tuple[str, LayerStack, LayerGroupTrace]:
+    """The gradient of a 3-layer stack of a user's layer, compiled for an H200."""
+
+    class Mix(eqx.Module):
+        w_in: jax.Array
+        w_out: jax.Array
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            product = x @ self.w_in
+            h = tag(jnp.tanh(product), "h") if nonlinear_tag else jnp.tanh(tag(product, "h"))
+            return x + h @ self.w_out
+
+    def make(key: jax.Array) -> Mix:
+        k_in, k_out = jax.random.split(key)
+        return Mix(jax.random.normal(k_in, (32, 64)) * 0.1, jax.random.normal(k_out, (64, 32)) * 0.1)
+
+    mesh = compile_only_mesh(H200, MeshConfig())
+    stack = eqx.filter_eval_shape(lambda key: LayerStack(make, 3, key=key), jax.random.key(0))
+    on_device = NamedSharding(mesh, PartitionSpec())
+    place = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_device)  # noqa: E731
+    stack_in = jax.tree.map(place, stack)
+    x = place(jax.ShapeDtypeStruct((4, 16, 32), jnp.float32))
+
+    def loss(stack: LayerStack, x: jax.Array) -> jax.Array:
+        y, _ = stack(x, policy, mesh)
+        return jnp.sum(y**2)
+
+    with jax.set_mesh(mesh):
+        gradient = jax.jit(lambda s, h: eqx.filter_grad(loss)(s, h))
+        compiled = gradient.lower(stack_in, x).compile(H200.compile_options(GPU_FLAGS))
+    group = LayerGroupTrace("mix", lambda m, h: m.layer(0)(h), (4, 16, 32), jnp.float32)
+    return compiled.as_text(), stack, group
+
+
+@pytest.mark.parametrize("nonlinear_tag", [True, False], ids=["tanh_tagged", "matmul_tagged"])
+def test_a_tag_on_a_nonlinear_output_is_refused(nonlinear_tag):
+    """`tag(tanh(x @ w), "h")` saves h but its tangent needs the recomputed x @ w: the all-saved
+    program runs more matmuls than save_all's, and the refusal names the tag and the layers.
+    Tagging the matmul's output instead spares the recompute and passes."""
+    saved = Policy.from_dict({"h": "device"})
+    program, stack, group = compile_user_stack(nonlinear_tag, saved)
+    reference, _, _ = compile_user_stack(nonlinear_tag, Policy.save_all())
+    counts = (matmul_count(program), matmul_flops(program), matmul_count(reference), matmul_flops(reference))
+    check = RecomputeCheck("h on device", *counts)
+    explain = lambda: explain_recompute(stack, {"mix": group}, {"mix": 3}, saved)  # noqa: E731
+    if not nonlinear_tag:
+        assert verify_recompute(check, explain, "the mix stack on h200").equal
+        return
+    assert check.matmuls == check.save_all_matmuls + 3  # x @ w_in again in every layer
+    with pytest.raises(RecomputedProducerError) as refusal:
+        verify_recompute(check, explain, "the mix stack on h200")
+    message = str(refusal.value)
+    assert "tag 'h' of the mix layers: saving it spares no matmul, its producer runs again" in message
+    assert f"runs {check.matmuls} matmuls" in message and f"against save_all's {check.save_all_matmuls}" in message
+
+
+def test_deepseek_on_h200_copies_every_group_it_offloads():
+    """The dense layer (a scan of length 1), the MoE loop and the MTP block each copy what the
+    schedule lists, less the named dead copies, and every host slice walks its index's way."""
+    compiled = compile_plan("deepseek_v3_tiny", "minimal_offloaded", "train.global_batch_size=8")
+    verification = compiled.plan.verification
+    by_group = {c.group for c in verification.copies}
+    assert by_group == {"dense", "moe", "mtp_1"}
+    for group in by_group:
+        assert any(c.status == "copied" for c in verification.copies if c.group == group), group
+    assert {w.status for w in verification.walks} == {"right"}
+
+
+@needs_libtpu
+def test_tpu_v5p_programs_copy_what_the_schedule_lists():
+    """libtpu unrolls tiny layer loops and addresses host slices by index (no descriptor to
+    check); the copies of llama_tiny's and deepseek_v3_tiny's offloaded tensors are all there."""
+    for model in ("llama_tiny", "deepseek_v3_tiny"):
+        compiled = compile_plan(model, "minimal_offloaded", "mesh.data=4", "train.global_batch_size=8", target=V5P)
+        copies = compiled.plan.verification.copies
+        assert copies and {c.status for c in copies} <= {"copied", DEAD}
+        assert all(w.status in ("no descriptor", "right") for w in compiled.plan.verification.walks)
