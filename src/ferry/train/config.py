@@ -32,6 +32,9 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 4  # 0: no evaluation
     on_nonfinite: str = "stop"  # stop: checkpoint the last good state and stop; skip: skip the update
+    # the gradient self-check of the offload policy before training (ferry.train.policy_check);
+    # None: on for platform=gpu and tpu, off on cpu
+    check_policy: bool | None = None
 
     def micro_steps(self, data_parallel: int = 1) -> int:
         """Micro batches accumulated per optimizer step when a batch is split `data_parallel` ways."""

@@ -38,6 +38,7 @@ from ferry.train.flops import training_flops
 from ferry.train.loggers import RunLoggers, check_wandb
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer
 from ferry.train.peak import device_peak
+from ferry.train.policy_check import check_before_training
 from ferry.train.preemption import SigtermStop
 from ferry.train.profiling import StepProfiler
 from ferry.train.step import LossSettings, TrainState, init_state, make_eval_step, make_train_step
@@ -169,6 +170,7 @@ def prepare(config: FerryConfig, console: Console) -> PreparedRun:
         mesh=mesh,
     )
     check_wandb(config.log)
+    check_before_training(config, policy, console)  # train.check_policy: the policy's gradients on this machine
     tokenizer = load_tokenizer(config.data.tokenizer, config.data.eos_token)
     if config.data.source != "synthetic":
         check_vocab(tokenizer, config.model.vocab_size, config.model_name)
