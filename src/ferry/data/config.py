@@ -52,5 +52,9 @@ class DataConfig:
             raise ValueError('data.separator is empty; use a string that ends a document, e.g. "\\n\\n"')
         if self.document_bytes is not None and self.document_bytes < 1:
             raise ValueError(f"data.document_bytes must be at least 1, got {self.document_bytes}")
+        if self.document_mask and self.source == "synthetic":
+            raise ValueError(
+                "data.document_mask=true needs documents; data=synthetic has none. Use a text source or data.prepared"
+            )
         if self.prepared is not None and self.source == "synthetic":
             raise ValueError("data=synthetic makes random tokens; data.prepared reads token shards. Drop one of them")

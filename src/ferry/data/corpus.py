@@ -16,6 +16,7 @@ from rich.console import Console
 
 from ferry.data.config import DataConfig
 from ferry.data.prepare import cache_directory, is_held_out, prepare_corpus, token_dtype
+from ferry.data.segments import DocumentMask
 from ferry.data.shards import Manifest, PreparedDataError, ShardedTokens, check_prepared, read_manifest
 from ferry.data.tokenizer import Tokenizer
 
@@ -29,6 +30,12 @@ class Corpus:
     num_documents: int
     description: str  # for the start-up line, e.g. "1,812 stdlib documents"
     end_of_document: int | None = None  # None: synthetic tokens, which have no documents
+
+    def document_mask(self, config: DataConfig) -> DocumentMask | None:
+        """What the model needs to keep packed documents apart (data.document_mask), or None."""
+        if not config.document_mask or self.end_of_document is None:
+            return None
+        return DocumentMask(self.end_of_document, config.loss_across_documents)
 
 
 def check_vocab(tokenizer: Tokenizer, vocab_size: int, model_name: str) -> None:

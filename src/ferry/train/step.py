@@ -11,6 +11,7 @@ import optax
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
+from ferry.data.segments import DocumentMask
 from ferry.offload import SAVE_ALL, Policy
 from ferry.precision import cast_floating
 
@@ -38,6 +39,7 @@ class LossSettings:
     compute_dtype: str = "float32"
     z_loss_weight: float = 0.0
     mesh: Mesh | None = None
+    documents: DocumentMask | None = None  # data.document_mask: attention stays inside each document
 
 
 def batch_loss(
@@ -46,6 +48,10 @@ def batch_loss(
     """The loss to differentiate, and the model's statistics (`loss` is the main next-token
     cross-entropy), computed in the compute dtype."""
     compute_model = cast_floating(model, jnp.dtype(settings.compute_dtype))
+    if settings.documents is not None:
+        return compute_model.training_loss(
+            batch, settings.policy, settings.mesh, settings.z_loss_weight, documents=settings.documents
+        )
     return compute_model.training_loss(batch, settings.policy, settings.mesh, settings.z_loss_weight)
 
 
