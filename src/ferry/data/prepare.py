@@ -48,6 +48,11 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint8 if vocab_size <= 256 else np.uint16 if vocab_size <= 65536 else np.uint32)
 
 
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity; a container's share, not the host's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def source_identity(config: DataConfig, tokenizer: Tokenizer) -> tuple[dict[str, Any], str]:
     """The data.* keys that decide the tokens, the fingerprint of the files they name (path, size
     and modification time of each), and a hash of both with the tokenizer's identity. Refuses a
@@ -293,7 +298,7 @@ def _tokenize(
     dtype = token_dtype(tokenizer.vocab_size).name
     split = TextSplit.of(config.separator, config.document_bytes)
     stream = units_of(documents(config.source, config.path, config.field, config.pattern, split), config.shard_bytes)
-    workers = config.workers or os.cpu_count() or 1
+    workers = config.workers or available_cores()
     written: list[int] = []
     journal = (directory / PROGRESS / "units.jsonl").open("a")
     status = Progress(
