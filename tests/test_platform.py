@@ -42,9 +42,13 @@ def test_applying_after_the_backend_started_is_refused():
         apply_platform(load_platform("gpu"))
 
 
-def test_launcher_prints_the_platform(tmp_path):
+def test_launcher_prints_the_platform_and_refuses_a_gpu_it_does_not_have(tmp_path):
+    """platform=gpu on this CPU-only machine: the flags are shown, then the run is refused in one
+    line instead of training on the CPU without a word."""
     result = run_launcher("platform=gpu", "train.steps=1", "train.warmup_steps=0", f"run.dir={tmp_path / 'run'}")
-    assert result.returncode == 0, result.stderr + result.stdout
+    assert result.returncode == 2, result.stderr + result.stdout
     assert (
         "platform gpu: XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=64, XLA_FLAGS=--xla_gpu_enable_latency_hiding" in result.stdout
     )
+    assert "platform=gpu but JAX cannot start a GPU backend" in result.stdout and "platform=cpu" in result.stdout
+    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()

@@ -1,14 +1,21 @@
-"""Will a model's training state fit on this machine? Answered from shapes alone, in seconds."""
+"""Will a run fit on this machine? Twice answered before anything is allocated: the training
+state from shapes alone, in seconds (`check_fits`), then the whole compiled step from XLA's memory
+analysis, activations included (`check_step_fits`)."""
+
+import dataclasses
+from typing import Any
 
 import jax
 import psutil
+
+from ferry.errors import FerryError
 
 # float32 master params + float32 grads + AdamW's two float32 moments, + a bf16 compute copy.
 TRAINING_BYTES_PER_PARAMETER = 4 + 4 + 8 + 2
 
 
-class InsufficientMemoryError(RuntimeError):
-    """The parameters and optimizer state alone exceed the memory of the devices."""
+class InsufficientMemoryError(FerryError, RuntimeError):
+    """The run needs more memory than the devices (or, on CPU, the host) have."""
 
 
 def available_bytes() -> tuple[int, str]:
@@ -33,3 +40,89 @@ def check_fits(model_name: str, parameters_per_device: int, size: str, suggestio
             f"{devices} device(s) with this mesh ({TRAINING_BYTES_PER_PARAMETER} B per parameter, before "
             f"activations), but this machine has {have / 2**30:,.1f} GiB ({where}). {suggestion}"
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+    """What one device holds while running a compiled program, from XLA's memory analysis."""
+
+    arguments: int
+    outputs: int
+    aliased: int  # outputs written into donated arguments' buffers
+    temporaries: int
+    code: int
+    host_temporaries: int  # pinned host memory (offloaded activations)
+
+    @classmethod
+    def of(cls, compiled: Any) -> "CompiledMemory | None":
+        """The analysis of a `jax.stages.Compiled`, or None where the backend has none."""
+        analysis = compiled.memory_analysis()
+        if analysis is None:
+            return None
+        read = lambda name: int(getattr(analysis, name, 0) or 0)  # noqa: E731
+        return cls(
+            arguments=read("argument_size_in_bytes"),
+            outputs=read("output_size_in_bytes"),
+            aliased=read("alias_size_in_bytes"),
+            temporaries=read("temp_size_in_bytes"),
+            code=read("generated_code_size_in_bytes"),
+            host_temporaries=read("host_temp_size_in_bytes"),
+        )
+
+    @property
+    def device_bytes(self) -> int:
+        """Peak device memory of one step: arguments + temporaries + outputs - aliases + code."""
+        return self.arguments + self.temporaries + self.outputs - self.aliased + self.code
+
+    def describe(self) -> str:
+        parts = {
+            "arguments": self.arguments,
+            "outputs": self.outputs,
+            "aliased": self.aliased,
+            "temporaries": self.temporaries,
+            "code": self.code,
+            "host temporaries": self.host_temporaries,
+        }
+        return ", ".join(f"{name} {_gib(value)}" for name, value in parts.items())
+
+
+def step_capacity() -> tuple[int | None, int, str]:
+    """(bytes one device may use, or None where its memory is the host's; host bytes available;
+    where that is). A device's free bytes come from its `memory_stats()`."""
+    device = jax.local_devices()[0]
+    stats = device.memory_stats()
+    host = psutil.virtual_memory().available
+    if stats and "bytes_limit" in stats:
+        free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+        return free, host, f"{device.device_kind} memory_stats()"
+    return None, host, "host RAM available (the CPU backend's devices live in it)"
+
+
+def check_step_fits(memory: CompiledMemory, advice: str) -> None:
+    """Refuse a compiled step that cannot run here, before its state is allocated: on GPU and
+    TPU each device's figure against its free memory and the host temporaries of all local
+    devices against the host's RAM; on CPU, where every device lives in host RAM, all of it
+    against the RAM available."""
+    devices = len(jax.local_devices())
+    per_device, host, where = step_capacity()
+    breakdown = (
+        f"arguments {_gib(memory.arguments)} + temporaries {_gib(memory.temporaries)} + outputs "
+        f"{_gib(memory.outputs)} - aliased {_gib(memory.aliased)}"
+    )
+    if per_device is not None and memory.device_bytes > per_device:
+        raise InsufficientMemoryError(
+            f"the compiled train step needs {_gib(memory.device_bytes)} per device ({breakdown}) but a device has "
+            f"{_gib(per_device)} free ({where}). {advice}"
+        )
+    on_host = devices * (memory.host_temporaries + (memory.device_bytes if per_device is None else 0))
+    if on_host > host:
+        what = "host temporaries" if per_device is not None else f"{breakdown} + host temporaries"
+        raise InsufficientMemoryError(
+            f"the compiled train step needs {_gib(on_host)} of host memory ({devices} device(s) x {what} "
+            f"{_gib(memory.host_temporaries)}) but this host has {_gib(host)} available ({where}). {advice}"
+        )
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
+

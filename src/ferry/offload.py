@@ -22,6 +22,7 @@ import equinox as eqx
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from ferry.errors import FerryError
 from ferry.sharding import activation_spec, constrain
 
 Axes = tuple[str | None, ...] | None
@@ -33,7 +34,7 @@ LAYER_INPUT = "decoder_layer_input"
 inside the layer, so a policy places it on `device` (the default) or `offload`s it."""
 
 
-class PolicyError(ValueError):
+class PolicyError(FerryError, ValueError):
     """A policy that cannot be applied: a bad placement or a name the model does not tag."""
 
 

@@ -5,11 +5,26 @@ XLA reads `XLA_FLAGS` (CPU and GPU), `LIBTPU_INIT_ARGS` (TPU) and `XLA_PJRT_GPU_
 that; setting them later would silently do nothing, which is why `apply_platform` refuses.
 """
 
+import contextlib
 import dataclasses
+import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+
+from ferry.config import ConfigError
+from ferry.errors import FerryError
 
 _FLAG_VARIABLE = {"cpu": "XLA_FLAGS", "gpu": "XLA_FLAGS", "tpu": "LIBTPU_INIT_ARGS"}
+# JAX's name of each platform's backend: the only one a run starts, so a CPU run never wakes the
+# CUDA plugin or libtpu (their start-up noise on a machine without that hardware), and a GPU or
+# TPU run without that hardware fails at once instead of training on the CPU
+_JAX_PLATFORM = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
+# virtual CPU devices are threads and buffers on this host; more than this is a typo, not a mesh
+MAX_CPU_DEVICES = 1024
+
+
+class PlatformError(FerryError, RuntimeError):
+    """The platform a run asks for is not on this machine, or can no longer be configured."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,9 +38,14 @@ class PlatformConfig:
 
     def __post_init__(self) -> None:
         if self.name not in _FLAG_VARIABLE:
-            raise ValueError(f"platform.name is {self.name!r}; use one of {', '.join(_FLAG_VARIABLE)}")
+            raise ConfigError(f"platform.name is {self.name!r}; use one of {', '.join(_FLAG_VARIABLE)}")
         if self.cpu_devices is not None and (self.name != "cpu" or self.cpu_devices < 1):
-            raise ValueError(f"platform.cpu_devices={self.cpu_devices} needs platform=cpu and a count of at least 1")
+            raise ConfigError(f"platform.cpu_devices={self.cpu_devices} needs platform=cpu and a count of at least 1")
+        if self.cpu_devices is not None and self.cpu_devices > MAX_CPU_DEVICES:
+            raise ConfigError(
+                f"platform.cpu_devices={self.cpu_devices} is more than {MAX_CPU_DEVICES}: virtual CPU devices share "
+                f"this host's cores and memory, so use at most {MAX_CPU_DEVICES} to try a mesh"
+            )
 
     @property
     def flag_variable(self) -> str:
@@ -61,16 +81,76 @@ def backend_started() -> bool:
 
 
 def apply_platform(config: PlatformConfig) -> dict[str, str]:
-    """Export the platform's variables into this process; return them (for printing)."""
+    """Export the platform's variables into this process and start only its JAX backend; return
+    the variables (for printing). In a process whose backend has started already, the same
+    platform is accepted as it is (nothing would change) and any other refused."""
+    import jax
+
     if backend_started():
-        raise RuntimeError(
+        if _already_applied(config):
+            return config.environment({config.flag_variable: ""})
+        raise PlatformError(
             "the JAX backend has already started, so XLA flags can no longer take effect; "
             "apply the platform config before any JAX computation"
         )
     variables = config.environment(os.environ)
     os.environ.update(variables)
-    if config.name == "cpu":  # run on the CPU even where an accelerator's plugin is installed
-        import jax
-
-        jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_platforms", _JAX_PLATFORM[config.name])
     return variables
+
+
+def _already_applied(config: PlatformConfig) -> bool:
+    """Whether this process runs `config`'s backend with its flags and variables already."""
+    import jax
+
+    flags = config.flag_string()
+    same_flags = not flags or flags in os.environ.get(config.flag_variable, "")
+    same_env = all(os.environ.get(name) == str(value) for name, value in config.env.items())
+    return same_flags and same_env and jax.config.jax_platforms == _JAX_PLATFORM[config.name]
+
+
+def check_platform(config: PlatformConfig) -> None:
+    """Start the platform's backend: `platform=gpu` or `tpu` on a machine without one is refused
+    in one line (JAX would log the plugin's traceback, then fail inside its own bookkeeping)."""
+    import jax
+
+    with _plugin_errors() as plugin_errors:
+        try:
+            devices = jax.devices()
+        except Exception as error:  # any failure to start the one backend asked for: RuntimeError, AssertionError
+            reasons = plugin_errors + [str(error).strip().splitlines()[0] if str(error).strip() else ""]
+            reason = next((r for r in reasons if r), type(error).__name__)
+            raise PlatformError(
+                f"platform={config.name} but JAX cannot start a {config.name.upper()} backend on this machine "
+                f"({reason}); run with platform=cpu here, or install ferry's {config.name} extra on a machine with "
+                f'one (pip install -e ".[{config.name}]")'
+            ) from error
+    expected = {"cpu": "cpu", "gpu": "gpu", "tpu": "tpu"}[config.name]
+    if devices[0].platform != expected:
+        raise PlatformError(
+            f"platform={config.name} but JAX's devices are {devices[0].platform} ({devices[0].device_kind}); "
+            f"run with platform={devices[0].platform}"
+        )
+
+
+@contextlib.contextmanager
+def _plugin_errors() -> Iterator[list[str]]:
+    """The first line of each error JAX logs while starting a backend (a plugin that cannot find
+    its hardware logs a traceback), held back from the console and handed to the caller."""
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            error = record.exc_info[1] if record.exc_info else None
+            text = str(error) if error is not None else record.getMessage()
+            messages.append(text.strip().splitlines()[0] if text.strip() else "")
+
+    logger = logging.getLogger("jax._src.xla_bridge")
+    handler, propagate = Collect(level=logging.WARNING), logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate

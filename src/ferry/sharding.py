@@ -20,6 +20,8 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from ferry.errors import FerryError
+
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor", "expert")
 BATCH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
 """The mesh axes a batch is split over; their product is the data-parallel size."""
@@ -66,7 +68,7 @@ PARAM_AXES: tuple[tuple[str, LogicalAxes], ...] = (
 )
 
 
-class MeshError(ValueError):
+class MeshError(FerryError, ValueError):
     """A mesh that does not fit the devices, the model or the batch."""
 
 

@@ -24,13 +24,15 @@ from typing import Any
 import numpy as np
 from jaxtyping import Integer
 
+from ferry.errors import FerryError
+
 FORMAT = 1  # the manifest format this ferry writes and reads
 MANIFEST = "manifest.json"
 SPLITS = ("train", "eval")
 _OPEN_SHARDS = 256  # memory maps kept open at once (each holds a file descriptor)
 
 
-class PreparedDataError(ValueError):
+class PreparedDataError(FerryError, ValueError):
     """A prepared directory that cannot be used as it is."""
 
 

@@ -14,6 +14,8 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
+from ferry.errors import FerryError
+
 FILE_SOURCES = ("text", "jsonl", "parquet", "arrayrecord", "hf_dataset")
 DEFAULT_PATTERNS = {
     "text": "*.txt",
@@ -27,7 +29,7 @@ _READ_BLOCK = 16 * 2**20  # bytes of a large text file read at a time
 Document = tuple[str, bytes]
 
 
-class DataSourceError(ValueError):
+class DataSourceError(FerryError, ValueError):
     """A data path, file or field that cannot give documents."""
 
 

@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh, SingleDeviceSharding
 
+from ferry.errors import read_json
 from ferry.hf import deepseek_v3, llama
 from ferry.hf.hf_config import check_matches
 from ferry.hf.layout import TensorMap, check_tensors, host_tensors, load_array
@@ -45,7 +46,7 @@ def open_checkpoint(directory: str | Path) -> Checkpoint:
             f"{directory} has no config.json; pass a local Hugging Face checkpoint directory "
             "(config.json, *.safetensors and, when sharded, model.safetensors.index.json)"
         )
-    hf = json.loads(config_file.read_text())
+    hf = read_json(config_file, "the checkpoint's config")
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
         raise CheckpointError(

@@ -21,6 +21,8 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
+from ferry.errors import FerryError, read_json
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 SCALE_SUFFIX = "_scale_inv"
@@ -35,7 +37,7 @@ DTYPES: dict[str, np.dtype] = {
 FP8 = "F8_E4M3"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(FerryError, ValueError):
     """A checkpoint directory ferry cannot read, or one that does not hold the model it should."""
 
 
@@ -51,15 +53,40 @@ class TensorEntry:
 
 def read_header(file: Path) -> dict[str, TensorEntry]:
     """The tensors of one .safetensors file (an 8-byte little-endian header size, a JSON header
-    of name -> dtype, shape and data offsets relative to the header's end, then the data)."""
+    of name -> dtype, shape and data offsets relative to the header's end, then the data). A file
+    cut short or with a damaged header is refused naming it, before any tensor is mapped."""
+    size_on_disk = file.stat().st_size
     with open(file, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise _damaged(file, f"it has {size_on_disk} bytes, fewer than the 8 of a header size")
+        (size,) = struct.unpack("<Q", prefix)
+        if 8 + size > size_on_disk:
+            raise _damaged(file, f"its header claims {size:,} bytes but the file has {size_on_disk:,} (cut short?)")
+        try:
+            header = json.loads(f.read(size))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise _damaged(file, f"its header is not JSON ({error})") from error
+    if not isinstance(header, dict):
+        raise _damaged(file, "its header is not a JSON object")
     header.pop("__metadata__", None)
-    return {
-        name: TensorEntry(file, info["dtype"], tuple(info["shape"]), 8 + size + info["data_offsets"][0])
-        for name, info in header.items()
-    }
+    entries = {}
+    for name, info in header.items():
+        try:
+            start, end = (int(v) for v in info["data_offsets"])
+            entry = TensorEntry(file, str(info["dtype"]), tuple(int(d) for d in info["shape"]), 8 + size + start)
+        except (KeyError, TypeError, ValueError) as error:
+            raise _damaged(file, f"its header entry for {name!r} lacks dtype, shape or data_offsets") from error
+        if 8 + size + end > size_on_disk:
+            raise _damaged(
+                file, f"tensor {name} ends at byte {8 + size + end:,} but the file has {size_on_disk:,} (cut short?)"
+            )
+        entries[name] = entry
+    return entries
+
+
+def _damaged(file: Path, why: str) -> CheckpointError:
+    return CheckpointError(f"{file} is not a readable safetensors file: {why}; download or copy it again")
 
 
 class CheckpointReader:
@@ -72,7 +99,11 @@ class CheckpointReader:
         if (self.directory / SINGLE_FILE).is_file():  # before the index, as transformers looks
             files = [SINGLE_FILE]
         elif index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            index_data = read_json(index, "the checkpoint index")
+            weight_map = index_data.get("weight_map") if isinstance(index_data, dict) else None
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index} has no weight_map (tensor name -> file); download or copy it again")
+            files = sorted(set(weight_map.values()))
         else:
             raise CheckpointError(
                 f"{self.directory} holds neither {SINGLE_FILE} nor {INDEX_FILE}; ferry reads safetensors "

@@ -10,7 +10,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from ferry.data.segments import DocumentMask, document_segments, loss_weights
 from ferry.loss import next_token_loss
+from ferry.nn.attention import Segments
 from ferry.nn.block import DecoderBlock
 from ferry.nn.embedding import Embedding
 from ferry.nn.linear import Linear
@@ -221,12 +223,15 @@ class DeepSeekV3(eqx.Module):
                 config.num_dense_layers,
                 key=k_dense,
                 scan_layers=config.scan_layers,
+                name="dense",
             )
             if config.num_dense_layers
             else None
         )
         self.moe_layers = (
-            LayerStack(lambda k: moe_layer(config, key=k), num_moe, key=k_moe, scan_layers=config.scan_layers)
+            LayerStack(
+                lambda k: moe_layer(config, key=k), num_moe, key=k_moe, scan_layers=config.scan_layers, name="moe"
+            )
             if num_moe
             else None
         )
@@ -263,23 +268,34 @@ class DeepSeekV3(eqx.Module):
         return frozenset().union(*(stack.tagged_names(example) for stack in self._stacks()))
 
     def hidden(
-        self, tokens: Int[Array, "batch seq"], policy: Policy, mesh: Mesh | None = None
+        self,
+        tokens: Int[Array, "batch seq"],
+        policy: Policy,
+        mesh: Mesh | None = None,
+        segments: Segments | None = None,
     ) -> tuple[Float[Array, "batch seq dim"], MoEStats | None]:
-        """The last decoder layer's output (before the final norm) and the MoE layers' stats."""
-        if policy.names:  # tracing the layers for their names is needless when none are placed
-            policy.validate(self.tagged_names())
+        """The last decoder layer's output (before the final norm) and the MoE layers' stats;
+        `segments` (packed documents' segment ids and positions) keep attention in each document."""
+        extra = () if segments is None else (segments,)
+        # each stack checks the policy's names against its own and the rest of the model's (tracing
+        # the layers for them is needless when none are placed)
+        tagged = self.tagged_names() if policy.names and not policy.keep_all else frozenset()
         x = self.embed(tokens)
         if self.dense_layers is not None:
-            x, _ = self.dense_layers(x, policy, mesh)
+            x, _ = self.dense_layers(x, policy, mesh, *extra, tagged_elsewhere=tagged)
         stats = None
         if self.moe_layers is not None:
-            x, stats = self.moe_layers(x, policy, mesh)
+            x, stats = self.moe_layers(x, policy, mesh, *extra, tagged_elsewhere=tagged)
         return x, stats
 
     def __call__(
-        self, tokens: Int[Array, "batch seq"], policy: Policy = SAVE_ALL, mesh: Mesh | None = None
+        self,
+        tokens: Int[Array, "batch seq"],
+        policy: Policy = SAVE_ALL,
+        mesh: Mesh | None = None,
+        segments: Segments | None = None,
     ) -> Float[Array, "batch seq vocab"]:
-        return self.head(self.final_norm(self.hidden(tokens, policy, mesh)[0]))
+        return self.head(self.final_norm(self.hidden(tokens, policy, mesh, segments)[0]))
 
     def multi_token_prediction(
         self,
@@ -287,19 +303,26 @@ class DeepSeekV3(eqx.Module):
         h: Float[Array, "batch seq dim"],
         policy: Policy,
         mesh: Mesh | None,
+        segments: Segments | None = None,
+        documents: DocumentMask | None = None,
     ) -> tuple[Float[Array, " depth"], MoEStats]:
         """Each MTP depth's cross-entropy (depth k predicts token t + k + 1 from the previous
         depth's normalised output and the embedding of token t + k; `h` is the main model's
-        output after its final norm) and its MoE block's stats."""
+        output after its final norm) and its MoE block's stats. With packed documents a position
+        attends within, and is placed in, the document of the token it embeds (t + k)."""
         seq = batch.shape[1] - 1
-        block = offloaded(lambda layer, x: layer(x), policy, mesh=mesh, check_names=False)
         losses, stats = [], []
         for depth, module in enumerate(self.mtp, start=1):
+            block = offloaded(
+                lambda layer, x, *e: layer(x, *e), policy, mesh=mesh, check_names=False, name=f"mtp_{depth}"
+            )
+            extra = () if segments is None else (tuple(a[:, depth:seq] for a in segments),)
             embedded = module.embedding_norm(self.embed(batch[:, depth:seq]))
             joined = jnp.concatenate([embedded, module.hidden_norm(h[:, : seq - depth])], axis=-1)
-            out, block_stats = block(module.block, module.projection(joined))
+            out, block_stats = block(module.block, module.projection(joined), *extra)
             h = module.final_norm(out)
-            losses.append(next_token_loss(self.head(h), batch[:, depth + 1 :])[1])
+            weights = loss_weights(batch[:, depth:seq], documents)
+            losses.append(next_token_loss(self.head(h), batch[:, depth + 1 :], weights=weights)[1])
             stats.append(block_stats)
         return jnp.stack(losses), stack_trees(stats)
 
@@ -309,20 +332,25 @@ class DeepSeekV3(eqx.Module):
         policy: Policy,
         mesh: Mesh | None = None,
         z_loss_weight: float = 0.0,
+        documents: DocumentMask | None = None,
     ) -> tuple[Float[Array, ""], dict[str, Array]]:
         """Main next-token loss + alpha x the balance losses of every MoE layer (MTP blocks
-        included) + lambda x the mean of the MTP depths' losses."""
+        included) + lambda x the mean of the MTP depths' losses; with `documents`, attention and
+        positions stay inside each packed document."""
         config = self.config
-        hidden, stats = self.hidden(batch[:, :-1], policy, mesh)
+        inputs = batch[:, :-1]
+        segments = None if documents is None else document_segments(inputs, documents.end_of_document)
+        hidden, stats = self.hidden(inputs, policy, mesh, segments)
         h = self.final_norm(hidden)
-        loss, cross_entropy = next_token_loss(self.head(h), batch[:, 1:], z_loss_weight)
+        weights = loss_weights(inputs, documents)
+        loss, cross_entropy = next_token_loss(self.head(h), batch[:, 1:], z_loss_weight, weights)
         metrics: dict[str, Array] = {"loss": cross_entropy, "balance_loss": jnp.zeros((), jnp.float32)}
         if stats is not None:
             metrics["balance_loss"] += stats.balance_loss.sum()
             metrics["moe_expert_load"] = stats.expert_load
             metrics |= _expert_load_metrics(stats.expert_load, "expert_load")
         if self.mtp:
-            mtp_losses, mtp_stats = self.multi_token_prediction(batch, h, policy, mesh)
+            mtp_losses, mtp_stats = self.multi_token_prediction(batch, h, policy, mesh, segments, documents)
             metrics["mtp_loss"] = mtp_losses.mean()
             metrics["mtp_expert_load"] = mtp_stats.expert_load
             metrics["balance_loss"] += mtp_stats.balance_loss.sum()

@@ -7,8 +7,9 @@ import jax
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from ferry.data.segments import DocumentMask, document_segments, loss_weights
 from ferry.loss import next_token_loss
-from ferry.nn.attention import GroupedQueryAttention
+from ferry.nn.attention import GroupedQueryAttention, Segments
 from ferry.nn.block import DecoderBlock
 from ferry.nn.embedding import Embedding
 from ferry.nn.linear import Linear
@@ -80,6 +81,7 @@ class Llama(eqx.Module):
             config.num_layers,
             key=k_layers,
             scan_layers=config.scan_layers,
+            name="decoder",
         )
         self.final_norm = RMSNorm(config.dim, config.norm_eps)
         self.head = Linear(config.dim, config.vocab_size, key=k_head)
@@ -90,10 +92,12 @@ class Llama(eqx.Module):
         tokens: Int[Array, "batch seq"],
         policy: Policy = SAVE_ALL,
         mesh: Mesh | None = None,
+        segments: Segments | None = None,
     ) -> Float[Array, "batch seq vocab"]:
-        if policy.names:  # tracing the layers for their names is needless when none are placed
-            policy.validate(self.tagged_names())
-        x, _ = self.layers(self.embed(tokens), policy, mesh)
+        """Logits; `segments` (packed documents' segment ids and positions) keep attention inside
+        each document."""
+        extra = () if segments is None else (segments,)
+        x, _ = self.layers(self.embed(tokens), policy, mesh, *extra)  # the stack checks the policy's names
         return self.head(self.final_norm(x))
 
     def training_loss(
@@ -102,10 +106,14 @@ class Llama(eqx.Module):
         policy: Policy,
         mesh: Mesh | None = None,
         z_loss_weight: float = 0.0,
+        documents: DocumentMask | None = None,
     ) -> tuple[Float[Array, ""], dict[str, Array]]:
-        """Next-token loss of batch[:, 1:] given batch[:, :-1], and its statistics."""
-        logits = self(batch[:, :-1], policy, mesh)
-        loss, cross_entropy = next_token_loss(logits, batch[:, 1:], z_loss_weight)
+        """Next-token loss of batch[:, 1:] given batch[:, :-1], and its statistics; with
+        `documents`, attention and positions stay inside each packed document."""
+        inputs = batch[:, :-1]
+        segments = None if documents is None else document_segments(inputs, documents.end_of_document)
+        logits = self(inputs, policy, mesh, segments)
+        loss, cross_entropy = next_token_loss(logits, batch[:, 1:], z_loss_weight, loss_weights(inputs, documents))
         return loss, {"loss": cross_entropy}
 
     def after_step(self, stats: dict[str, Array]) -> "Llama":

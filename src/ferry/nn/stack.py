@@ -20,6 +20,7 @@ class LayerStack(eqx.Module):
     layers: eqx.Module
     num_layers: int = eqx.field(static=True)
     scan_layers: bool = eqx.field(static=True)
+    name: str = eqx.field(static=True)
 
     def __init__(
         self,
@@ -28,41 +29,56 @@ class LayerStack(eqx.Module):
         *,
         key: PRNGKeyArray,
         scan_layers: bool = True,
+        name: str = "layers",
     ):
         self.layers = eqx.filter_vmap(make_layer)(jax.random.split(key, num_layers))
         self.num_layers = num_layers
         self.scan_layers = scan_layers
+        self.name = name
 
     def layer(self, index: int) -> eqx.Module:
         """One layer, unstacked."""
         dynamic, static = eqx.partition(self.layers, eqx.is_array)
         return eqx.combine(jax.tree.map(lambda a: a[index], dynamic), static)
 
-    def tagged_names(self, x: Any) -> frozenset[str]:
+    def tagged_names(self, x: Any, *extra: Any) -> frozenset[str]:
         """The activation names one layer tags for an input like `x` (found abstractly; the stack
         itself may be abstract)."""
-        return tagged_names(lambda stack, h: stack.layer(0)(h), self, x)
+        return tagged_names(lambda stack, h, *e: stack.layer(0)(h, *e), self, x, *extra)
 
     def __call__(
-        self, x: Float[Array, "batch seq dim"], policy: Policy, mesh: Mesh | None = None
+        self,
+        x: Float[Array, "batch seq dim"],
+        policy: Policy,
+        mesh: Mesh | None = None,
+        *extra: Any,
+        tagged_elsewhere: frozenset[str] = frozenset(),
     ) -> tuple[Float[Array, "batch seq dim"], Any]:
-        """Run every layer; a layer returns `h` or `(h, stats)`. Returns the last `h` and the
-        stats of all layers stacked along a leading layer axis (None when layers return none).
-        The caller checks the policy's names against the whole model."""
-        run = offloaded(_split_output(lambda layer, h: layer(h)), policy, mesh=mesh, check_names=False)
+        """Run every layer as `layer(h, *extra)` (`extra`: inputs every layer reads and nothing
+        differentiates, such as segment ids); a layer returns `h` or `(h, stats)`. Returns the last
+        `h` and the stats of all layers stacked along a leading layer axis (None when layers
+        return none).
+
+        The policy may name only tensors this stack's layer tags or `tagged_elsewhere` (the
+        names the model's other layers tag): a misspelt name is an error listing the names."""
+        if policy.names and not policy.keep_all:
+            policy.validate(self.tagged_names(x, *extra) | tagged_elsewhere)
+        run = offloaded(
+            _split_output(lambda layer, h, *e: layer(h, *e)), policy, mesh=mesh, check_names=False, name=self.name
+        )
         dynamic, static = eqx.partition(self.layers, eqx.is_array)
         if self.scan_layers:
-            return jax.lax.scan(lambda h, d: run(eqx.combine(d, static), h), x, dynamic)
+            return jax.lax.scan(lambda h, d: run(eqx.combine(d, static), h, *extra), x, dynamic)
         all_stats = []
         for index in range(self.num_layers):
-            x, stats = run(self.layer(index), x)
+            x, stats = run(self.layer(index), x, *extra)
             all_stats.append(stats)
         return x, stack_trees(all_stats)
 
 
-def _split_output(layer_fn: Callable[[Any, jax.Array], Any]) -> Callable[[Any, jax.Array], tuple[jax.Array, Any]]:
-    def call(layer: Any, h: jax.Array) -> tuple[jax.Array, Any]:
-        out = layer_fn(layer, h)
+def _split_output(layer_fn: Callable[..., Any]) -> Callable[..., tuple[jax.Array, Any]]:
+    def call(layer: Any, h: jax.Array, *extra: Any) -> tuple[jax.Array, Any]:
+        out = layer_fn(layer, h, *extra)
         return out if isinstance(out, tuple) else (out, None)
 
     return call

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from ferry.errors import FerryError
 from ferry.hlo_stats import matmul_count, matmul_flops
 from ferry.models.registry import abstract_model
 from ferry.offload import Policy
@@ -31,7 +32,7 @@ from ferry.train.run import state_layout
 from ferry.train.step import LossSettings, train_step_body
 
 
-class PlanError(RuntimeError):
+class PlanError(FerryError, RuntimeError):
     """The compiled program contradicts the plan (e.g. an offload the compiler dropped)."""
 
 

@@ -1,6 +1,12 @@
 """Orbax checkpoints of a run: the train state, the data iterator's position and what the state
 belongs to (the model and its parameter shapes), saved together as one step.
 
+Each step also holds a checksum of every array of the state, computed on the devices from the
+very arrays saved, and checked against the restored arrays: a step whose files were changed after
+saving (of the same size, which Orbax's own reads do not notice) is refused, naming the step to
+fall back to. A step is written once: saving a step that exists and was not written or restored
+by this run is an error, never a silent skip.
+
 Orbax writes each step into a temporary directory and renames it once complete, so a crash
 during a save leaves the earlier steps as they were; saves are asynchronous (the state is copied
 to host memory before `save` returns, so the next step may reuse its buffers). Every process
@@ -10,19 +16,67 @@ array in the sharding of the current mesh, whatever mesh wrote it.
 
 import dataclasses
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
+from jaxtyping import Array, UInt32
 
+from ferry.errors import FerryError
 from ferry.train.config import CheckpointConfig
 
-ITEMS = ("state", "data", "model")
+ITEMS = ("state", "data", "model", "checksums")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be resumed here: another model, or unreadable."""
+class CheckpointError(FerryError, ValueError):
+    """A checkpoint that cannot be resumed here: another model, unreadable, or changed since it
+    was saved."""
+
+
+def _mix(h: UInt32[Array, "*shape"]) -> UInt32[Array, "*shape"]:
+    """MurmurHash3's 32-bit finaliser: every input bit reaches every output bit."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _fingerprint(x: Array) -> UInt32[Array, "2"]:
+    """Two 32-bit sums of hashed (position, bits) pairs of `x`'s raw bits. Sums wrap exactly, so
+    the result does not depend on how the array is sharded or which mesh restored it. Positions
+    come from iotas in `x`'s own sharding (a reshape of a sharded array would need one chosen)."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+    bits = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+    sharding = jax.typeof(bits).sharding
+    index, stride = jnp.zeros_like(bits), 1
+    for axis in reversed(range(bits.ndim)):
+        iota = jax.lax.broadcasted_iota(jnp.uint32, bits.shape, axis, out_sharding=sharding)
+        index, stride = index + iota * jnp.uint32(stride % 2**32), stride * bits.shape[axis]
+    first = jnp.sum(_mix(bits ^ _mix(index * jnp.uint32(0x9E3779B1) + jnp.uint32(1))), dtype=jnp.uint32)
+    second = jnp.sum(_mix(bits * jnp.uint32(0x2C1B3C6D) + _mix(index + jnp.uint32(0x297A2D39))), dtype=jnp.uint32)
+    return jnp.stack([first, second])
+
+
+_fingerprints = jax.jit(lambda leaves: [_fingerprint(leaf) for leaf in leaves])
+
+
+def array_checksums(arrays: Any) -> dict[str, list[int]]:
+    """A checksum of every array in `arrays`, by its path (computed on the devices holding it)."""
+    with_paths = [(path, leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(arrays) if leaf is not None]
+    sums = jax.device_get(_fingerprints([leaf for _, leaf in with_paths]))
+    return {
+        jax.tree_util.keystr(path): [int(v) for v in np.asarray(digest)]
+        for (path, _), digest in zip(with_paths, sums, strict=True)
+    }
 
 
 def model_identity(model_name: str, model_config: Any, state_shapes: Any) -> dict[str, Any]:
@@ -74,20 +128,30 @@ class Checkpoints:
         self.directory = directory.absolute()
         self.every = config.every
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+        self.own_steps: set[int] = set()  # steps this run saved or restored: their contents are known
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
     def save(self, step: int, state_arrays: Any, data_state: dict[str, Any], identity: dict[str, Any]) -> None:
-        """Start saving `step` (returns once the arrays are on the host)."""
-        if step in self.manager.all_steps():
+        """Start saving `step` (returns once the arrays are on the host). A step this run saved or
+        restored already holds this very state and is left as it is; any other existing step is
+        another writer's, and refused."""
+        if step in self.own_steps:
             return
+        if step in self.manager.all_steps():
+            raise CheckpointError(
+                f"checkpoint step {step} already exists in {self.directory} but this run did not write it; "
+                "another run writes the same run.dir. Its checkpoint is left as it is"
+            )
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state_arrays),
             data=ocp.args.JsonSave(data_state),
             model=ocp.args.JsonSave(identity),
+            checksums=ocp.args.JsonSave(array_checksums(state_arrays)),
         )
         self.manager.save(step, args=args, force=True)
+        self.own_steps.add(step)
 
     def read_identity(self, step: int) -> dict[str, Any]:
         try:
@@ -96,23 +160,46 @@ class Checkpoints:
             raise self._unreadable(step, error) from error
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
-        """The state's arrays (placed as `abstract_state`'s shardings say) and the data position."""
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())
+        """The state's arrays (placed as `abstract_state`'s shardings say) and the data position,
+        checked against the checksums saved with them."""
+        verified = (self.directory / str(step) / "checksums").exists()
+        items = {"state": ocp.args.StandardRestore(abstract_state), "data": ocp.args.JsonRestore()}
+        if verified:
+            items["checksums"] = ocp.args.JsonRestore()
         try:
-            restored = self.manager.restore(step, args=args)
+            restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as error:  # Orbax and TensorStore raise many kinds for a damaged step
             raise self._unreadable(step, error) from error
+        if verified:
+            saved, found = dict(restored.checksums), array_checksums(restored.state)
+            changed = sorted(k for k in saved.keys() | found.keys() if saved.get(k) != found.get(k))
+            if changed:
+                shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+                raise CheckpointError(
+                    f"checkpoint step {step} in {self.directory} fails its checksums: {len(changed)} array(s) "
+                    f"differ from what was saved ({shown}), so its files changed after saving; "
+                    f"{self._fallback(step)}"
+                )
+        else:
+            warnings.warn(
+                f"checkpoint step {step} in {self.directory} has no checksums (saved by an earlier ferry); "
+                "restored without verifying it",
+                stacklevel=2,
+            )
+        self.own_steps.add(step)
         return restored.state, dict(restored.data)
 
-    def _unreadable(self, step: int, error: Exception) -> CheckpointError:
+    def _fallback(self, step: int) -> str:
         earlier = [s for s in self.manager.all_steps() if s < step]
-        advice = (
-            f"move {self.directory / str(step)} aside to resume from step {max(earlier)} (left untouched)"
-            if earlier
-            else "no earlier checkpoint exists; start a new run.dir"
-        )
+        if not earlier:
+            return "no earlier checkpoint exists; start a new run.dir"
+        return f"move {self.directory / str(step)} aside to resume from step {max(earlier)} (left untouched)"
+
+    def _unreadable(self, step: int, error: Exception) -> CheckpointError:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        return CheckpointError(f"checkpoint step {step} in {self.directory} cannot be read ({first_line}); {advice}")
+        return CheckpointError(
+            f"checkpoint step {step} in {self.directory} cannot be read ({first_line}); {self._fallback(step)}"
+        )
 
     def close(self) -> None:
         """Wait for any save in flight, then release the manager."""

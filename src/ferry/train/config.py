@@ -1,9 +1,11 @@
 """Frozen configs for a training run (the `train`, `offload`, `data` and `run` config groups)."""
 
 import dataclasses
+import math
 from collections.abc import Mapping
+from typing import Any
 
-from ferry.config import ConfigError, from_dict
+from ferry.config import ConfigError, from_dict, require_finite
 from ferry.data.config import DataConfig
 from ferry.models.registry import model_config
 from ferry.offload import Policy
@@ -55,7 +57,7 @@ class TrainConfig:
                 if self.micro_batch_size is not None
                 else f"the data-parallel size {data_parallel}"
             )
-            raise ValueError(
+            raise ConfigError(
                 f"train.global_batch_size {self.global_batch_size} is not a multiple of {what} "
                 f"(data x fsdp x expert of mesh {mesh_description}); choose a global batch that is"
             )
@@ -63,20 +65,34 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch_size", "seq_len", "log_every", "eval_every"):
             if getattr(self, name) < 1:
-                raise ValueError(f"train.{name} must be at least 1, got {getattr(self, name)}")
+                raise ConfigError(f"train.{name} must be at least 1, got {getattr(self, name)}")
         if self.eval_batches < 0:
-            raise ValueError(f"train.eval_batches must be 0 (no evaluation) or more, got {self.eval_batches}")
+            raise ConfigError(f"train.eval_batches must be 0 (no evaluation) or more, got {self.eval_batches}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
-            raise ValueError(f"train.micro_batch_size must be at least 1, got {self.micro_batch_size}")
+            raise ConfigError(f"train.micro_batch_size must be at least 1, got {self.micro_batch_size}")
         if self.warmup_steps < 0 or self.warmup_steps >= self.steps:
-            raise ValueError(
+            raise ConfigError(
                 f"train.warmup_steps {self.warmup_steps} must lie in [0, train.steps={self.steps}): "
                 "the cosine decay needs at least one step after the warmup"
             )
+        for name in ("learning_rate", "min_learning_rate_ratio", "weight_decay", "adam_b1", "adam_b2", "adam_eps"):
+            require_finite(f"train.{name}", getattr(self, name))
+        for name in ("grad_clip_norm", "z_loss_weight"):
+            require_finite(f"train.{name}", getattr(self, name))
+        if self.learning_rate < 0:
+            raise ConfigError(f"train.learning_rate={self.learning_rate} is negative; use a learning rate > 0")
+        if not 0 <= self.min_learning_rate_ratio <= 1:
+            raise ConfigError(f"train.min_learning_rate_ratio={self.min_learning_rate_ratio} must lie in [0, 1]")
+        for name in ("adam_b1", "adam_b2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"train.{name}={getattr(self, name)} must lie in [0, 1)")
+        for name in ("weight_decay", "adam_eps", "grad_clip_norm", "z_loss_weight"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"train.{name}={getattr(self, name)} must not be negative")
         if self.on_nonfinite not in ("stop", "skip"):
-            raise ValueError(f"train.on_nonfinite is {self.on_nonfinite!r}; use stop or skip")
+            raise ConfigError(f"train.on_nonfinite is {self.on_nonfinite!r}; use stop or skip")
         if self.compute_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"train.compute_dtype is {self.compute_dtype!r}; use float32 or bfloat16")
+            raise ConfigError(f"train.compute_dtype is {self.compute_dtype!r}; use float32 or bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,11 +132,11 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         if self.every < 0:
-            raise ValueError(f"checkpoint.every must be 0 (final save only) or more, got {self.every}")
+            raise ConfigError(f"checkpoint.every must be 0 (final save only) or more, got {self.every}")
         if self.keep < 1:
-            raise ValueError(f"checkpoint.keep must be at least 1, got {self.keep}")
+            raise ConfigError(f"checkpoint.keep must be at least 1, got {self.keep}")
         if self.keep_every is not None and self.keep_every < 1:
-            raise ValueError(f"checkpoint.keep_every must be at least 1 or null, got {self.keep_every}")
+            raise ConfigError(f"checkpoint.keep_every must be at least 1 or null, got {self.keep_every}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,9 +157,9 @@ class ProfileConfig:
 
     def __post_init__(self) -> None:
         if self.start_step is not None and self.start_step < 1:
-            raise ValueError(f"profile.start_step must be at least 1 (or null: no profile), got {self.start_step}")
+            raise ConfigError(f"profile.start_step must be at least 1 (or null: no profile), got {self.start_step}")
         if self.steps < 1:
-            raise ValueError(f"profile.steps must be at least 1, got {self.steps}")
+            raise ConfigError(f"profile.steps must be at least 1, got {self.steps}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,12 +174,12 @@ class DistributedConfig:
     def __post_init__(self) -> None:
         given = [v is not None for v in (self.coordinator_address, self.num_processes, self.process_id)]
         if any(given) and not all(given):
-            raise ValueError(
+            raise ConfigError(
                 "distributed.coordinator_address, distributed.num_processes and distributed.process_id "
                 "go together: set all three, or none (single host, or SLURM)"
             )
         if all(given) and not 0 <= self.process_id < self.num_processes:
-            raise ValueError(
+            raise ConfigError(
                 f"distributed.process_id {self.process_id} must lie in [0, num_processes={self.num_processes})"
             )
 
@@ -192,7 +208,7 @@ class PlanConfig:
         if self.presets is not None:
             object.__setattr__(self, "presets", tuple(str(p) for p in self.presets))
         if self.capacity_gib is not None and self.capacity_gib <= 0:
-            raise ValueError(f"plan.capacity_gib must be positive, got {self.capacity_gib}")
+            raise ConfigError(f"plan.capacity_gib must be positive, got {self.capacity_gib}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +231,7 @@ class FerryConfig:
     target: str | None = None
     plan: PlanConfig = PlanConfig()
     init: InitConfig = InitConfig()
+    notes: tuple[str, ...] = ()  # what was adjusted or looks wrong, printed once at start-up
 
     def __post_init__(self) -> None:
         if self.mode not in ("train", "plan"):
@@ -236,10 +253,16 @@ def load_config(node: Mapping) -> FerryConfig:
     if unknown:
         raise ConfigError(f"unknown top-level config key(s) {unknown}; known: {sorted(known)}")
     model = dict(node["model"])
+    check_model_sizes(model)
+    model_settings = model_config(model)
+    train_node, notes = fit_warmup(dict(node.get("train", {})))
+    train = from_dict(TrainConfig, train_node, "train")
+    if train.learning_rate == 0:
+        notes.append("train.learning_rate=0: the parameters will not change (the optimizer's steps are all zero)")
     return FerryConfig(
         model_name=str(model.get("name", "custom")),
-        model=model_config(model),
-        train=from_dict(TrainConfig, node.get("train", {}), "train"),
+        model=model_settings,
+        train=train,
         offload=from_dict(OffloadConfig, node.get("offload", {}), "offload"),
         data=from_dict(DataConfig, node.get("data", {}), "data"),
         run=from_dict(RunConfig, node.get("run", {}), "run"),
@@ -253,4 +276,38 @@ def load_config(node: Mapping) -> FerryConfig:
         target=None if node.get("target") is None else str(node["target"]),
         plan=from_dict(PlanConfig, node.get("plan", {}), "plan"),
         init=from_dict(InitConfig, node.get("init", {}), "init"),
+        notes=tuple(notes),
     )
+
+
+# model sizes that may be 0: DeepSeek-V3 without dense layers, shared experts or MTP
+_MAY_BE_ZERO = {"num_dense_layers", "num_shared_experts", "mtp_depth"}
+
+
+def check_model_sizes(model: Mapping[str, Any]) -> None:
+    """Every count in a `model` node is at least 1 (0 layers or a 0-token vocabulary fail deep
+    inside the model's construction otherwise) and every float is finite; checked before the
+    family's config is built, whose own checks divide by some of them."""
+    for name, value in model.items():
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, int) and value < (0 if name in _MAY_BE_ZERO else 1):
+            bound = "0 or more" if name in _MAY_BE_ZERO else "at least 1"
+            raise ConfigError(f"model.{name}={value} must be {bound}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"model.{name}={value} is not a finite number")
+
+
+def fit_warmup(train: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """A warmup as long as the run (train.steps=10 with the default 20 warmup steps, the first
+    override a newcomer tries) is shortened to a tenth of the run, with a note saying so."""
+    steps, warmup = train.get("steps", TrainConfig.steps), train.get("warmup_steps", TrainConfig.warmup_steps)
+    integers = all(isinstance(v, int) and not isinstance(v, bool) for v in (steps, warmup))
+    if not integers or steps < 1 or warmup < steps:
+        return train, []
+    fitted = steps // 10
+    note = (
+        f"train.warmup_steps={warmup} does not fit a run of train.steps={steps}; warming up over {fitted} "
+        f"step(s), a tenth of the run (set train.warmup_steps below {steps} to choose)"
+    )
+    return {**train, "warmup_steps": fitted}, [note]

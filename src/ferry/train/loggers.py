@@ -2,9 +2,11 @@
 Biases. Only process 0 logs; the others get a `RunLoggers` that writes nothing."""
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
+from ferry.config import ConfigError
 from ferry.metrics import MetricsWriter
 from ferry.train.config import LogConfig
 
@@ -15,14 +17,24 @@ def check_wandb(config: LogConfig) -> None:
         try:
             import wandb  # noqa: F401
         except ImportError as error:
-            raise ValueError("log.wandb=true needs Weights & Biases: pip install wandb (or log.wandb=false)") from error
+            raise ConfigError("log.wandb=true needs Weights & Biases: pip install wandb (or log.wandb=false)") from error
 
 
 def drop_records_after(path: Path, step: int) -> None:
-    """Keep the metrics of steps up to `step`: a resumed run logs the later ones again."""
+    """Keep the metrics of steps up to `step`: a resumed run logs the later ones again. A line
+    that does not parse (the last one, torn by a kill during its write) is dropped with a
+    warning naming it."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines() if json.loads(line).get("step", 0) <= step]
+    kept = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            warnings.warn(f"{path}:{number} is not a JSON record (a write cut short?); dropped", stacklevel=2)
+            continue
+        if isinstance(record, dict) and record.get("step", 0) <= step:
+            kept.append(line)
     temporary = path.with_suffix(".tmp")
     temporary.write_text("".join(f"{line}\n" for line in kept))
     temporary.replace(path)

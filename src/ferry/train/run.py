@@ -1,7 +1,8 @@
 """A training run from a validated config: every check first, then the run directory (a new one,
-or one whose checkpoints it resumes), then the loop. Nothing is written or allocated before the
-config, the memory estimate, the data, the offload policy and any checkpoint's model have all
-been accepted."""
+or one whose checkpoints it resumes, locked for this run), then the compiled step, whose memory is
+checked against the machine before any state is allocated, then the loop. Nothing is written or
+allocated before the config, the memory estimate, the data, the offload policy, any checkpoint's
+model and the compiled step's memory have all been accepted."""
 
 import contextlib
 import dataclasses
@@ -10,7 +11,7 @@ import itertools
 import json
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ferry.data.corpus import Corpus, check_vocab, load_corpus
 from ferry.data.pipeline import PackedWindows, local_batches, window_batches
 from ferry.data.tokenizer import load_tokenizer
+from ferry.errors import DataError, FerryError
+from ferry.hf import CheckpointError as HFCheckpointError
 from ferry.hf import check_checkpoint, load_pretrained
-from ferry.memory import check_fits
+from ferry.memory import CompiledMemory, check_fits, check_step_fits
 from ferry.models.registry import TINY_MODELS, abstract_model, build_model, count_parameters, size_summary
 from ferry.offload import Policy
 from ferry.schedule import TransferSchedule, format_bytes, model_schedule, schedule_table
@@ -35,23 +38,19 @@ from ferry.sharding import batch_sharded, check_divisible, make_mesh, parameters
 from ferry.train.checkpoint import CheckpointError, Checkpoints, checkpoint_steps, identity_difference, model_identity
 from ferry.train.config import FerryConfig
 from ferry.train.flops import training_flops
+from ferry.train.lock import LOCK_FILE, RunDirectoryError, RunLock, acquire
 from ferry.train.loggers import RunLoggers, check_wandb
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer
 from ferry.train.peak import device_peak
 from ferry.train.policy_check import check_before_training
 from ferry.train.preemption import SigtermStop
 from ferry.train.profiling import StepProfiler
-from ferry.train.step import LossSettings, TrainState, init_state, make_eval_step, make_train_step
-
-
-class RunDirectoryError(FileExistsError):
-    """The chosen run directory already holds a run that this command may not continue."""
+from ferry.train.step import LossSettings, TrainState, init_state, make_eval_step, train_step_body
 
 
 def resolve_run_dir(config: FerryConfig) -> Path:
-    """A new run's directory (an existing non-empty one is refused), chosen by process 0 (it alone
-    writes there, and the others would otherwise see the files it has just written) and told to
-    every process, so all save into one directory and a refusal stops them all."""
+    """A new directory for what `mode=plan` writes (an existing non-empty one is refused), chosen
+    by process 0 and told to every process."""
     return _from_process_zero(lambda: _new_run_dir(config))
 
 
@@ -68,20 +67,20 @@ def _new_run_dir(config: FerryConfig) -> Path:
     for suffix in itertools.count():
         path = Path(config.run.root) / (stamp if suffix == 0 else f"{stamp}_{suffix}")
         if not path.exists():
-            return path
+            return path  # two launches in one second: the second's lock on it is refused
     raise AssertionError("unreachable")
 
 
 def _from_process_zero(decide: Callable[[], Path], limit: int = 4096) -> Path:
-    """`decide()` on process 0 and its answer, a path or the RunDirectoryError it raised, on every
-    process."""
+    """`decide()` on process 0 and its answer, a path or the refusal it raised (as a
+    RunDirectoryError), on every process."""
     if jax.process_count() == 1:
         return decide()
     answer = b""
     if is_main_process():
         try:
             answer = b"path:" + str(decide()).encode()
-        except RunDirectoryError as error:
+        except FerryError as error:
             answer = b"error:" + str(error).encode()
     buffer = np.zeros(limit, np.uint8)
     buffer[: len(answer[:limit])] = np.frombuffer(answer[:limit], np.uint8)
@@ -92,29 +91,94 @@ def _from_process_zero(decide: Callable[[], Path], limit: int = 4096) -> Path:
     return Path(text)
 
 
-def run_directory(config: FerryConfig, identity: dict[str, Any]) -> tuple[Path, int | None]:
-    """The run's directory and the checkpoint step to resume from (None: a new run). A run.dir
-    holding checkpoints resumes from the latest when it holds this model's state. Every process
-    reads the checkpoints (Orbax synchronises them; none is written before all have started)."""
-    steps = [] if config.run.dir is None else checkpoint_steps(Path(config.run.dir) / "checkpoints")
-    if not steps:
-        return resolve_run_dir(config), None
+@dataclasses.dataclass
+class RunDirectory:
+    """Where a run writes, what it continues, and the lock process 0 holds on it (None on the
+    other processes). `restart`: an earlier attempt there saved no checkpoint; its logs are
+    replaced."""
+
+    path: Path
+    resume_step: int | None
+    lock: RunLock | None
+    restart: bool = False
+
+    def mark_started(self) -> None:
+        if self.lock is not None:
+            self.lock.started = True
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+
+
+def run_directory(config: FerryConfig, identity: dict[str, Any]) -> RunDirectory:
+    """The run's directory, locked by process 0, and the checkpoint step to resume from (None: a
+    new run). A run.dir holding checkpoints resumes from the latest when it holds this model's
+    state; one holding only an earlier attempt that saved none starts over; any other non-empty
+    directory is refused untouched. Every process reads the checkpoints (Orbax synchronises them;
+    none is written before all have started)."""
+    held: list[RunLock] = []
+
+    def claim() -> Path:
+        path = _claimed_dir(config)
+        held.append(acquire(path))
+        return path
+
+    path = _from_process_zero(claim)
+    directory = RunDirectory(path, None, held[0] if held else None)
+    try:
+        steps = checkpoint_steps(path / "checkpoints")
+        if steps:
+            directory.resume_step = _resumable(config, path, steps, identity)
+        else:
+            directory.restart = any(p.name != LOCK_FILE for p in path.iterdir()) if path.is_dir() else False
+    except BaseException:
+        directory.release()
+        raise
+    return directory
+
+
+def _claimed_dir(config: FerryConfig) -> Path:
+    """run.dir, when it is new, empty, or a ferry run's (checked before anything is touched), or a
+    new runs/<timestamp>/."""
+    if config.run.dir is None:
+        return _new_run_dir(config)
+    path = Path(config.run.dir)
+    if path.exists() and not path.is_dir():
+        raise RunDirectoryError(f"run.dir={path} is a file, not a directory; pass a directory for the run")
+    if path.is_dir():
+        try:
+            entries = [p.name for p in path.iterdir()]
+        except PermissionError as error:
+            raise RunDirectoryError(f"run.dir={path} cannot be read (permission denied); pass another run.dir") from error
+        ours = LOCK_FILE in entries or checkpoint_steps(path / "checkpoints")
+        if entries and not ours:
+            raise RunDirectoryError(
+                f"run.dir={path} already holds files but no checkpoint to resume, and no ferry run; ferry does not "
+                "overwrite them. "
+                "Pass a new run.dir, or omit it for runs/<timestamp>/"
+            )
+    return path
+
+
+def _resumable(config: FerryConfig, path: Path, steps: list[int], identity: dict[str, Any]) -> int:
+    """The latest step, when this command may continue the run that saved it."""
     if not config.run.resume:
         raise RunDirectoryError(
-            f"run.dir={config.run.dir} holds checkpoints up to step {steps[-1]} and run.resume=false "
+            f"run.dir={path} holds checkpoints up to step {steps[-1]} and run.resume=false "
             "refuses to continue it; drop run.resume=false to resume, or pass a new run.dir"
         )
-    checkpoints = Checkpoints(Path(config.run.dir) / "checkpoints", config.checkpoint)
+    checkpoints = Checkpoints(path / "checkpoints", config.checkpoint)
     try:
         difference = identity_difference(checkpoints.read_identity(steps[-1]), identity)
     finally:
         checkpoints.close()
     if difference is not None:
         raise CheckpointError(
-            f"run.dir={config.run.dir} holds checkpoints of another model or shape: {difference}. "
+            f"run.dir={path} holds checkpoints of another model or shape: {difference}. "
             "Resume it with its own model config, or pass a new run.dir"
         )
-    return Path(config.run.dir), steps[-1]
+    return steps[-1]
 
 
 def check_mesh_shape(config: FerryConfig) -> None:
@@ -134,11 +198,22 @@ class PreparedRun:
     corpus: Corpus | None  # None for a run that is already complete
     schedule: TransferSchedule
     policy: Policy
-    run_dir: Path
+    directory: RunDirectory  # locked by process 0 until `release`
     mesh: Mesh
-    resume_step: int | None
     identity: dict[str, Any]
     layout: "StateLayout"  # the train state's shapes and shardings, traced once
+
+    @property
+    def run_dir(self) -> Path:
+        return self.directory.path
+
+    @property
+    def resume_step(self) -> int | None:
+        return self.directory.resume_step
+
+    def release(self) -> None:
+        """Give up the run directory's lock (idempotent; `train` does it when it returns)."""
+        self.directory.release()
 
 
 def prepare(config: FerryConfig, console: Console) -> PreparedRun:
@@ -146,7 +221,10 @@ def prepare(config: FerryConfig, console: Console) -> PreparedRun:
     model = abstract_model(config.model)  # traced once, shapes only
     num_parameters = count_parameters(model)
     if config.init.from_hf is not None:  # config.json and the tensors' headers: nothing is read yet
-        check_checkpoint(config.init.from_hf, config.model)
+        try:
+            check_checkpoint(config.init.from_hf, config.model)
+        except HFCheckpointError as error:
+            raise HFCheckpointError(f"init.from_hf={config.init.from_hf}: {error}") from error
     check_mesh_shape(config)
     mesh = make_mesh(config.mesh)  # the devices
     tiny = TINY_MODELS[type(config.model)]
@@ -171,17 +249,30 @@ def prepare(config: FerryConfig, console: Console) -> PreparedRun:
     )
     check_wandb(config.log)
     check_before_training(config, policy, console)  # train.check_policy: the policy's gradients on this machine
-    tokenizer = load_tokenizer(config.data.tokenizer, config.data.eos_token)
-    if config.data.source != "synthetic":
-        check_vocab(tokenizer, config.model.vocab_size, config.model_name)
+    with data_refusals():
+        tokenizer = load_tokenizer(config.data.tokenizer, config.data.eos_token)
+        if config.data.source != "synthetic":
+            check_vocab(tokenizer, config.model.vocab_size, config.model_name)
     layout = state_layout(config.model, make_optimizer(config.train), mesh, config.train.seed)
     identity = model_identity(config.model_name, config.model, layout.shapes)
-    run_dir, resume_step = run_directory(config, identity)
-    if resume_step is not None and resume_step >= config.train.steps:  # `train` says so; no data needed
-        return PreparedRun(config, None, schedule, policy, run_dir, mesh, resume_step, identity, layout)
-    corpus = load_corpus(config.data, tokenizer, config.model.vocab_size, console, config.model_name)
-    for split, tokens in (("train", corpus.train), ("held-out", corpus.eval)):
-        window_batches(PackedWindows(tokens, config.train.seq_len), config.train.global_batch_size, 0, where=split)
+    directory = run_directory(config, identity)  # locked from here: release on any refusal
+    if directory.lock is not None and directory.lock.stale_holder is not None:
+        console.print(
+            f"run.dir={directory.path}: took over the lock of {directory.lock.stale_holder}, which is no longer running",
+            highlight=False,
+        )
+    try:
+        if directory.resume_step is not None and directory.resume_step >= config.train.steps:
+            return PreparedRun(config, None, schedule, policy, directory, mesh, identity, layout)  # `train` says so
+        with data_refusals():
+            corpus = load_corpus(config.data, tokenizer, config.model.vocab_size, console, config.model_name)
+            for split, tokens in (("train", corpus.train), ("held-out", corpus.eval)):
+                window_batches(
+                    PackedWindows(tokens, config.train.seq_len), config.train.global_batch_size, 0, where=split
+                )
+    except BaseException:
+        directory.release()
+        raise
     console.print(
         f"model {config.model_name}: {num_parameters:,} parameters; "
         f"corpus: {corpus.description}, {len(corpus.train):,} train / {len(corpus.eval):,} held-out tokens",
@@ -192,7 +283,19 @@ def prepare(config: FerryConfig, console: Console) -> PreparedRun:
         f"in {jax.process_count()} process(es); micro steps per step: {config.train.micro_steps(data_parallel)}",
         highlight=False,
     )
-    return PreparedRun(config, corpus, schedule, policy, run_dir, mesh, resume_step, identity, layout)
+    return PreparedRun(config, corpus, schedule, policy, directory, mesh, identity, layout)
+
+
+@contextlib.contextmanager
+def data_refusals() -> Iterator[None]:
+    """The data stage's `ValueError`s and missing files are refusals of the data the run was
+    pointed at (`ferry.data` raises them with the file and the fix in the message)."""
+    try:
+        yield
+    except FerryError:
+        raise
+    except (ValueError, FileNotFoundError, IsADirectoryError, PermissionError) as error:
+        raise DataError(str(error)) from error
 
 
 def write_start_files(run_dir: Path, config_yaml: str, schedule: TransferSchedule, resume_step: int | None) -> None:
@@ -265,25 +368,62 @@ def initial_state(
     return eqx.combine(arrays, layout.static), layout.sharding
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(FerryError, RuntimeError):
     """Training stopped at a step whose loss or gradient was not finite."""
 
 
-def describe_memory(compiled: Any) -> str:
+def compile_step(body: Callable, layout: "StateLayout", batch_spec: jax.ShapeDtypeStruct) -> tuple[Any, Callable]:
+    """The train step compiled from the state's shapes alone (so its memory can be checked
+    before the state is allocated), and a function running it on a TrainState. The state's
+    arrays and the batch are donated: parameters and moments are updated in place."""
+
+    def step(arrays: Any, batch: jax.Array) -> tuple[Any, dict[str, jax.Array]]:
+        new_state, metrics = body(eqx.combine(arrays, layout.static), batch)
+        return eqx.filter(new_state, eqx.is_array), metrics
+
+    with warnings.catch_warnings():  # the batch's buffer cannot be reused for an output; that is fine
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        compiled = jax.jit(step, donate_argnums=(0, 1)).lower(layout.abstract(), batch_spec).compile()
+
+    def run(state: TrainState, batch: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
+        arrays, metrics = compiled(eqx.filter(state, eqx.is_array), batch)
+        return eqx.combine(arrays, layout.static), metrics
+
+    return compiled, run
+
+
+def step_fit_advice(config: FerryConfig) -> str:
+    """The levers that shrink a step's memory, in this run's terms."""
+    micro = config.train.micro_batch_size
+    per_device = config.train.rows_per_micro_step(config.mesh.data_parallel) // config.mesh.data_parallel
+    smaller = max(1, (micro or per_device) // 2)
+    return (
+        f"Shrink the step: offload=full_remat or an offloading preset (now offload={config.offload.name}), "
+        f"train.micro_batch_size={smaller} (gradient accumulation), a shorter train.seq_len (now "
+        f"{config.train.seq_len}), or compare presets for your hardware with mode=plan target=<gpu or tpu>"
+    )
+
+
+def describe_memory(memory: CompiledMemory | None) -> str:
     """The compiled step's memory analysis, per device, in one line."""
-    analysis = compiled.compiled.memory_analysis()
-    if analysis is None:
+    if memory is None:
         return "compiled step: no memory analysis on this backend"
-    fields = {
-        "arguments": "argument_size_in_bytes",
-        "outputs": "output_size_in_bytes",
-        "aliased": "alias_size_in_bytes",
-        "temporaries": "temp_size_in_bytes",
-        "code": "generated_code_size_in_bytes",
-        "host temporaries": "host_temp_size_in_bytes",
-    }
-    parts = [f"{name} {format_bytes(getattr(analysis, key))}" for name, key in fields.items() if hasattr(analysis, key)]
-    return "compiled step, per device: " + ", ".join(parts)
+    return "compiled step, per device: " + memory.describe()
+
+
+def host_bytes_line(schedule: TransferSchedule, memory: CompiledMemory | None) -> str:
+    """The schedule's pinned host bytes beside the compiled program's, saying what the latter
+    means on this backend."""
+    planned = f"pinned host per device: planned {format_bytes(schedule.pinned_host_bytes)} (the schedule)"
+    if memory is None:
+        return planned + "; compiled: no memory analysis on this backend"
+    compiled = f"compiled {format_bytes(memory.host_temporaries)} (the compiled step's host temporaries)"
+    if jax.devices()[0].platform == "cpu":
+        compiled += (
+            "; the CPU backend lowers an offload as a copy within its one memory, so this is what its memory "
+            "analysis reports, not a measured pinned host pool"
+        )
+    return f"{planned}, {compiled}"
 
 
 def device_memory_peak() -> int | None:
@@ -295,14 +435,23 @@ def device_memory_peak() -> int | None:
 def train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
     """Run training as prepared (from its checkpoint when resuming); return the run directory.
     SIGTERM saves a checkpoint and returns; a non-finite loss (with train.on_nonfinite=stop)
-    checkpoints the last good state and raises NonFiniteLossError."""
+    checkpoints the last good state and raises NonFiniteLossError. The run directory's lock is
+    released however it ends."""
+    try:
+        return _train(prepared, config_yaml, console)
+    finally:
+        prepared.release()
+
+
+def _train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
     config, corpus, schedule, run_dir = prepared.config, prepared.corpus, prepared.schedule, prepared.run_dir
     tc, mesh, start = config.train, prepared.mesh, prepared.resume_step or 0
     if start >= tc.steps:
         console.print(f"run {run_dir} is complete: its latest checkpoint is step {start} of train.steps={tc.steps}")
         return run_dir
     optimizer = make_optimizer(tc)
-    settings = LossSettings(prepared.policy, tc.compute_dtype, tc.z_loss_weight)
+    documents = corpus.document_mask(config.data)  # data.document_mask: attention stays in each document
+    settings = LossSettings(prepared.policy, tc.compute_dtype, tc.z_loss_weight, documents=documents)
     eval_step = make_eval_step(settings)
     batch_shape = (tc.global_batch_size, tc.seq_len + 1)
     tokens_per_step = tc.global_batch_size * tc.seq_len
@@ -318,6 +467,20 @@ def train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
     # closing the iterators stops their prefetch threads, also when the run fails
     with jax.set_mesh(mesh), SigtermStop() as sigterm, contextlib.closing(batches), contextlib.closing(held_out):
         layout = prepared.layout
+        body = train_step_body(
+            optimizer,
+            settings,
+            learning_rate_schedule(tc),
+            tc.micro_steps(config.mesh.data_parallel),
+            layout.sharding,
+            tc.on_nonfinite,
+        )
+        batch_spec = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=batch_sharded(mesh))
+        compiled, train_step = compile_step(body, layout, batch_spec)  # before the state exists
+        memory = CompiledMemory.of(compiled)
+        if memory is not None:  # refused before anything is allocated or written
+            check_step_fits(memory, step_fit_advice(config))
+        prepared.directory.mark_started()  # what is written from here marks the directory as this run's
         checkpoints = Checkpoints(run_dir / "checkpoints", config.checkpoint)
         if prepared.resume_step is not None:  # before anything is written: a bad checkpoint loses nothing
             arrays, data_state = checkpoints.restore(prepared.resume_step, layout.abstract())
@@ -326,8 +489,15 @@ def train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
         else:
             state, _ = initial_state(config, optimizer, mesh, layout)
         console.print(schedule_table(schedule))
+        console.print(host_bytes_line(schedule, memory), highlight=False)
         if is_main_process():
             write_start_files(run_dir, config_yaml, schedule, prepared.resume_step)
+            if prepared.directory.restart:
+                console.print(
+                    f"run.dir={run_dir} held an earlier attempt that saved no checkpoint: starting it over "
+                    "(its metrics and TensorBoard events are replaced)",
+                    highlight=False,
+                )
             verb = "resuming from step " + str(start) + " in" if prepared.resume_step is not None else "run directory:"
             console.print(f"{verb} {run_dir}", highlight=False)
         console.print(
@@ -335,22 +505,12 @@ def train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
             + (f"{peak / 1e12:.4g} TFLOP/s ({peak_source})" if peak else peak_source),
             highlight=False,
         )
-        loggers = RunLoggers(run_dir, config.log, prepared.resume_step, is_main_process(), {"config": config_yaml})
+        keep_through = -1 if prepared.directory.restart else prepared.resume_step  # -1: drop every record
+        loggers = RunLoggers(run_dir, config.log, keep_through, is_main_process(), {"config": config_yaml})
         make_batch = lambda: local_batch(next(batches), local_rows, batch_shape, mesh)  # noqa: E731
-        train_step = make_train_step(
-            optimizer,
-            settings,
-            learning_rate_schedule(tc),
-            tc.micro_steps(config.mesh.data_parallel),
-            layout.sharding,
-            tc.on_nonfinite,
-        )
         data_states = {start: batches.get_state()}  # the position before the first batch is taken
         first_batch = make_batch()
-        with warnings.catch_warnings():  # the batch's buffer cannot be reused for an output; that is fine
-            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-            compiled = train_step.lower(state, first_batch).compile()
-        console.print(describe_memory(compiled), highlight=False)
+        console.print(describe_memory(memory), highlight=False)
         eval_batches = [local_batch(next(held_out), local_rows, batch_shape, mesh) for _ in range(tc.eval_batches)]
         if eval_batches and prepared.resume_step is None:
             loggers.write({"step": 0, "eval_loss": evaluate(eval_step, state.model, eval_batches)})
@@ -383,7 +543,7 @@ def train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
                 data_states[step] = batches.get_state()
                 data_states.pop(step - 3, None)
                 profiler.before_step(step)
-                state, step_metrics = compiled(state, batch)
+                state, step_metrics = train_step(state, batch)
                 profiler.after_step(step, step_metrics)
                 if tc.on_nonfinite == "stop":  # read a step late, so one step is always in flight
                     bad_step = first_nonfinite(unchecked)
@@ -404,8 +564,10 @@ def train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
                         "step_time_s": step_time,
                         "tokens_per_s": tokens_per_step / step_time,
                         "tflops_per_s_per_device": flops / step_time / 1e12,
-                        "pinned_host_bytes": schedule.pinned_host_bytes,
+                        "pinned_host_bytes_planned": schedule.pinned_host_bytes,
                     }
+                    if memory is not None:
+                        record["pinned_host_bytes_compiled"] = memory.host_temporaries
                     if peak:
                         record["mfu"] = flops / step_time / peak
                     memory_peak = device_memory_peak()
@@ -436,6 +598,13 @@ def train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
             save(bad_step - 1)
         checkpoints.close()
         loggers.close()
+    skipped = int(state.nonfinite_steps)
+    if tc.on_nonfinite == "skip" and skipped:
+        console.print(
+            f"train.on_nonfinite=skip: skipped the update of {skipped} of {int(state.step)} steps whose loss or "
+            "gradient was not finite",
+            highlight=False,
+        )
     if bad_step is not None:
         where = f"the state of step {bad_step - 1} is checkpointed in {checkpoints.directory}"
         raise NonFiniteLossError(

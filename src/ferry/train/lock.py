@@ -1,0 +1,129 @@
+"""One writer per run directory: process 0 holds an exclusive lock on `<run dir>/ferry.lock` for
+the run's life, so a second launch into the same directory (a double submit, a scheduler's
+requeue while the first job still runs) is refused naming the holder instead of interleaving
+two runs' checkpoints and metrics.
+
+The lock is `flock` on an open file: the kernel releases it when the holder exits in any way,
+SIGKILL included, so a dead holder never blocks a retry. The file holds the holder's host, pid
+and start time while held and is emptied on a clean release; finding it non-empty when the lock
+was free means the last holder died, which is said in one line. The file stays in a directory
+whose run started (it marks the directory as ferry's); a run refused before writing anything
+takes its lock file, and the directory if it made it, away again.
+"""
+
+import dataclasses
+import datetime
+import fcntl
+import json
+import os
+import socket
+from pathlib import Path
+
+from ferry.errors import FerryError
+
+LOCK_FILE = "ferry.lock"
+
+
+class RunDirectoryError(FerryError, FileExistsError):
+    """The chosen run directory already holds a run that this command may not continue."""
+
+
+@dataclasses.dataclass
+class RunLock:
+    """A held lock on a run directory; `stale_holder` describes a dead holder it took over."""
+
+    directory: Path
+    fd: int
+    created_directory: bool  # this lock made the directory
+    created_file: bool  # the lock file did not exist before
+    stale_holder: str | None
+    started: bool = False  # the run has written into the directory: keep the lock file as its mark
+
+    def release(self) -> None:
+        """Give the lock up (idempotent). A run that never started leaves the directory as it
+        found it."""
+        if self.fd < 0:
+            return
+        path = self.directory / LOCK_FILE
+        try:
+            if not self.started and self.created_file:
+                path.unlink(missing_ok=True)  # while still held: no one can take the unlinked file
+                if self.created_directory and not any(self.directory.iterdir()):
+                    self.directory.rmdir()
+            else:
+                os.ftruncate(self.fd, 0)
+        finally:
+            os.close(self.fd)  # releases the flock
+            self.fd = -1
+
+
+def describe_holder(text: str) -> str:
+    """'pid 123 on host node7 since 2026-01-02T03:04:05' from the lock file's JSON."""
+    try:
+        holder = json.loads(text)
+        return f"pid {holder['pid']} on host {holder['host']} since {holder['since']}"
+    except (ValueError, KeyError, TypeError):
+        return "a process whose details the lock file does not hold"
+
+
+def acquire(directory: Path) -> RunLock:
+    """Lock `directory` (made if missing) for this process, or refuse naming the holder."""
+    created_directory = not directory.exists()
+    if directory.exists() and not directory.is_dir():
+        raise RunDirectoryError(f"run.dir={directory} is a file, not a directory; pass a directory for the run")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except (NotADirectoryError, FileExistsError) as error:
+        raise RunDirectoryError(f"run.dir={directory} cannot be made: a part of its path is a file ({error})") from error
+    except PermissionError as error:
+        raise RunDirectoryError(
+            f"run.dir={directory} cannot be made: permission denied; pass a run.dir where you can write"
+        ) from error
+    path = directory / LOCK_FILE
+    while True:
+        created_file = not path.exists()
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except PermissionError as error:
+            raise RunDirectoryError(
+                f"run.dir={directory} is not writable (permission denied on {path}); pass a run.dir where you can write"
+            ) from error
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = describe_holder(_read(fd))
+            os.close(fd)
+            raise RunDirectoryError(
+                f"run.dir={directory} is in use by another ferry run ({holder}); wait for it to finish, "
+                "or pass another run.dir"
+            ) from None
+        try:
+            same_file = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same_file = False
+        if not same_file:  # the previous holder removed the file between our open and lock: retry
+            os.close(fd)
+            continue
+        previous = _read(fd)
+        _write(fd, {"host": socket.gethostname(), "pid": os.getpid(), "since": _now()})
+        stale = describe_holder(previous) if previous.strip() else None
+        return RunLock(directory, fd, created_directory, created_file, stale)
+
+
+def _read(fd: int) -> str:
+    os.lseek(fd, 0, os.SEEK_SET)
+    chunks = []
+    while chunk := os.read(fd, 65536):
+        chunks.append(chunk)
+    return b"".join(chunks).decode(errors="replace")
+
+
+def _write(fd: int, holder: dict[str, object]) -> None:
+    os.ftruncate(fd, 0)
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.write(fd, (json.dumps(holder) + "\n").encode())
+    os.fsync(fd)
+
+
+def _now() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
