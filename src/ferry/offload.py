@@ -14,12 +14,14 @@ recomputed. Every placement decision is the plain Python below.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
 import equinox as eqx
 import jax
+from jax._src import core as jax_core
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ferry.errors import FerryError
@@ -48,10 +50,14 @@ class Policy(Mapping[str, str]):
     keeps every residual in HBM: the `save_all` reference every other policy is compared against.
     """
 
-    placements: tuple[tuple[str, str], ...] = ()
+    placements: tuple[tuple[str, str], ...] | Mapping[str, str] = ()
     keep_all: bool = False
 
     def __post_init__(self) -> None:
+        # `Policy({"mlpwo": "offload"})` reads as a user writes it; stored as sorted pairs, so two
+        # policies placing the same names alike are equal and hash alike (it is a jit static).
+        pairs = self.placements.items() if isinstance(self.placements, Mapping) else self.placements
+        object.__setattr__(self, "placements", tuple(sorted((str(k), str(v)) for k, v in pairs)))
         for name, placement in self.placements:
             if placement not in PLACEMENTS:
                 raise PolicyError(
@@ -70,8 +76,9 @@ class Policy(Mapping[str, str]):
 
     @classmethod
     def from_dict(cls, tensors: Mapping[str, str] | None = None, *, keep_all: bool = False) -> Policy:
-        """Build a policy from `{tensor name: placement}` (e.g. a Hydra config node)."""
-        return cls(tuple(sorted((str(k), str(v)) for k, v in (tensors or {}).items())), keep_all)
+        """Build a policy from `{tensor name: placement}` (e.g. a Hydra config node); the same as
+        `Policy(tensors)`."""
+        return cls(dict(tensors or {}), keep_all)
 
     @classmethod
     def save_all(cls) -> Policy:
@@ -112,31 +119,69 @@ SAVE_ALL = Policy.save_all()
 
 
 # --------------------------------------------------------------------------------------------
-# The tag context: the engine's only global state, a stack of recorders / injectors that is
-# non-empty only while `offloaded` traces a layer.
+# The tag context: the engine's only global state, a context-variable stack of recorders /
+# injectors that is non-empty only while `offloaded` traces a layer (a context variable, so
+# threads and async tasks tracing at once each see their own).
 
 
-class _Recorder:
-    """Collects tagged values (and their logical axes) in the order the layer produces them."""
+class NestedTagError(PolicyError):
+    """A tag inside a transformation nested in the layer (an inner `lax.scan`, `jax.checkpoint`,
+    `vmap`...): its value lives in that transformation's trace, so the engine cannot save it."""
+
+
+def _current_trace() -> object:
+    """The innermost JAX trace now active: a tag is at a layer's top level when it is traced
+    under the same trace as the layer itself."""
+    return jax_core.trace_ctx.trace
+
+
+class _Handler:
+    """What `tag` calls while a layer is traced; refuses tags nested in inner transformations."""
 
     def __init__(self) -> None:
+        self.trace = _current_trace()
+
+    def check_top_level(self, name: str) -> None:
+        if _current_trace() is not self.trace:
+            raise NestedTagError(
+                f"tag {name!r} sits inside a transformation nested in the layer (lax.scan, jax.checkpoint, "
+                "vmap, cond...), whose values the offload engine cannot save or place: tag the layer's "
+                "own values, e.g. the output of that scan or checkpoint, not values inside it"
+            )
+
+
+class _Recorder(_Handler):
+    """Collects tagged values (and their logical axes) in the order the layer produces them; with
+    `on_tag`, each value is replaced by what it returns (the engine issues its host copy there,
+    as soon as the value exists)."""
+
+    def __init__(self, on_tag: Callable[[str, jax.Array, Axes], Any] | None = None) -> None:
+        super().__init__()
         self.values: list[tuple[str, jax.Array]] = []
         self.axes: list[Axes] = []
+        self.saved: list[Any] = []
+        self.on_tag = on_tag
 
     def __call__(self, x: jax.Array, name: str, axes: Axes) -> jax.Array:
+        self.check_top_level(name)
         self.values.append((name, x))
         self.axes.append(axes)
+        if self.on_tag is not None:
+            self.saved.append(self.on_tag(name, x, axes))
         return x
 
 
-class _Injector:
-    """Replaces the k-th value tagged `name` by its saved copy."""
+class _Injector(_Handler):
+    """Replaces the k-th value tagged `name` by its saved copy; `finish` refuses a replay that
+    did not reach every saved value (a layer whose tags depend on anything but its inputs)."""
 
     def __init__(self, saved: list[tuple[str, jax.Array | None]]) -> None:
+        super().__init__()
         self.saved = saved
         self.position = 0
 
     def __call__(self, x: jax.Array, name: str, axes: Axes) -> jax.Array:
+        self.check_top_level(name)
         if self.position >= len(self.saved):
             raise RuntimeError(f"tag {name!r} appeared in the replay but not in the forward pass")
         saved_name, saved = self.saved[self.position]
@@ -145,28 +190,43 @@ class _Injector:
             raise RuntimeError(f"replay tagged {name!r} where the forward pass tagged {saved_name!r}")
         return x if saved is None else _inject(x, saved)
 
+    def finish(self) -> None:
+        if self.position != len(self.saved):
+            unused = [name for name, _ in self.saved[self.position :]]
+            raise RuntimeError(
+                f"the replay of the layer tagged {self.position} values but the forward pass saved "
+                f"{len(self.saved)}: {unused} were never reached (the layer must tag the same values in "
+                "the same order every time it runs on the same inputs)"
+            )
 
-_TAG_CONTEXT: list[_Recorder | _Injector] = []
+
+_TAG_CONTEXT: contextvars.ContextVar[tuple[_Recorder | _Injector, ...]] = contextvars.ContextVar(
+    "ferry_tag_context", default=()
+)
 
 
 @contextlib.contextmanager
 def _tag_context(handler: _Recorder | _Injector) -> Iterator[None]:
-    _TAG_CONTEXT.append(handler)
+    token = _TAG_CONTEXT.set((*_TAG_CONTEXT.get(), handler))
     try:
         yield
     finally:
-        _TAG_CONTEXT.pop()
+        _TAG_CONTEXT.reset(token)
 
 
 def tag(x: jax.Array, name: str, axes: Axes = None) -> jax.Array:
-    """Name an activation so an offload policy can place it. `axes` names its dimensions
-    logically (e.g. `("batch", "seq", "mlp")`; default: batch-major) so that under a mesh its
-    sharding is pinned by the activation rules, and its host copy is sharded the same way. The
-    value is unchanged: outside `offloaded` and without a mesh, `tag` is the identity."""
-    x = constrain(x, axes)
-    if not _TAG_CONTEXT:
+    """Name an activation so an offload policy can place it. Tag a layer's matmul outputs (a
+    value whose tangent needs no recomputed matmul), at the layer's top level (not inside an
+    inner scan or checkpoint). `axes` names its dimensions logically (e.g.
+    `("batch", "seq", "mlp")`) so that under a mesh its sharding is pinned by the activation
+    rules, and its host copy is sharded the same way; without `axes` the value's sharding is left
+    to XLA. The value is unchanged: outside `offloaded` and without a mesh, `tag` is the identity."""
+    if axes is not None:
+        x = constrain(x, axes)
+    handlers = _TAG_CONTEXT.get()
+    if not handlers:
         return x
-    return _TAG_CONTEXT[-1](x, name, axes)
+    return handlers[-1](x, name, axes)
 
 
 @jax.custom_jvp
@@ -268,68 +328,101 @@ def has_memory_kinds(mesh: Mesh | jax.sharding.AbstractMesh) -> bool:
 # --------------------------------------------------------------------------------------------
 # The custom VJP.
 
+COPY_SCOPE = "ferry_offload"
+"""Every host copy is issued under the name scope `ferry_offload/<layer>/<tensor>/<direction>`
+(direction `to_host` or `to_device`), so the copies of the compiled program (their HLO
+`op_name` metadata) say which tensor of which layer group they move."""
+
+
+def copy_scope(layer: str, tensor: str, direction: str) -> str:
+    return f"{COPY_SCOPE}/{layer}/{tensor}/{direction}"
+
 
 def offloaded(
-    fn: Callable[[Any, jax.Array], Any],
+    fn: Callable[..., Any],
     policy: Policy,
     *,
     mesh: Mesh | None = None,
     check_names: bool = True,
-) -> Callable[[Any, jax.Array], Any]:
-    """Wrap a layer `fn(params, x)` so its residuals are placed by `policy`.
+    name: str = "layer",
+) -> Callable[..., Any]:
+    """Wrap a layer `fn(params, x, *extra)` so its residuals are placed by `policy`.
 
-    `params` is any pytree (an Equinox module included); its inexact arrays are differentiated,
-    everything else is treated as static. The output may be any pytree of arrays. The policy must
-    name only tensors this layer tags, unless `check_names=False` because the caller checks it
-    against a whole model whose layers tag different names (dense and MoE layers).
+    `params` is any pytree (an Equinox module included); its floating-point arrays are
+    differentiated, its other arrays (integer tables, masks) are passed through undifferentiated,
+    everything else is static. `x` is the differentiated input. `extra` are further inputs that
+    are not differentiated (their cotangent is taken as zero): integer positions or segment ids,
+    say. The output may be any pytree of arrays. The policy must name only tensors this layer
+    tags, unless `check_names=False` because the caller checks it against a whole model whose
+    layers tag different names (dense and MoE layers). `name` names the layer (group) in the
+    copies' name scope (`copy_scope`).
     """
     if policy.keep_all:
         return fn
 
-    def save(name: str, value: jax.Array, axes: Axes) -> jax.Array | None:
-        placement = policy.placement(name)
+    def save(tensor: str, value: jax.Array, axes: Axes) -> jax.Array | None:
+        placement = policy.placement(tensor)
         if placement == "offload":
-            return to_memory(value, "pinned_host", mesh, axes)
+            with jax.named_scope(copy_scope(name, tensor, "to_host")):
+                return to_memory(value, "pinned_host", mesh, axes)
         return value if placement == "device" else None
 
-    def restore(name: str, value: jax.Array | None, axes: Axes) -> jax.Array | None:
-        if policy.placement(name) == "offload":
-            return to_memory(value, "device", mesh, axes)
+    def restore(tensor: str, value: jax.Array | None, axes: Axes) -> jax.Array | None:
+        if policy.placement(tensor) == "offload":
+            with jax.named_scope(copy_scope(name, tensor, "to_device")):
+                return to_memory(value, "device", mesh, axes)
         return value
 
-    def call(params: Any, x: jax.Array) -> Any:
-        diff, static = eqx.partition(params, eqx.is_inexact_array)
+    def call(params: Any, x: jax.Array, *extra: Any) -> Any:
+        diff, rest = eqx.partition(params, eqx.is_inexact_array)
+        fixed, static = eqx.partition(rest, eqx.is_array)  # integer arrays: inputs, never differentiated
         names: list[str] = []  # the tag order of the forward pass; residuals must be arrays
         axes: list[Axes] = []
 
-        def layer_fn(p: Any, h: jax.Array) -> Any:
-            return fn(eqx.combine(p, static), h)
+        def layer_fn(p: Any, h: jax.Array, f: Any, e: tuple[Any, ...]) -> Any:
+            return fn(eqx.combine(p, f, static), h, *e)
 
         @jax.custom_vjp
-        def layer(p: Any, h: jax.Array) -> Any:
-            return layer_fn(p, h)
+        def layer(p: Any, h: jax.Array, f: Any, e: tuple[Any, ...]) -> Any:
+            return layer_fn(p, h, f, e)
 
-        def layer_fwd(p: Any, h: jax.Array) -> tuple[Any, Any]:
-            out, values, value_axes = record_tags_and_axes(layer_fn, p, h)
-            names[:] = [name for name, _ in values]
-            axes[:] = value_axes
+        def layer_fwd(p: Any, h: jax.Array, f: Any, e: tuple[Any, ...]) -> tuple[Any, Any]:
+            # each value's host copy is issued at its tag, as soon as the value exists, so the
+            # rest of the layer's forward pass can hide it
+            recorder = _Recorder(on_tag=save)
+            with _tag_context(recorder):
+                out = layer_fn(p, h, f, e)
+            names[:] = [tensor for tensor, _ in recorder.values]
+            axes[:] = recorder.axes
             if check_names:
                 policy.validate(set(names))
-            saved = [save(name, value, a) for (name, value), a in zip(values, axes, strict=True)]
-            return out, (p, save(LAYER_INPUT, h, None), saved)
+            # The layer's output waits for its saved values, which go through the barrier with it:
+            # outside a loop XLA would otherwise fold a copy to host that is read straight back into
+            # nothing, and keep the value in HBM (inside a scan the stacked host buffer keeps it).
+            out, kept_input, saved = jax.lax.optimization_barrier((out, save(LAYER_INPUT, h, None), recorder.saved))
+            return out, (p, kept_input, f, e, saved)
 
-        def layer_bwd(residuals: Any, cotangent: Any) -> tuple[Any, Any]:
-            p, h, saved = residuals
-            injected = [(name, restore(name, value, a)) for name, value, a in zip(names, saved, axes, strict=True)]
+        def layer_bwd(residuals: Any, cotangent: Any) -> tuple[Any, Any, None, None]:
+            p, h, f, e, saved = residuals
+            h = restore(LAYER_INPUT, h, None)
+            saved = [restore(tensor, value, a) for tensor, value, a in zip(names, saved, axes, strict=True)]
+            # What the replay reads passes an optimisation barrier, as `jax.checkpoint`'s
+            # prevent_cse does: outside a loop XLA would otherwise merge the replay with the
+            # forward pass, keeping the forward values alive and saving nothing.
+            p, h, f, e, saved = jax.lax.optimization_barrier((p, h, f, e, saved))
+            injected = list(zip(names, saved, strict=True))
 
             def replay(p: Any, h: jax.Array) -> Any:
-                with _tag_context(_Injector(injected)):
-                    return layer_fn(p, h)
+                injector = _Injector(injected)
+                with _tag_context(injector):
+                    out = layer_fn(p, h, f, e)
+                injector.finish()
+                return out
 
-            _, vjp = jax.vjp(replay, p, restore(LAYER_INPUT, h, None))
-            return vjp(cotangent)
+            _, vjp = jax.vjp(replay, p, h)
+            return (*vjp(cotangent), None, None)
 
         layer.defvjp(layer_fwd, layer_bwd)
-        return layer(diff, x)
+        return layer(diff, x, fixed, extra)
 
     return call
