@@ -1,0 +1,338 @@
+"""ferry on a real GPU in one run (at most about 8 minutes on one H200):
+
+1. correctness: the gradient self-check (`ferry.train.policy_check`, what `train.check_policy`
+   runs before training) for every offload preset on `llama_tiny` and `deepseek_v3_tiny`;
+2. memory: on a DeepSeek-V3-shaped slice (full width: dim 7168, 128 MLA heads, expert FFN 2048,
+   vocabulary 129,280; 1 dense + 2 MoE layers, 16 routed experts so that a layer's parameters
+   and AdamW moments fit one device, no MTP, sequence 4096) the largest micro batch that fits
+   the device is found from the compiled step's memory analysis, and the peak the device reports
+   (`memory_stats()["peak_bytes_in_use"]`) after running it is set beside that prediction;
+3. speed: `full_remat` against the offload presets at their own largest micro batch, tokens/s
+   side by side, with the ratios.
+
+    python benchmarks/gpu_check.py                      # everything a GPU allows; on CPU part 1
+    python benchmarks/gpu_check.py --plan-target h200   # also part 2 for an H200, compiled without one
+
+Without a GPU, parts 2 and 3 need one and are skipped, saying so; `--plan-target h200` then
+plans the slice's micro batch for an H200 deviceless with `ferry.plan.planner.plan_memory` (slow
+on a small CPU: minutes per compile). Each preset of parts 2 and 3 runs in its own process, so
+its memory peak is its own.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.table import Table
+
+from ferry.models.registry import abstract_model
+from ferry.platform import apply_platform
+from ferry.schedule import format_bytes
+from ferry.train.config import FerryConfig, load_config
+from ferry.train.policy_check import TOLERANCE, PolicyCheckError, check_policy
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "configs"
+PRESETS = sorted(p.stem for p in (CONFIGS / "offload").glob("*.yaml") if p.stem != "auto")
+TINY_MODELS = ("llama_tiny", "deepseek_v3_tiny")
+SLICE_PRESETS = ("full_remat", "moe_offload", "decoder_input_offload")
+# a few layers of DeepSeek-V3 at full width; 16 experts (top-8 of 4 kept groups of 2) instead of
+# 256, whose 11.3B parameters per layer would need 180 GB of float32 weights and AdamW moments
+SLICE = (
+    "model=deepseek_v3",
+    "model.num_layers=3",
+    "model.num_dense_layers=1",
+    "model.num_experts=16",
+    "model.num_groups=8",
+    "model.groups_per_token=4",
+    "model.experts_per_token=8",
+    "model.mtp_depth=0",
+)
+MAX_MICRO_BATCH = 64
+
+
+def compose_run(*overrides: str) -> FerryConfig:
+    """The validated config `python launch/run.py OVERRIDES...` would run."""
+    with initialize_config_dir(str(CONFIGS), version_base=None):
+        cfg = compose("train", overrides=list(overrides))
+    return load_config(OmegaConf.to_container(cfg, resolve=True))
+
+
+def slice_config(preset: str, micro_batch: int, seq_len: int, model: tuple[str, ...] = SLICE) -> FerryConfig:
+    """The DeepSeek-V3 slice (or the `model` overrides) as a run: one device, `micro_batch` rows of
+    `seq_len` per step."""
+    return compose_run(
+        *model,
+        f"offload={preset}",
+        "platform=gpu",
+        f"train.global_batch_size={micro_batch}",
+        f"train.seq_len={seq_len}",
+        "train.warmup_steps=0",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. correctness
+
+
+def self_checks(models: tuple[str, ...], presets: list[str], console: Console) -> bool:
+    """The gradient self-check of every preset on every model; a table; True when all agree."""
+    table = Table(title=f"gradient self-check on {jax.devices()[0].device_kind}: policy vs save_all, float32")
+    for column in ("model", "preset", "layer groups", "largest difference (of scale)", "seconds", "verdict"):
+        table.add_column(column)
+    all_ok = True
+    for model_name in models:
+        config = compose_run(f"model={model_name}")
+        tagged = abstract_model(config.model).tagged_names()
+        for preset in presets:
+            offload = compose_run(f"model={model_name}", f"offload={preset}").offload
+            if preset == "save_all" or not offload.tensors.keys() <= tagged:
+                continue  # the reference itself; a preset naming tensors the model lacks (moe_offload on Llama)
+            start = time.perf_counter()
+            try:
+                results = check_policy(config.model, offload.policy(tagged), policy_name=preset)
+                groups = ", ".join("/".join(r.groups) for r in results)
+                worst = max(r.worst.relative for r in results)
+                verdict = "ok"
+            except PolicyCheckError as error:
+                groups, worst, verdict, all_ok = "-", float("nan"), str(error).splitlines()[0], False
+            table.add_row(model_name, preset, groups, f"{worst:.1e}", f"{time.perf_counter() - start:.1f}", verdict)
+    table.caption = f"float32 allows {TOLERANCE:.1e} of each array's largest magnitude"
+    console.print(table)
+    return all_ok
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. the largest micro batch that fits
+
+
+def largest_fitting(bytes_of: Callable[[int], int], capacity: int, limit: int = MAX_MICRO_BATCH) -> tuple[int, int]:
+    """The largest micro batch b <= `limit` with `bytes_of(b) <= capacity`, and its bytes ((0,
+    bytes_of(1)) when none fits). Memory grows about linearly with the batch, so each next
+    compile is where the line through the two nearest known points meets the capacity, kept
+    between the largest batch known to fit and the smallest known not to: 3 to 4 compiles for a
+    line."""
+    known = {1: bytes_of(1)}
+    if known[1] > capacity:
+        return 0, known[1]
+    fits, too_big, point = 1, limit + 1, 2
+    while fits + 1 < too_big:
+        known[point] = bytes_of(point)
+        if known[point] <= capacity:
+            fits = point
+        else:
+            too_big = point
+        # extrapolate from the two largest that fit until one does not, then interpolate
+        low, high = (fits, too_big) if too_big in known else sorted(known)[-2:]
+        slope = max((known[high] - known[low]) / (high - low), 1.0)
+        guess = low + int((capacity - known[low]) // slope)
+        point = max(fits + 1, min(too_big - 1, guess))
+    return fits, known[fits]
+
+
+def plan_slice_deviceless(
+    target_name: str, seq_len: int, presets: tuple[str, ...], console: Console, model: tuple[str, ...] = SLICE
+) -> dict[str, tuple[int, int]]:
+    """Part 2 without a GPU: the largest micro batch of the slice per preset for `target_name`,
+    from the planner's deviceless compile of the real train step (`plan_memory`), and its HBM
+    bytes, by preset (presets the planner refuses are printed with the reason and left out)."""
+    from ferry.plan.planner import PlanError, plan_memory
+    from ferry.plan.targets import TARGETS
+
+    target = TARGETS[target_name]
+    gpu = compose_run("platform=gpu").platform
+    table = Table(title=f"DeepSeek-V3 slice on one {target.description}, sequence {seq_len}: planned")
+    for column in ("preset", "largest micro batch", "HBM", "pinned host", "compiles"):
+        table.add_column(column)
+    chosen = {}
+    for preset in presets:
+        plans = {}
+
+        def bytes_of(batch: int, preset: str = preset, plans: dict = plans) -> int:
+            if batch not in plans:
+                config = slice_config(preset, batch, seq_len, model)
+                policy = config.offload.policy(abstract_model(config.model).tagged_names())
+                plans[batch] = plan_memory(config, target, policy, preset, xla_flags=dict(gpu.xla_flags))
+            return plans[batch].device_bytes
+
+        try:
+            batch, used = largest_fitting(bytes_of, target.hbm_bytes)
+        except PlanError as error:
+            table.add_row(preset, "refused by the planner", str(error).splitlines()[0], "-", str(len(plans)))
+            continue
+        host = plans[batch].host_bytes if batch else 0
+        table.add_row(preset, str(batch), format_bytes(used), format_bytes(host), str(len(plans)))
+        chosen[preset] = (batch, used)
+    console.print(table)
+    return chosen
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. on the GPU: one process per preset
+
+
+def measure_slice(preset: str, seq_len: int, steps: int) -> dict:
+    """In this process: find the slice's largest micro batch on this device from the compiled
+    step's memory analysis, run `steps` timed steps after two warm-up steps, and report the
+    predicted bytes, the device's peak and tokens/s."""
+    import equinox as eqx
+    import jax.numpy as jnp
+    import numpy as np
+
+    from ferry.sharding import batch_sharded, make_mesh
+    from ferry.train.optimizer import learning_rate_schedule, make_optimizer
+    from ferry.train.run import state_layout
+    from ferry.train.step import LossSettings, train_step_body
+
+    device = jax.devices()[0]
+    capacity = int(device.memory_stats()["bytes_limit"])
+    mesh = make_mesh()
+    compiled: dict[int, tuple] = {}
+
+    def compile_for(batch: int) -> tuple:
+        if batch not in compiled:
+            config = slice_config(preset, batch, seq_len)
+            optimizer = make_optimizer(config.train)
+            layout = state_layout(config.model, optimizer, mesh)
+            policy = config.offload.policy(abstract_model(config.model).tagged_names())
+            settings = LossSettings(policy, config.train.compute_dtype)
+            body = train_step_body(optimizer, settings, learning_rate_schedule(config.train), 1, layout.sharding)
+            step = lambda arrays, tokens: body(eqx.combine(arrays, layout.static), tokens)  # noqa: E731
+            tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32, sharding=batch_sharded(mesh))
+            with jax.set_mesh(mesh):
+                program = jax.jit(step, donate_argnums=0).lower(layout.abstract(), tokens).compile()
+            memory = program.memory_analysis()
+            used = memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+            compiled[batch] = (program, layout, config, used + memory.temp_size_in_bytes)
+        return compiled[batch]
+
+    batch, predicted = largest_fitting(lambda b: compile_for(b)[3], capacity)
+    if batch == 0:
+        return {"preset": preset, "micro_batch": 0, "predicted_bytes": predicted, "capacity_bytes": capacity}
+    program, layout, config, _ = compile_for(batch)
+    with jax.set_mesh(mesh):
+        arrays = jax.jit(lambda: eqx.partition(layout.make(), eqx.is_array)[0], out_shardings=layout.sharding)()
+        rng = np.random.default_rng(0)
+        batches = [
+            jax.device_put(
+                rng.integers(0, config.model.vocab_size, (batch, seq_len + 1), np.int32), batch_sharded(mesh)
+            )
+            for _ in range(steps + 2)
+        ]
+        for tokens in batches[:2]:  # warm-up
+            state, metrics = program(arrays, tokens)
+            arrays = eqx.partition(state, eqx.is_array)[0]
+        jax.block_until_ready(arrays)
+        start = time.perf_counter()
+        for tokens in batches[2:]:
+            state, metrics = program(arrays, tokens)
+            arrays = eqx.partition(state, eqx.is_array)[0]
+        jax.block_until_ready((arrays, metrics))
+        seconds = (time.perf_counter() - start) / steps
+    return {
+        "preset": preset,
+        "micro_batch": batch,
+        "predicted_bytes": predicted,
+        "peak_bytes": int(device.memory_stats()["peak_bytes_in_use"]),
+        "capacity_bytes": capacity,
+        "step_seconds": seconds,
+        "tokens_per_s": batch * seq_len / seconds,
+        "loss": float(metrics["loss"]),
+        "compiles": len(compiled),
+    }
+
+
+def measure_all(presets: tuple[str, ...], seq_len: int, steps: int, console: Console) -> None:
+    """Parts 2 and 3 on this GPU, each preset in a fresh process; one table, ratios to full_remat."""
+    results = []
+    for preset in presets:
+        out = subprocess.run(
+            [sys.executable, __file__, "--measure", preset, "--seq-len", str(seq_len), "--steps", str(steps)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"},  # the whole device, not JAX's 75%
+        )
+        lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+        if out.returncode or not lines:
+            console.print(f"[red]{preset} failed[/]:\n{out.stdout[-2000:]}{out.stderr[-4000:]}")
+            continue
+        results.append(json.loads(lines[-1]))
+    device = jax.devices()[0].device_kind
+    table = Table(title=f"DeepSeek-V3 slice (1 dense + 2 MoE layers at full width, 16 experts) on one {device}")
+    for column in (
+        "preset",
+        "micro batch",
+        "predicted HBM",
+        "peak HBM",
+        "peak / predicted",
+        "tokens/s",
+        "vs full_remat",
+    ):
+        table.add_column(column)
+    base = next((r["tokens_per_s"] for r in results if r["preset"] == "full_remat" and r["micro_batch"]), None)
+    for r in results:
+        if not r["micro_batch"]:
+            table.add_row(r["preset"], "none fits", format_bytes(r["predicted_bytes"]), "-", "-", "-", "-")
+            continue
+        ratio = f"{r['tokens_per_s'] / base:.3f}x" if base else "-"
+        table.add_row(
+            r["preset"],
+            str(r["micro_batch"]),
+            format_bytes(r["predicted_bytes"]),
+            format_bytes(r["peak_bytes"]),
+            f"{r['peak_bytes'] / r['predicted_bytes']:.3f}",
+            f"{r['tokens_per_s']:,.0f}",
+            ratio,
+        )
+    table.caption = f"sequence {seq_len}; capacity {format_bytes(results[0]['capacity_bytes'])}" if results else ""
+    console.print(table)
+
+
+def has_gpu() -> bool:
+    """An NVIDIA GPU on this machine (asked before JAX starts a backend, which would otherwise
+    try the CUDA plugin and fail where there is none)."""
+    return Path("/dev/nvidiactl").exists()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(TINY_MODELS))
+    parser.add_argument("--presets", nargs="+", default=PRESETS, help="presets of the self-check")
+    parser.add_argument("--slice-presets", nargs="+", default=list(SLICE_PRESETS))
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--plan-target", default=None, help="without a GPU: plan the slice for this target")
+    parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # one preset, in a child process
+    args = parser.parse_args()
+    gpu = has_gpu() and not args.plan_target
+    apply_platform(compose_run(f"platform={'gpu' if gpu else 'cpu'}").platform)  # the flags a run uses
+    if args.measure:
+        print(json.dumps(measure_slice(args.measure, args.seq_len, args.steps)))
+        return 0
+    console = Console(width=max(Console().width, 140))
+    started = time.perf_counter()
+    if args.plan_target:
+        plan_slice_deviceless(args.plan_target, args.seq_len, tuple(args.slice_presets), console)
+    ok = self_checks(tuple(args.models), args.presets, console)
+    if gpu:
+        measure_all(tuple(args.slice_presets), args.seq_len, args.steps, console)
+    else:
+        console.print(
+            "no GPU here: the memory peaks and the full_remat vs offload timing need one "
+            f"(found {jax.devices()[0].platform}); the self-check above ran on this backend"
+        )
+    console.print(f"{time.perf_counter() - started:.0f} s in all")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
