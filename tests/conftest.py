@@ -91,3 +91,35 @@ def start_launcher(*overrides: str, log_dir: Path) -> Background:
 @pytest.fixture(scope="session")
 def tiny_config():
     return load_model_config("llama_tiny")
+
+
+# A small, quick run: 4 steps of llama_tiny on synthetic tokens, checkpoints at steps 2 and 4.
+SMALL_RUN = (
+    "train.steps=4",
+    "train.warmup_steps=1",
+    "train.log_every=2",
+    "train.eval_every=4",
+    "train.eval_batches=1",
+    "train.global_batch_size=4",
+    "train.seq_len=32",
+    "checkpoint.every=2",
+    "data=synthetic",
+    "data.synthetic_tokens=20000",
+    "log.tensorboard=false",
+)
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory):
+    """A finished SMALL_RUN (checkpoints at 2 and 4, metrics, its lock file), trained once per
+    session; tests that point bad commands at it must leave it unchanged."""
+    import io
+
+    from rich.console import Console
+
+    from ferry.train.run import prepare, train
+
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    console = Console(file=io.StringIO(), width=200)
+    train(prepare(compose_config(*SMALL_RUN, f"run.dir={run_dir}"), console), "config: test\n", console)
+    return run_dir

@@ -27,7 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ferry.data.corpus import Corpus, check_vocab, load_corpus
 from ferry.data.pipeline import PackedWindows, local_batches, window_batches
 from ferry.data.tokenizer import load_tokenizer
-from ferry.errors import DataError, FerryError
+from ferry.errors import DataError, FerryError, JsonFileError
 from ferry.hf import CheckpointError as HFCheckpointError
 from ferry.hf import check_checkpoint, load_pretrained
 from ferry.memory import CompiledMemory, check_fits, check_step_fits
@@ -223,7 +223,7 @@ def prepare(config: FerryConfig, console: Console) -> PreparedRun:
     if config.init.from_hf is not None:  # config.json and the tensors' headers: nothing is read yet
         try:
             check_checkpoint(config.init.from_hf, config.model)
-        except HFCheckpointError as error:
+        except (HFCheckpointError, JsonFileError) as error:
             raise HFCheckpointError(f"init.from_hf={config.init.from_hf}: {error}") from error
     check_mesh_shape(config)
     mesh = make_mesh(config.mesh)  # the devices

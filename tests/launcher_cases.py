@@ -1,0 +1,45 @@
+"""Run many `launch/run.py` commands in one Python process and print each one's exit status and
+output as JSON: `python -m tests.launcher_cases < cases.json` (a list of argument lists).
+
+Each case calls the launcher's `main(argv)`, the function `python launch/run.py ARGV...` exits
+with, with stdout and stderr captured; an exception escaping `main` is recorded with its
+traceback (as the interpreter would print it) and exit status 1. One process pays JAX's and
+Hydra's start-up once, so a table of refusals runs in seconds. Only commands that share the
+process's platform (the CPU, no extra flags) can share it; others need a process of their own.
+"""
+
+import contextlib
+import importlib.util
+import io
+import json
+import sys
+import traceback
+from pathlib import Path
+
+LAUNCHER = Path(__file__).resolve().parent.parent / "launch" / "run.py"
+
+
+def load_launcher():
+    spec = importlib.util.spec_from_file_location("ferry_launcher", LAUNCHER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_case(launcher, argv: list[str]) -> dict:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = launcher.main(argv)
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else 1
+        except BaseException:  # what the interpreter would print for an uncaught exception
+            traceback.print_exc()
+            code = 1
+    return {"argv": argv, "code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+
+
+if __name__ == "__main__":
+    launcher = load_launcher()
+    cases = json.load(sys.stdin)
+    print(json.dumps([run_case(launcher, argv) for argv in cases]))
