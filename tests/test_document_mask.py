@@ -6,12 +6,16 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
-from ferry.data.segments import document_segments
+from ferry.data.segments import DocumentMask, document_segments
+from ferry.models.registry import build_model
 from ferry.nn.attention import GroupedQueryAttention, causal_attention
 from ferry.nn.mla import MultiHeadLatentAttention
 from ferry.nn.rope import Llama3RopeScaling, YarnScaling
+from ferry.offload import SAVE_ALL
+from tests.conftest import load_model_config, preset_policy
 
 EOD = 0
 # one row of 13 tokens: the end of a document begun before the window (3 tokens and its end id),
@@ -93,3 +97,40 @@ def test_attention_modules_restart_rotary_positions_in_each_document(kind):
     np.testing.assert_allclose(packed, alone, rtol=1e-5, atol=1e-5)
     for a, b in zip(jax.tree.leaves(packed_grads), jax.tree.leaves(alone_grads), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama_tiny", "deepseek_v3_tiny"])
+def test_models_keep_each_packed_document_to_itself(name):
+    """Logits of packed windows equal those of each document run alone; the training loss under
+    an offload policy has the gradients of save_all's (llama_tiny); loss_across_documents=false
+    drops the predictions made from an end-of-document id."""
+    model = build_model(load_model_config(name, num_layers=2), jax.random.key(0))  # DeepSeek: a dense, a MoE layer
+    vocab = model.config.vocab_size
+    documents = jax.random.randint(jax.random.key(1), (2, 3, 4), 1, vocab).at[:, :, -1].set(EOD)
+    batch = jnp.concatenate([documents.reshape(2, 12), jnp.full((2, 1), 5)], axis=1)  # 13 = 12 inputs + 1
+    inputs = batch[:, :-1]
+
+    packed = eqx.filter_jit(lambda m, t: m(t, SAVE_ALL, None, document_segments(t, EOD)))(model, inputs)
+    alone = eqx.filter_jit(lambda m, t: m(t))(model, documents.reshape(6, 4)).reshape(2, 12, vocab)
+    np.testing.assert_allclose(packed, alone, rtol=1e-4, atol=1e-4)
+
+    mask = DocumentMask(EOD, loss_across_documents=False)
+    policy = preset_policy("minimal_offloaded", model)
+    if name == "llama_tiny":  # the segments pass each offloaded layer as the same extra input in every model
+
+        @eqx.filter_jit
+        def loss_and_grads(m, p):
+            return eqx.filter_value_and_grad(lambda m: m.training_loss(batch, p, documents=mask), has_aux=True)(m)
+
+        (_, stats), grads = loss_and_grads(model, policy)
+        (_, reference_stats), reference = loss_and_grads(model, SAVE_ALL)
+        assert float(stats["loss"]) == pytest.approx(float(reference_stats["loss"]), rel=1e-6)
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(reference), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    else:  # DeepSeek-V3's MTP block attends within documents too; its loss only is checked here
+        _, stats = eqx.filter_jit(lambda m, p: m.training_loss(batch, p, documents=mask))(model, policy)
+        assert np.isfinite(float(stats["mtp_loss"]))
+    per_token = optax.softmax_cross_entropy_with_integer_labels(packed.astype(jnp.float32), batch[:, 1:])
+    counted = np.asarray(inputs != EOD)
+    assert float(stats["loss"]) == pytest.approx(float(per_token[counted].mean()), rel=1e-5)
+    assert counted.sum() == 18  # 24 predictions, 6 of them from an end-of-document id

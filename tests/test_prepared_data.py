@@ -2,6 +2,7 @@
 access, checked against tokenizer and model, the raw-source cache, one large text file as a corpus,
 and an exact data position across a change of process count."""
 
+import io
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+from rich.console import Console
 
 import ferry.data.prepare as prepare_module
 from ferry.data.config import DataConfig
@@ -18,7 +20,9 @@ from ferry.data.prepare import cache_directory, prepare_corpus
 from ferry.data.shards import MANIFEST, PreparedDataError, ShardedTokens, read_manifest
 from ferry.data.sources import DataSourceError, TextSplit, documents
 from ferry.data.tokenizer import ByteTokenizer, load_tokenizer
-from tests.conftest import ROOT
+from ferry.train.preemption import SigtermStop
+from ferry.train.run import prepare, train
+from tests.conftest import ROOT, compose_config
 
 # 300 documents of 40 to 240 bytes, in one file, separated by blank lines
 DOCUMENTS = [f"doc {i}: " + "lorem ipsum dolor sit amet " * (1 + i % 8) for i in range(300)]
@@ -277,3 +281,59 @@ def hf_tokenizer_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
     tokenizer.save(str(path))
     return path
+
+
+@pytest.fixture
+def compilation_cache(tmp_path):
+    """The three runs compile the same programs: a persistent compilation cache compiles each once."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    saved = {name: getattr(jax.config, name) for name in names}
+    cc.set_cache_dir(str(tmp_path / "jax_cache"))
+    jax.config.update(names[1], 0)
+    cc.reset_cache()
+    yield
+    for name, value in saved.items():
+        jax.config.update(name, value)
+    cc.reset_cache()
+
+
+def test_training_on_prepared_documents_resumes_bit_for_bit(big_text, tmp_path, monkeypatch, compilation_cache):
+    """A run on a prepared corpus with document masking, preempted after step 2 and resumed,
+    logs the losses of the uninterrupted run exactly."""
+    directory = tmp_path / "prepared"
+    prepare_corpus(text_config(big_text), directory, ByteTokenizer())
+    common = (
+        f"data.prepared={directory}",
+        "data.document_mask=true",
+        "data.loss_across_documents=false",
+        "train.steps=4",
+        "train.warmup_steps=1",
+        "train.log_every=1",
+        "train.eval_batches=0",
+        "train.global_batch_size=4",
+        "train.seq_len=32",
+        "checkpoint.every=0",
+        "log.tensorboard=false",
+    )
+
+    def run(run_dir):
+        out = io.StringIO()
+        console = Console(file=out, width=200)
+        train(prepare(compose_config(*common, f"run.dir={run_dir}"), console), "config: test\n", console)
+        return out.getvalue()
+
+    def losses(run_dir):
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r["loss"]) for r in records if "loss" in r]
+
+    output = run(tmp_path / "whole")
+    assert f"300 text documents prepared in {directory}" in " ".join(output.split())
+    with monkeypatch.context() as preempted:
+        preempted.setattr(SigtermStop, "requested", lambda self, step: step == 2)
+        run(tmp_path / "resumed")
+    assert [step for step, _ in losses(tmp_path / "resumed")] == [1, 2]
+    assert "resuming from step 2" in run(tmp_path / "resumed")
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "whole")  # floats from JSON: bitwise
