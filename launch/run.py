@@ -107,7 +107,8 @@ def main(argv: list[str]) -> int:
 
 def refuse(error: Exception, code: int = 2) -> int:
     """One line (any newlines in the message folded), exit status `code`."""
-    Console(width=FILE_WIDTH, soft_wrap=True).print(f"[bold red]error:[/] {' '.join(str(error).split())}", highlight=False)
+    line = " ".join(str(error).split())
+    Console(width=FILE_WIDTH, soft_wrap=True).print(f"[bold red]error:[/] {line}", highlight=False)
     return code
 
 

@@ -1,8 +1,8 @@
 """Bad input through the launcher: every one is refused with exit status 2 and one line naming the
 key (or file) at fault, no traceback, and nothing changed in the run directory it pointed at.
 
-The table points every command at a real, finished run (`finished_run` in conftest) (its checkpoints, metrics and lock file),
-so a refusal that touched it would show. The commands share one launcher process (see
+The table points every command at a real, finished run (`finished_run` in conftest: its
+checkpoints, metrics and lock file), so a refusal that touched it would show. The commands share one launcher process (see
 `tests/launcher_cases.py`); those that need a backend of their own run as separate processes.
 """
 

@@ -125,7 +125,8 @@ def test_a_step_that_cannot_fit_is_refused_before_anything_is_allocated(tmp_path
 
 
 def test_a_device_step_is_checked_against_the_device():
-    step = CompiledMemory(arguments=2**30, outputs=2**30, aliased=2**30, temporaries=30 * 2**30, code=0, host_temporaries=0)
+    gib = 2**30
+    step = CompiledMemory(arguments=gib, outputs=gib, aliased=gib, temporaries=30 * gib, code=0, host_temporaries=0)
     assert step.device_bytes == 31 * 2**30
     capacity = memory_module.step_capacity
     try:

@@ -74,7 +74,9 @@ def acquire(directory: Path) -> RunLock:
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except (NotADirectoryError, FileExistsError) as error:
-        raise RunDirectoryError(f"run.dir={directory} cannot be made: a part of its path is a file ({error})") from error
+        raise RunDirectoryError(
+            f"run.dir={directory} cannot be made: a part of its path is a file ({error})"
+        ) from error
     except PermissionError as error:
         raise RunDirectoryError(
             f"run.dir={directory} cannot be made: permission denied; pass a run.dir where you can write"

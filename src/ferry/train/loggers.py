@@ -17,7 +17,8 @@ def check_wandb(config: LogConfig) -> None:
         try:
             import wandb  # noqa: F401
         except ImportError as error:
-            raise ConfigError("log.wandb=true needs Weights & Biases: pip install wandb (or log.wandb=false)") from error
+            message = "log.wandb=true needs Weights & Biases: pip install wandb (or log.wandb=false)"
+            raise ConfigError(message) from error
 
 
 def drop_records_after(path: Path, step: int) -> None:

@@ -150,7 +150,9 @@ def _claimed_dir(config: FerryConfig) -> Path:
         try:
             entries = [p.name for p in path.iterdir()]
         except PermissionError as error:
-            raise RunDirectoryError(f"run.dir={path} cannot be read (permission denied); pass another run.dir") from error
+            raise RunDirectoryError(
+                f"run.dir={path} cannot be read (permission denied); pass another run.dir"
+            ) from error
         ours = LOCK_FILE in entries or checkpoint_steps(path / "checkpoints")
         if entries and not ours:
             raise RunDirectoryError(
@@ -258,7 +260,8 @@ def prepare(config: FerryConfig, console: Console) -> PreparedRun:
     directory = run_directory(config, identity)  # locked from here: release on any refusal
     if directory.lock is not None and directory.lock.stale_holder is not None:
         console.print(
-            f"run.dir={directory.path}: took over the lock of {directory.lock.stale_holder}, which is no longer running",
+            f"run.dir={directory.path}: took over the lock of {directory.lock.stale_holder}, "
+            "which is no longer running",
             highlight=False,
         )
     try:
