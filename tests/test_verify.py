@@ -4,7 +4,6 @@ loops walk the way their index goes, and no saved value's producer is recomputed
 also forced to fail, and the refusal names the tensor, its layer group and what the program does
 instead. The programs are compiled once per module and shared."""
 
-import dataclasses
 import importlib.util
 import json
 import re
@@ -41,13 +40,12 @@ from ferry.plan.verify import (
     RecomputedProducerError,
     WrongWalkError,
     explain_recompute,
-    recompute_checked,
     verify_program,
     verify_recompute,
 )
 from ferry.sharding import MeshConfig
 from ferry.train.config import FerryConfig
-from tests.conftest import compose_config, load_preset
+from tests.conftest import compose_config, load_preset, run_launcher
 
 needs_cuda_plugin = pytest.mark.skipif(
     importlib.util.find_spec("jax_cuda12_plugin") is None,
@@ -171,34 +169,48 @@ def test_an_offload_the_compiler_dropped_is_refused(llama_h200):
     assert "query_proj" not in message and "the value stays in HBM" in message
 
 
-def test_llama_all_saved_recomputes_no_saved_value(llama_h200):
-    """minimal_offloaded rematerialises nothing, so it is its own all-saved form. Its compiled
-    program runs one matmul per layer more than save_all: the attention scores, which nobody tags
-    and the replay recomputes for the softmax's gradient (at 64 tokens the attention is not
-    chunked, so save_all keeps them). The layers' jaxprs explain exactly that, and no tag is
-    blamed; a count beyond what they explain is refused."""
-    save_all = compile_plan("llama_tiny", "save_all").plan
-    full_remat = dataclasses.replace(llama_h200.plan, policy="full_remat")
-    plans = [save_all, llama_h200.plan, full_remat]
-    policies = [Policy.save_all(), llama_h200.policy, Policy.from_dict({"decoder_layer_input": "device"})]
+@pytest.fixture(scope="module")
+def mode_plan(tmp_path_factory) -> tuple[str, dict]:
+    """`mode=plan` on save_all and minimal_offloaded for an H200: its output and plan.json."""
+    run_dir = tmp_path_factory.mktemp("plan") / "run"
+    common = ("mode=plan", "target=h200", "train.seq_len=64", "plan.presets=[save_all,minimal_offloaded]")
+    result = run_launcher(*common, f"run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    return result.stdout, json.loads((run_dir / "plan.json").read_text())
+
+
+def test_mode_plan_prints_and_writes_the_verification(mode_plan):
+    """`mode=plan` runs every check on the presets it compiles and reports them as a table and in
+    plan.json."""
+    stdout, record = mode_plan
+    assert "minimal_offloaded: the compiled program checked" in stdout
+    assert "dead: never read by the backward pass" in stdout
+    checked = next(p for p in record["plans"] if p["policy"] == "minimal_offloaded")["verification"]
+    assert {w["status"] for w in checked["walks"]} == {"right"}
+    assert {c["status"] for c in checked["copies"]} == {"copied", DEAD}
+
+
+def test_llama_all_saved_recomputes_no_saved_value(mode_plan, llama_h200):
+    """minimal_offloaded rematerialises nothing, so mode=plan checks it as its own all-saved form
+    against save_all, compiled beside it. It runs one matmul per layer more than save_all: the
+    attention scores, which nobody tags and the replay recomputes for the softmax's gradient (at
+    64 tokens the attention is not chunked, so save_all keeps them). The layers' jaxprs explain
+    exactly that and blame no tag; a count beyond what they explain is refused."""
+    _, record = mode_plan
+    plans = {p["policy"]: p for p in record["plans"]}
+    check = plans["minimal_offloaded"]["verification"]["recompute"]
+    layers = llama_h200.config.model.num_layers
+    assert check["save_all_matmuls"] == plans["save_all"]["matmuls"] and check["matmuls"] == llama_h200.plan.matmuls
+    assert check["matmuls"] - check["save_all_matmuls"] == check["untagged_matmuls"] == layers
+    assert plans["save_all"]["verification"]["recompute"] is None
     config = llama_h200.config
     model_config = for_target(config.model, H200)
     model, groups = abstract_model(model_config), layer_group_traces(config, model_config)
-    layers = {"decoder": config.model.num_layers}
-
-    def no_compile(policy, name):
-        raise AssertionError(f"{name} needs no compile: both programs are at hand")
-
-    def explain(policy):
-        return explain_recompute(model, groups, layers, policy)
-
-    checked = recompute_checked(plans, policies, model.tagged_names(), no_compile, explain, "llama_tiny on h200")
-    check = checked[1].verification.recompute
-    assert checked[2].verification.recompute == check and checked[0].verification.recompute is None
-    assert check.matmuls - check.save_all_matmuls == check.untagged_matmuls == config.model.num_layers
-    beyond = dataclasses.replace(check, matmuls=check.matmuls + 1, untagged_matmuls=None)
+    fields = {k: check[k] for k in ("policy", "matmuls", "flops", "save_all_matmuls", "save_all_flops")}
+    beyond = RecomputeCheck(**fields | {"matmuls": check["matmuls"] + 1})
+    explain = lambda: explain_recompute(model, groups, {"decoder": layers}, llama_h200.policy)  # noqa: E731
     with pytest.raises(RecomputedProducerError, match="the compiler recomputes 1 matmuls of saved values"):
-        verify_recompute(beyond, lambda: explain(llama_h200.policy), "llama_tiny on h200")
+        verify_recompute(beyond, explain, "llama_tiny on h200")
 
 
 def compile_user_stack(nonlinear_tag: bool, policy: Policy) -> tuple[str, LayerStack, LayerGroupTrace]:
@@ -278,3 +290,4 @@ def test_tpu_v5p_programs_copy_what_the_schedule_lists():
         copies = compiled.plan.verification.copies
         assert copies and {c.status for c in copies} <= {"copied", DEAD}
         assert all(w.status in ("no descriptor", "right") for w in compiled.plan.verification.walks)
+

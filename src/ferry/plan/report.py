@@ -179,22 +179,26 @@ def verification_table(plan: MemoryPlan) -> Table:
         title=f"{plan.policy}: the compiled program checked (per device, per step)", caption="; ".join(caption)
     )
     for column in ("layers", "tensor", "bytes", "to host", "to device", "host slices in loops", "named by", "verdict"):
-        table.add_column(column, justify="right" if column in ("bytes", "to host", "to device") else "left")
+        right = column in ("bytes", "to host", "to device")
+        table.add_column(column, justify="right" if right else "left", no_wrap=column == "verdict")
     rows: dict[tuple[str, str], dict] = {}
     for c in verification.copies:
         row = rows.setdefault((c.group, c.tensor), {"bytes": c.bytes, "named": c.named_by, "verdicts": []})
         row[c.direction] = f"{c.found}/{c.expected}"
         row["verdicts"].append(f"{c.direction}: {c.status}")
     for (group, tensor), row in rows.items():
-        walks = [w for w in verification.walks if w.group == group and tensor in w.tensor.split("/")]
         verdicts = {v.split(": ", 1)[1] for v in row["verdicts"]}
+        # a copy named by its size names every tensor of that size; a dead tensor has no slices
+        walks = [w for w in verification.walks if w.group == group and tensor in w.tensor.split("/")]
+        walks = [] if verdicts == {DEAD} else walks
         table.add_row(
             group,
             tensor,
             format_bytes(row["bytes"]),
             row.get("to host", "-"),
             row.get("to device", "-"),
-            ", ".join(sorted({f"{w.kind.removeprefix('host ')} {w.index} {w.status}" for w in walks})) or "-",
+            ", ".join(sorted({f"{w.kind.removeprefix('host ')} {w.index.replace(' ', '')} {w.status}" for w in walks}))
+            or "-",
             row["named"],
             verdicts.pop() if len(verdicts) == 1 else "; ".join(row["verdicts"]),
         )
