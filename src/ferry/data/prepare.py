@@ -191,6 +191,7 @@ def prepare_corpus(
         with (progress_dir / "units.jsonl").open("w") as journal:  # rewritten: only whole units stay
             for result in done.values():
                 journal.write(json.dumps(result.to_json()) + "\n")
+        (directory / MANIFEST).unlink(missing_ok=True)  # a damaged corpus: journalled first, then no longer complete
         written = _tokenize(config, directory, tokenizer, done, console, started)
         results = [done[unit] for unit in sorted(done)]
         manifest = _manifest(config, tokenizer, identity, digest, results)
@@ -246,7 +247,6 @@ def _units_done(directory: Path, digest: str, itemsize: int) -> Manifest | dict[
                 counts.setdefault(shard.unit, [0, 0])
                 counts[shard.unit][0] += shard.documents
                 counts[shard.unit][1] += shard.tokens
-        (directory / MANIFEST).unlink()
         return {
             unit: UnitResult(unit, counts[unit][0], counts[unit][1], shards)
             for unit, shards in results.items()
@@ -272,7 +272,7 @@ def _units_done(directory: Path, digest: str, itemsize: int) -> Manifest | dict[
             if all(_whole(directory, shard, itemsize) for shard in result.shards.values() if shard is not None):
                 done[result.unit] = result
         return done
-    leftovers = sorted(p.name for p in directory.iterdir() if p.name != ".lock")
+    leftovers = sorted(p.name for p in directory.iterdir() if p.name not in (".lock", PROGRESS))  # ours, empty
     if leftovers:
         raise PreparedDataError(
             f"{directory} holds files that are not a prepared corpus ({', '.join(leftovers[:3])}); "
