@@ -18,13 +18,13 @@ Three checks, per tensor and per layer group (a model's kinds of layer: `decoder
 
 How a copy is named: the engine issues each copy under the name scope
 `ferry_offload/<layer group>/<tensor>/<to_host|to_device>`; where that scope survives into the
-copy's `op_name` metadata, the copy is named by it. It mostly does not (measured with jax
-0.12.0.1): XLA's host-offloading passes rebuild a scanned layer's copies as slices of the stacked
-residual, whose `op_name` is the scan's (none of the H200 `llama_tiny` copies carries the
-scope), and libtpu's copies carry no metadata at all. There a copy is named by its bytes per
-device and its group by how often it runs: tensors of one size are told apart only by count
-(the ones the backward pass reads served first), and a copy's name lists every tensor of its
-group with its size ("query_proj/attention_out/out_proj").
+copy's `op_name` metadata, the copy is named by it. Measured with jax 0.12.0.1 it survives
+nowhere: XLA's host-offloading passes rebuild a scanned layer's copies as slices of the stacked
+residual, whose `op_name` is the scan's; the `copy-start`s of unscanned copies (DeepSeek's dense
+layer and MTP block on an H200) carry no `op_name`; and libtpu's copies carry no metadata. So a
+copy is named by its bytes per device and its group by how often it runs: tensors of one size
+are told apart only by count (the ones the backward pass reads served first), and a copy's name
+lists every tensor of its group with its size ("query_proj/attention_out/out_proj").
 """
 
 import dataclasses
