@@ -38,7 +38,7 @@ from ferry.models.registry import abstract_model
 from ferry.platform import apply_platform
 from ferry.schedule import format_bytes
 from ferry.train.config import FerryConfig, load_config
-from ferry.train.policy_check import TOLERANCE, PolicyCheckError, check_policy
+from ferry.train.policy_check import TOLERANCE, PolicyCheckError, check_policy, one_device_mesh
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
@@ -164,12 +164,20 @@ def plan_slice_deviceless(
                 plans[batch] = plan_memory(config, target, policy, preset, xla_flags=dict(gpu.xla_flags))
             return plans[batch].device_bytes
 
+        start = time.perf_counter()
         try:
             batch, used = largest_fitting(bytes_of, target.hbm_bytes)
-        except PlanError as error:
-            table.add_row(preset, "refused by the planner", str(error).splitlines()[0], "-", str(len(plans)))
+        except (PlanError, jax.errors.JaxRuntimeError) as error:  # refused by the planner, or XLA failed
+            reason = str(error).splitlines()[0][:300]
+            console.print(f"{preset}: no plan after {len(plans)} compiles: {reason}", highlight=False)
+            table.add_row(preset, "no plan", reason, "-", str(len(plans)))
             continue
         host = plans[batch].host_bytes if batch else 0
+        console.print(
+            f"{preset}: micro batch {batch}, {format_bytes(used)} HBM, {len(plans)} compiles in "
+            f"{time.perf_counter() - start:.0f} s",
+            highlight=False,
+        )
         table.add_row(preset, str(batch), format_bytes(used), format_bytes(host), str(len(plans)))
         chosen[preset] = (batch, used)
     console.print(table)
@@ -180,27 +188,36 @@ def plan_slice_deviceless(
 # 3. on the GPU: one process per preset
 
 
-def measure_slice(preset: str, seq_len: int, steps: int) -> dict:
-    """In this process: find the slice's largest micro batch on this device from the compiled
-    step's memory analysis, run `steps` timed steps after two warm-up steps, and report the
-    predicted bytes, the device's peak and tokens/s."""
+def measure_slice(
+    preset: str,
+    seq_len: int,
+    steps: int,
+    model: tuple[str, ...] = SLICE,
+    capacity: int | None = None,
+    limit: int = MAX_MICRO_BATCH,
+) -> dict:
+    """In this process: find the slice's (or `model`'s) largest micro batch on this device from the
+    compiled step's memory analysis (fitting `capacity`, default the device's `bytes_limit`), run
+    `steps` timed steps after two warm-up steps, and report the predicted bytes, the device's
+    peak (None where the backend reports none: the CPU) and tokens/s."""
     import equinox as eqx
     import jax.numpy as jnp
     import numpy as np
 
-    from ferry.sharding import batch_sharded, make_mesh
+    from ferry.sharding import batch_sharded
     from ferry.train.optimizer import learning_rate_schedule, make_optimizer
     from ferry.train.run import state_layout
     from ferry.train.step import LossSettings, train_step_body
 
     device = jax.devices()[0]
-    capacity = int(device.memory_stats()["bytes_limit"])
-    mesh = make_mesh()
+    stats = device.memory_stats() or {}
+    capacity = int(stats["bytes_limit"]) if capacity is None else capacity
+    mesh = one_device_mesh(device)  # one device, whatever the machine has
     compiled: dict[int, tuple] = {}
 
     def compile_for(batch: int) -> tuple:
         if batch not in compiled:
-            config = slice_config(preset, batch, seq_len)
+            config = slice_config(preset, batch, seq_len, model)
             optimizer = make_optimizer(config.train)
             layout = state_layout(config.model, optimizer, mesh)
             policy = config.offload.policy(abstract_model(config.model).tagged_names())
@@ -215,7 +232,7 @@ def measure_slice(preset: str, seq_len: int, steps: int) -> dict:
             compiled[batch] = (program, layout, config, used + memory.temp_size_in_bytes)
         return compiled[batch]
 
-    batch, predicted = largest_fitting(lambda b: compile_for(b)[3], capacity)
+    batch, predicted = largest_fitting(lambda b: compile_for(b)[3], capacity, limit)
     if batch == 0:
         return {"preset": preset, "micro_batch": 0, "predicted_bytes": predicted, "capacity_bytes": capacity}
     program, layout, config, _ = compile_for(batch)
@@ -242,7 +259,7 @@ def measure_slice(preset: str, seq_len: int, steps: int) -> dict:
         "preset": preset,
         "micro_batch": batch,
         "predicted_bytes": predicted,
-        "peak_bytes": int(device.memory_stats()["peak_bytes_in_use"]),
+        "peak_bytes": (device.memory_stats() or {}).get("peak_bytes_in_use"),
         "capacity_bytes": capacity,
         "step_seconds": seconds,
         "tokens_per_s": batch * seq_len / seconds,
@@ -251,22 +268,32 @@ def measure_slice(preset: str, seq_len: int, steps: int) -> dict:
     }
 
 
-def measure_all(presets: tuple[str, ...], seq_len: int, steps: int, console: Console) -> None:
-    """Parts 2 and 3 on this GPU, each preset in a fresh process; one table, ratios to full_remat."""
+def measure_all(presets: tuple[str, ...], seq_len: int, steps: int, deadline: float, console: Console) -> None:
+    """Parts 2 and 3 on this GPU, each preset in a fresh process, in order, while time is left
+    before `deadline` (a `time.perf_counter()` value); one table, ratios to full_remat."""
     results = []
     for preset in presets:
-        out = subprocess.run(
-            [sys.executable, __file__, "--measure", preset, "--seq-len", str(seq_len), "--steps", str(steps)],
-            capture_output=True,
-            text=True,
-            env={**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"},  # the whole device, not JAX's 75%
-        )
+        left = deadline - time.perf_counter()
+        if left < 30:
+            console.print(f"[yellow]{preset} skipped[/]: the run's time budget is spent (--budget-s)")
+            continue
+        command = [sys.executable, __file__, "--measure", preset, "--seq-len", str(seq_len), "--steps", str(steps)]
+        env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"}  # the whole device, not JAX's 75%
+        try:
+            out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=left)
+        except subprocess.TimeoutExpired:
+            console.print(f"[yellow]{preset} stopped[/]: the run's time budget ran out while it ran (--budget-s)")
+            continue
         lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
         if out.returncode or not lines:
             console.print(f"[red]{preset} failed[/]:\n{out.stdout[-2000:]}{out.stderr[-4000:]}")
             continue
         results.append(json.loads(lines[-1]))
-    device = jax.devices()[0].device_kind
+    console.print(slice_table(results, seq_len, jax.devices()[0].device_kind))
+
+
+def slice_table(results: list[dict], seq_len: int, device: str) -> Table:
+    """The measured presets side by side, tokens/s as ratios to full_remat's."""
     table = Table(title=f"DeepSeek-V3 slice (1 dense + 2 MoE layers at full width, 16 experts) on one {device}")
     for column in (
         "preset",
@@ -283,18 +310,18 @@ def measure_all(presets: tuple[str, ...], seq_len: int, steps: int, console: Con
         if not r["micro_batch"]:
             table.add_row(r["preset"], "none fits", format_bytes(r["predicted_bytes"]), "-", "-", "-", "-")
             continue
-        ratio = f"{r['tokens_per_s'] / base:.3f}x" if base else "-"
+        peak = r["peak_bytes"]
         table.add_row(
             r["preset"],
             str(r["micro_batch"]),
             format_bytes(r["predicted_bytes"]),
-            format_bytes(r["peak_bytes"]),
-            f"{r['peak_bytes'] / r['predicted_bytes']:.3f}",
+            "-" if peak is None else format_bytes(peak),
+            "-" if peak is None else f"{peak / r['predicted_bytes']:.3f}",
             f"{r['tokens_per_s']:,.0f}",
-            ratio,
+            f"{r['tokens_per_s'] / base:.3f}x" if base else "-",
         )
     table.caption = f"sequence {seq_len}; capacity {format_bytes(results[0]['capacity_bytes'])}" if results else ""
-    console.print(table)
+    return table
 
 
 def has_gpu() -> bool:
@@ -310,6 +337,7 @@ def main() -> int:
     parser.add_argument("--slice-presets", nargs="+", default=list(SLICE_PRESETS))
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--budget-s", type=float, default=480, help="stop starting slice presets after this")
     parser.add_argument("--plan-target", default=None, help="without a GPU: plan the slice for this target")
     parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # one preset, in a child process
     args = parser.parse_args()
@@ -324,7 +352,7 @@ def main() -> int:
         plan_slice_deviceless(args.plan_target, args.seq_len, tuple(args.slice_presets), console)
     ok = self_checks(tuple(args.models), args.presets, console)
     if gpu:
-        measure_all(tuple(args.slice_presets), args.seq_len, args.steps, console)
+        measure_all(tuple(args.slice_presets), args.seq_len, args.steps, started + args.budget_s, console)
     else:
         console.print(
             "no GPU here: the memory peaks and the full_remat vs offload timing need one "

@@ -9,7 +9,7 @@ import sys
 import pytest
 from rich.console import Console
 
-from benchmarks.gpu_check import SLICE, largest_fitting, plan_slice_deviceless, slice_config
+from benchmarks.gpu_check import SLICE, largest_fitting, measure_slice, plan_slice_deviceless, slice_config, slice_table
 from tests.conftest import ROOT, load_model_config
 
 
@@ -78,3 +78,17 @@ def test_the_planning_step_runs_deviceless_for_an_h200():
     batch, used = chosen["full_remat"]
     assert batch == 64 and 0 < used < 141e9  # the tiny model fits the search's limit
     assert SLICE[0] == "model=deepseek_v3"
+
+
+def test_the_gpu_measurement_runs_on_the_cpu_with_a_tiny_model():
+    """The GPU path's own code (compile per batch, search, run, time) on llama_tiny, on the CPU,
+    which reports no memory peak."""
+    result = measure_slice("full_remat", 32, 1, model=("model=llama_tiny",), capacity=10**12, limit=2)
+    assert result["micro_batch"] == 2 and result["compiles"] == 2
+    assert result["tokens_per_s"] > 0 and result["peak_bytes"] is None and result["predicted_bytes"] > 0
+    offload = {**result, "preset": "minimal_offloaded", "tokens_per_s": result["tokens_per_s"] / 2}
+    printed = Console(width=200, record=True)
+    printed.print(slice_table([result, offload, {**result, "preset": "moe_offload", "micro_batch": 0}], 32, "cpu"))
+    rows = {line.split()[1]: line for line in printed.export_text().splitlines() if "_" in line and "│" in line}
+    assert "1.000x" in rows["full_remat"] and "0.500x" in rows["minimal_offloaded"]
+    assert "none fits" in rows["moe_offload"]
