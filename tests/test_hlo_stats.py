@@ -1,9 +1,11 @@
 """Collective bytes read from HLO text, weighted by the trip counts of the loops around them."""
 
 from ferry.hlo_stats import (
+    byte_strides,
     collective_bytes,
     execution_counts,
     host_copies,
+    host_slice_walks,
     matmul_flops,
     overlapped_flops,
     shape_bytes,
@@ -125,3 +127,66 @@ def test_host_copies_carry_their_bytes_and_the_compute_scheduled_under_them():
         0,
     )
     assert overlapped_flops(OFFLOAD_MODULE, [offload, reload]) == {"body": 2 * (8 * 16) * 16, "main": 0}
+
+
+WALK = """HloModule walks
+
+%fused_index (p: s32[]) -> s32[] {
+  %last = s32[] constant(3)
+  %p = s32[] parameter(0)
+  ROOT %sub = s32[] subtract(%last, %p)
+}
+
+%wrapped_read (buffer: bf16[4,8], i: s32[], j: s32[]) -> bf16[1,8] {
+  %buffer = bf16[4,8]{1,0:S(5)} parameter(0)
+  %i = s32[] parameter(1)
+  %j = s32[] parameter(2)
+  ROOT %slice = bf16[1,8]{1,0} dynamic-slice(%buffer, %i, %j), dynamic_slice_sizes={1,8}, \
+backend_config={"dynamic_slice_config":{"loop_index":"0",DESCRIPTOR}}
+}
+
+%body (param: (s32[], bf16[4,8])) -> (s32[], bf16[4,8]) {
+  %param = (s32[], bf16[4,8]{1,0:S(5)}) parameter(0)
+  %i = s32[] get-tuple-element(%param), index=0
+  %buffer = bf16[4,8]{1,0:S(5)} get-tuple-element(%param), index=1
+  %index = s32[] fusion(%i), kind=kLoop, calls=%fused_index
+  %zero = s32[] constant(0)
+  %read = ((bf16[4,8]{1,0:S(5)}, s32[], s32[]), bf16[1,8]{1,0}, u32[]) fusion-start(%buffer, %index, %zero), \
+kind=kLoop, calls=%wrapped_read, metadata={op_name="jit(step)/transpose(jvp())/while/body/dynamic_slice"}
+  %done = bf16[1,8]{1,0} fusion-done(%read)
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %out = (s32[], bf16[4,8]{1,0:S(5)}) tuple(%next, %buffer)
+}
+
+%cond (param: (s32[], bf16[4,8])) -> pred[] {
+  %param = (s32[], bf16[4,8]{1,0:S(5)}) parameter(0)
+  %i = s32[] get-tuple-element(%param), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (b: bf16[4,8]) -> (s32[], bf16[4,8]) {
+  %b = bf16[4,8]{1,0:S(5)} parameter(0)
+  %start = s32[] constant(0)
+  %init = (s32[], bf16[4,8]{1,0:S(5)}) tuple(%start, %b)
+  ROOT %loop = (s32[], bf16[4,8]{1,0:S(5)}) while(%init), condition=%cond, body=%body, \
+backend_config={"known_trip_count":{"n":"4"}}
+}
+""".replace("\\\n", "")
+
+
+def test_host_slice_walks_evaluate_the_index_and_read_both_descriptor_formats():
+    """A backward loop's read of row 3 - i of a 4 x 16-byte host buffer: the index evaluates to 3,
+    2, ... (byte offset 48, stride -16); jax 0.12's `linear` descriptor and jax 0.10's top-level
+    one are both read, and the #46231 descriptor (offset 0, stride +16) disagrees."""
+    right_012 = '"byte_offset":"0","byte_stride":"0","linear":{"byte_offset":"48","byte_stride":"-16"}'
+    right_010 = '"byte_offset":"48","byte_stride":"-16"'
+    wrong = '"byte_offset":"0","byte_stride":"16"'
+    for descriptor, agrees in ((right_012, True), (right_010, True), (wrong, False)):
+        (walk,) = host_slice_walks(WALK.replace("DESCRIPTOR", descriptor))
+        assert (walk.kind, walk.buffer_shape, walk.slice_bytes, walk.trip_count) == ("host read", "bf16[4,8]", 16, 4)
+        assert (walk.index_start, walk.index_next) == (3, 2)
+        assert (walk.expected_offset, walk.expected_stride) == (48, -16)
+        assert walk.agrees is agrees and walk.checked
+    assert byte_strides("bf16[4,8]{1,0}") == [16, 2] and byte_strides("f32[4,8]{0,1}") == [4, 16]
