@@ -1,5 +1,8 @@
 """Collective bytes read from HLO text, weighted by the trip counts of the loops around them."""
 
+import jax
+import jax.numpy as jnp
+
 from ferry.hlo_stats import (
     byte_strides,
     collective_bytes,
@@ -127,6 +130,76 @@ def test_host_copies_carry_their_bytes_and_the_compute_scheduled_under_them():
         0,
     )
     assert overlapped_flops(OFFLOAD_MODULE, [offload, reload]) == {"body": 2 * (8 * 16) * 16, "main": 0}
+
+
+# FLOPs of programs compiled for a TPU v5p and an H200 without either (compile-only devices), one
+# per pattern the counter reads, each against a count by hand.
+
+
+def compiled_text(target: str, fn, *shapes: tuple[tuple[int, ...], str]) -> str:
+    from jax.sharding import SingleDeviceSharding
+
+    from ferry.plan.targets import TARGETS
+
+    device = TARGETS[target]
+    sharding = SingleDeviceSharding(device.devices(4 if device.platform == "tpu" else 1)[0])
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in shapes]
+    return jax.jit(fn).lower(*args).compile(device.compile_options({})).as_text()
+
+
+def test_a_tpu_product_batched_over_experts_counts_one_window_tap_per_output():
+    """XLA:TPU writes a product batched over 8 experts as a convolution whose batch is a base-
+    dilated spatial dimension (`size=8 stride=7 lhs_dilate=8`): each output reads one of the 8
+    taps, so it costs 2 x 8 x 512 x 256 x 128, not 8 times as much."""
+    hlo = compiled_text(
+        "v5p", lambda a, b: jnp.einsum("nrd,nre->nde", a, b), ((8, 512, 256), "bfloat16"), ((8, 512, 128), "bfloat16")
+    )
+    assert "lhs_dilate=8" in hlo
+    assert matmul_flops(hlo) == 2 * 8 * 512 * 256 * 128
+
+
+def test_tpu_grouped_kernels_count_their_routed_rows():
+    """The forward product of Pallas megablox `gmm` and both of its backward products (`gmm` on
+    the transposed weights, `tgmm`), compiled for v5p, count 2 x rows x 256 x 128 each (their
+    `cost_estimate`): 304 rows (the group sizes, known at run time, may cover fewer) in 8 groups of
+    [256, 128] matrices."""
+    from ferry.nn.megablox import megablox_matmul
+
+    def loss(x, w, group_sizes):
+        return jnp.sum(jnp.square(megablox_matmul(x, w, group_sizes).astype(jnp.float32)))
+
+    hlo = compiled_text(
+        "v5p", jax.grad(loss, (0, 1)), ((304, 256), "bfloat16"), ((8, 256, 128), "bfloat16"), ((8,), "int32")
+    )
+    assert hlo.count('custom_call_target="tpu_custom_call"') >= 3
+    assert matmul_flops(hlo) == 3 * 2 * 304 * 256 * 128
+
+
+def test_cublas_gemms_compiled_for_an_h200_count_their_product():
+    hlo = compiled_text("h200", lambda a, b: a @ b, ((512, 256), "bfloat16"), ((256, 384), "bfloat16"))
+    assert "__cublas$lt$matmul" in hlo
+    assert matmul_flops(hlo) == 2 * 512 * 256 * 384
+
+
+# A grouped GEMM (XLA:GPU's `ragged_dot` rewrite where the BLAS library has one): 300 rows in 8
+# groups times [8, 256, 128] matrices, then its weight gradient [8, 256, 128] from two row blocks.
+GROUPED_GEMM_MODULE = """HloModule jit_step
+
+ENTRY %main (x: bf16[300,256], w: bf16[8,256,128], sizes: s32[8], g: bf16[300,128]) -> bf16[8,256,128] {
+  %x = bf16[300,256]{1,0} parameter(0)
+  %w = bf16[8,256,128]{2,1,0} parameter(1)
+  %sizes = s32[8]{0} parameter(2)
+  %g = bf16[300,128]{1,0} parameter(3)
+  %forward = (bf16[300,128]{1,0}, s8[1024]{0}) custom-call(%x, %w, %sizes), \
+custom_call_target="__cublas$lt$groupedMatmul", backend_config={"grouped_gemm_backend_config":{}}
+  ROOT %weights = (bf16[8,256,128]{2,1,0}, s8[1024]{0}) custom-call(%x, %g, %sizes), \
+custom_call_target="__cublas$lt$groupedMatmul", backend_config={"grouped_gemm_backend_config":{}}
+}
+"""
+
+
+def test_grouped_gemms_count_their_rows_from_their_shapes():
+    assert matmul_flops(GROUPED_GEMM_MODULE) == 2 * (2 * 300 * 256 * 128)
 
 
 WALK = """HloModule walks

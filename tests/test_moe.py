@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType
 
 from ferry.models.deepseek_v3 import _update_bias
+from ferry.nn.megablox import megablox_matmul
 from ferry.nn.moe import DeepSeekMoE, Experts, dense_moe, dropless_moe, route, tile_layout
 from ferry.offload import record_tags
 from ferry.sharding import MESH_AXES
@@ -80,15 +81,17 @@ def random_problem(tokens=48, experts=8, k=2, dim=16, hidden=24, seed=0):
 
 
 GROUPED_MATMULS = pytest.mark.parametrize(
-    "tile_rows", [None, 1, 8, 64], ids=lambda t: f"tiles{t}" if t else "ragged_dot"
-)
+    "matmul",
+    [{"kernel": "ragged_dot"}, {"kernel": "megablox"}, {"tile_rows": 1}, {"tile_rows": 8}, {"tile_rows": 64}],
+    ids=lambda m: f"tiles{m['tile_rows']}" if "tile_rows" in m else m["kernel"],
+)  # megablox: its CPU path (the reference), through its custom VJP; the kernels themselves below
 
 
 @GROUPED_MATMULS
-def test_dropless_dispatch_equals_dense_masking(tile_rows):
+def test_dropless_dispatch_equals_dense_masking(matmul):
     x, indices, weights, experts = random_problem()
     np.testing.assert_allclose(
-        dropless_moe(x, indices, weights, experts, tile_rows=tile_rows),
+        dropless_moe(x, indices, weights, experts, **matmul),
         dense_moe(x, indices, weights, experts),
         rtol=1e-5,
         atol=1e-6,
@@ -96,7 +99,7 @@ def test_dropless_dispatch_equals_dense_masking(tile_rows):
 
 
 @GROUPED_MATMULS
-def test_dropless_gradients_equal_dense_masking(tile_rows):
+def test_dropless_gradients_equal_dense_masking(matmul):
     """In float64: expert gradients sum over every routed token and reach ~30, where float32's
     different summation orders (grouped vs dense) alone differ by ~1e-5."""
     with jax.enable_x64(True):
@@ -104,9 +107,7 @@ def test_dropless_gradients_equal_dense_masking(tile_rows):
             lambda a: a.astype(jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a, random_problem()
         )
         cotangent = jax.random.normal(jax.random.key(9), x.shape, jnp.float64)
-        grad_sparse = jax.grad(
-            lambda e: jnp.sum(dropless_moe(x, indices, weights, e, tile_rows=tile_rows) * cotangent)
-        )(experts)
+        grad_sparse = jax.grad(lambda e: jnp.sum(dropless_moe(x, indices, weights, e, **matmul) * cotangent))(experts)
         grad_dense = jax.grad(lambda e: jnp.sum(dense_moe(x, indices, weights, e) * cotangent))(experts)
         for a, b in zip(jax.tree.leaves(grad_sparse), jax.tree.leaves(grad_dense), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
@@ -127,18 +128,18 @@ def kept_by_queue(indices, weights, num_experts, capacity):
 
 
 @GROUPED_MATMULS
-def test_capacity_factor_drops_late_slots_per_expert(tile_rows):
+def test_capacity_factor_drops_late_slots_per_expert(matmul):
     x, indices, weights, experts = random_problem()
     tokens, k = indices.shape
     num_experts = experts.gate.shape[0]
-    generous = dropless_moe(x, indices, weights, experts, capacity_factor=float(num_experts), tile_rows=tile_rows)
-    np.testing.assert_array_equal(generous, dropless_moe(x, indices, weights, experts, tile_rows=tile_rows))
+    generous = dropless_moe(x, indices, weights, experts, capacity_factor=float(num_experts), **matmul)
+    np.testing.assert_array_equal(generous, dropless_moe(x, indices, weights, experts, **matmul))
 
     capacity_factor = 0.5
     kept_weights = kept_by_queue(indices, weights, num_experts, -(-int(capacity_factor * tokens * k) // num_experts))
     assert (kept_weights == 0).any()
     np.testing.assert_allclose(
-        dropless_moe(x, indices, weights, experts, capacity_factor=capacity_factor, tile_rows=tile_rows),
+        dropless_moe(x, indices, weights, experts, capacity_factor=capacity_factor, **matmul),
         dense_moe(x, indices, jnp.asarray(kept_weights), experts),
         rtol=1e-5,
         atol=1e-6,
@@ -178,8 +179,16 @@ def check_expert_parallel_equals_dense():
             jax.random.normal(jax.random.key(9), x.shape, jnp.float64),
         )
         want_grads = gradients(dense_moe, *problem64)
-    for tile_rows, tag_capacity_factor in ((None, 1.0), (1, 1.0), (8, 1.0), (8, None)):
-        moe = functools.partial(dropless_moe, tile_rows=tile_rows, tag_capacity_factor=tag_capacity_factor)
+    for tile_rows, tag_capacity_factor, kernel in (
+        (None, 1.0, "ragged_dot"),
+        (None, 1.0, "megablox"),
+        (1, 1.0, None),
+        (8, 1.0, None),
+        (8, None, None),
+    ):
+        moe = functools.partial(
+            dropless_moe, tile_rows=tile_rows, tag_capacity_factor=tag_capacity_factor, kernel=kernel or "ragged_dot"
+        )
         dropping = functools.partial(moe, capacity_factor=capacity_factor)
         with jax.set_mesh(mesh):
             got, got_dropping = (
@@ -296,3 +305,19 @@ def test_tile_layout_gives_each_tile_one_expert():
     expected_rows = [*range(5), *[pad] * 3, *range(5, 14), *[pad] * 3, 14, *[pad] * 3]
     np.testing.assert_array_equal(np.asarray(layout.row)[:24], expected_rows)
     assert (np.asarray(layout.row)[24:] == pad).all()
+
+
+def test_megablox_kernels_equal_the_reference_with_rows_past_the_groups():
+    """The Pallas kernels themselves (interpret mode on the CPU): the forward product, the input
+    gradient (`gmm` on the transposed weights) and the weight gradient (`tgmm`) equal
+    `ragged_dot`'s, an empty group included; rows past the groups give zeros both ways."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    rows, dim, hidden = 40, 16, 24
+    x, g = jax.random.normal(keys[0], (rows, dim)), jax.random.normal(keys[1], (rows, hidden))
+    w = jax.random.normal(keys[2], (4, dim, hidden))
+    group_sizes = jnp.array([10, 0, 17, 9], jnp.int32)  # 36 of the 40 rows
+    y, pullback = jax.vjp(lambda x, w: megablox_matmul(x, w, group_sizes, True), x, w)
+    want, want_pullback = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, group_sizes), x, w)
+    for got, expected in zip((y, *pullback(g)), (want, *want_pullback(g)), strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    assert not np.asarray(y[36:]).any() and not np.asarray(pullback(g)[0][36:]).any()

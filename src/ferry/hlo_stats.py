@@ -122,8 +122,10 @@ _DEFINITION = re.compile(
 _DOT_DIMS = re.compile(r"lhs_contracting_dims=\{(?P<dims>[0-9,]*)\}")
 _DIM_LABELS = re.compile(r"dim_labels=(?P<lhs>\w+)_(?P<rhs>\w+)->(?P<out>\w+)")
 _FEATURE_GROUPS = re.compile(r"feature_group_count=(?P<n>\d+)")
-_WINDOW = re.compile(r"window=\{size=(?P<size>[0-9x]+)")
+_WINDOW = re.compile(r"window=\{(?P<window>[^}]*)\}")
 _GEMM_DIMS = re.compile(r'"lhs_contracting_dimensions":\[(?P<dims>[^\]]*)\]')
+_COST_ESTIMATE_FLOPS = re.compile(r'"cost_estimate":\{"flops":"(?P<flops>\d+)"')
+_GROUPED_GEMM = "grouped_gemm_backend_config"
 
 
 def _dims(shape: str) -> list[int]:
@@ -147,7 +149,9 @@ class _Module:
         self._flops: dict[str, float] = {}
 
     def own_flops(self, line: str) -> float:
-        """2 x output elements x contracted size of a `dot`, cuBLAS GEMM or `ragged-dot` line."""
+        """2 x output elements x contracted size of a `dot`, cuBLAS GEMM or `ragged-dot` line; a
+        TPU `convolution` by `convolution_flops`; a kernel (custom call) by the FLOPs its backend
+        config estimates (Pallas kernels: `cost_estimate`), a grouped GEMM by `grouped_flops`."""
         definition = _DEFINITION.match(line)
         if definition is None:
             return 0.0
@@ -156,6 +160,13 @@ class _Module:
         lhs_dims = _dims(self.shapes.get(lhs, ""))
         if op == "convolution":
             return self.convolution_flops(line, definition["shape"], lhs_dims)
+        if op == "custom-call":
+            estimate = _COST_ESTIMATE_FLOPS.search(line)
+            if estimate:
+                return float(estimate["flops"])
+            if _GROUPED_GEMM in line:
+                operands = [self.shapes.get(name, "") for name in _operands(definition)]
+                return grouped_flops(operands, definition["shape"])
         if op in ("dot", "ragged-dot"):
             dims = _DOT_DIMS.search(line)
         elif op == "custom-call" and "cublas" in line:
@@ -172,16 +183,17 @@ class _Module:
     @staticmethod
     def convolution_flops(line: str, shape: str, lhs_dims: list[int]) -> float:
         """TPU programs express matmuls as convolutions: 2 x output elements x the input
-        features each output reads (the lhs `f` dimension over the feature groups, times the
-        window)."""
+        features each output reads (the lhs `f` dimension over the feature groups) x the window
+        taps that land on an input element. A base-dilated input (`lhs_dilate=N`) has N - 1
+        holes between its elements, so of a window of `size` taps at most ceil(size / N) read
+        one: a batch-as-spatial convolution (`size=N stride=N-1 lhs_dilate=N`, how XLA:TPU
+        writes a product batched over N experts or heads) reads one tap per output, not N."""
         labels = _DIM_LABELS.search(line)
         if labels is None or len(labels["lhs"]) != len(lhs_dims):
             return 0.0
         groups = _FEATURE_GROUPS.search(line)
-        window = _WINDOW.search(line)
         reduced = lhs_dims[labels["lhs"].index("f")] // (int(groups["n"]) if groups else 1)
-        reduced *= int(np.prod([int(w) for w in window["size"].split("x")])) if window else 1
-        return 2.0 * float(np.prod(_dims(shape), dtype=np.int64)) * reduced
+        return 2.0 * float(np.prod(_dims(shape), dtype=np.int64)) * reduced * window_taps(line)
 
     def line_flops(self, line: str) -> float:
         """The line's own FLOPs plus those of what it calls (loop bodies times their trip count)."""
@@ -200,6 +212,37 @@ class _Module:
         return self._flops[name]
 
 
+def window_taps(line: str) -> int:
+    """The taps of a convolution's window that read an input element, per output element: per
+    spatial dimension ceil(size / lhs_dilate) (padding at the edges is not discounted)."""
+    window = _WINDOW.search(line)
+    if window is None:
+        return 1
+    fields = dict(field.split("=", 1) for field in window["window"].split() if "=" in field)
+    sizes = [int(n) for n in fields.get("size", "1").split("x")]
+    dilations = [int(n) for n in fields.get("lhs_dilate", "x".join("1" * len(sizes))).split("x")]
+    return int(np.prod([-(-size // dilation) for size, dilation in zip(sizes, dilations, strict=True)]))
+
+
+def grouped_flops(operands: list[str], shape: str) -> float:
+    """FLOPs of a grouped matmul kernel from its shapes: rows [m, k] x groups' matrices
+    [groups, k, n] -> [m, n] (forward, input gradient), or [m, k] and [m, n] -> [groups, k, n]
+    (weight gradient), 2 x m x k x n either way. Each of m, k and n indexes two of the three
+    matrices and the group axis one, so m x k x n is the square root of their sizes' product
+    without the group axis. Integer operands (group sizes) are not matrices."""
+    matrices = [s for s in (*operands, shape) if len(_dims(s)) >= 2 and _is_float(s)]
+    grouped = [s for s in matrices if len(_dims(s)) == 3]
+    if len(matrices) != 3 or len(grouped) != 1:
+        return 0.0
+    product = np.prod([float(np.prod(_dims(s), dtype=np.int64)) for s in matrices]) / _dims(grouped[0])[0]
+    return 2.0 * float(np.sqrt(product))
+
+
+def _is_float(shape: str) -> bool:
+    match = _ARRAY.search(shape)
+    return match is not None and match["dtype"][0] in "fb"  # f32, bf16, f8e4m3fn...
+
+
 @functools.lru_cache(maxsize=2)
 def _parsed(hlo_text: str) -> "_Module":
     """The planner reads FLOPs, host copies and their overlap from one program: parse it once."""
@@ -208,9 +251,10 @@ def _parsed(hlo_text: str) -> "_Module":
 
 def matmul_flops(hlo_text: str) -> float:
     """FLOPs of every matrix product in a compiled module (`dot`, cuBLAS GEMM custom calls,
-    `ragged-dot` counted as dense, and TPU `convolution`s), weighted by how often its computation runs: what
-    `cost_analysis()` does not report for compile-only GPU devices. 2 x output elements x the
-    contracted size; elementwise work is not counted."""
+    `ragged-dot` counted as dense, TPU `convolution`s, and kernels: Pallas custom calls by their
+    cost estimate, grouped GEMMs by their shapes), weighted by how often its computation runs:
+    what `cost_analysis()` does not report for compile-only GPU devices. 2 x output elements x
+    the contracted size; elementwise work is not counted."""
     module = _parsed(hlo_text)
     return module.computation_flops(module.entry)
 

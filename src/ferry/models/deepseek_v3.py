@@ -47,9 +47,11 @@ class DeepSeekV3Config:
     groups_per_token: int
     routed_scaling: float = 2.5
     capacity_factor: float | None = None  # None: dropless
-    # Grouped matmul of the routed experts: "ragged_dot" (TPU's grouped GEMM), "tiled" (tiles
-    # of moe_tile_rows rows, one expert each; XLA's CPU and GPU backends expand ragged_dot into
-    # every expert on every row), or "auto": ragged_dot on TPU, tiled elsewhere.
+    # Grouped matmul of the routed experts: "megablox" (JAX's Pallas grouped kernels on TPU, the
+    # ragged_dot reference elsewhere), "ragged_dot" (XLA's own grouped kernels on TPU, which add
+    # a transposed copy of the expert weights per product), "tiled" (tiles of moe_tile_rows rows,
+    # one expert each; XLA's CPU and GPU backends expand ragged_dot and its transposes into every
+    # expert on every row), or "auto": megablox on TPU, tiled elsewhere.
     moe_matmul: str = "auto"
     moe_tile_rows: int = 32
     # Expert parallelism runs the experts in a ring of steps, one per device of the expert
@@ -96,8 +98,8 @@ class DeepSeekV3Config:
         require(self.qk_rope_dim % 2 == 0, f"qk_rope_dim {self.qk_rope_dim} must be even for rotary embeddings")
         require(self.mtp_depth >= 0, f"mtp_depth must be >= 0, got {self.mtp_depth}")
         require(
-            self.moe_matmul in ("auto", "ragged_dot", "tiled"),
-            f"moe_matmul is {self.moe_matmul!r}; use auto, ragged_dot or tiled",
+            self.moe_matmul in ("auto", "megablox", "ragged_dot", "tiled"),
+            f"moe_matmul is {self.moe_matmul!r}; use auto, megablox, ragged_dot or tiled",
         )
         require(self.moe_tile_rows >= 1, f"moe_tile_rows must be >= 1, got {self.moe_tile_rows}")
         require(
@@ -137,10 +139,16 @@ class DeepSeekV3Config:
             key=key,
         )
 
+    def moe_matmul_here(self) -> str:
+        """`moe_matmul` with "auto" resolved for this process's backend (the planner resolves it
+        for its target first: `ferry.plan.planner.for_target`)."""
+        if self.moe_matmul != "auto":
+            return self.moe_matmul
+        return "megablox" if jax.default_backend() == "tpu" else "tiled"
+
     def moe_tile_rows_or_none(self) -> int | None:
-        """Tile rows for the tiled grouped matmul, or None for `lax.ragged_dot`."""
-        tiled = self.moe_matmul == "tiled" or (self.moe_matmul == "auto" and jax.default_backend() != "tpu")
-        return self.moe_tile_rows if tiled else None
+        """Tile rows for the tiled grouped matmul, or None for a grouped kernel."""
+        return self.moe_tile_rows if self.moe_matmul_here() == "tiled" else None
 
     def moe(self, key: PRNGKeyArray) -> DeepSeekMoE:
         return DeepSeekMoE(
@@ -155,6 +163,7 @@ class DeepSeekV3Config:
             self.capacity_factor,
             self.moe_tile_rows_or_none(),
             self.moe_tag_capacity_factor,
+            "ragged_dot" if self.moe_matmul_here() == "tiled" else self.moe_matmul_here(),
             key=key,
         )
 

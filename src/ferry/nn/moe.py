@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from ferry.nn.megablox import megablox_matmul
 from ferry.nn.mlp import SwiGLU
 from ferry.offload import tag
 from ferry.sharding import (
@@ -224,7 +225,8 @@ class Dispatch(eqx.Module):
     row_token: Int[Array, " rows"]  # past the groups: the number of tokens (no token)
     row_weight: Float[Array, " rows"]
     group_sizes: Int[Array, " local_experts"]
-    layout: TileLayout | None  # None: `lax.ragged_dot`
+    layout: TileLayout | None  # None: a grouped kernel (`kernel`)
+    kernel: str = eqx.field(static=True, default="ragged_dot")  # without a layout: "ragged_dot" or "megablox"
 
     def window(self, start: int, stop: int) -> "Dispatch":
         """Rows [start, stop) as a dispatch of their own. Its tiles are those that can hold
@@ -238,7 +240,7 @@ class Dispatch(eqx.Module):
             row = layout.row[first * tile_rows : last * tile_rows]
             row = jnp.where((row >= start) & (row < stop), row - start, stop - start)
             layout = TileLayout(row, layout.tile_expert[first:last], tile_rows)
-        return Dispatch(self.row_token[start:stop], self.row_weight[start:stop], group_sizes, layout)
+        return Dispatch(self.row_token[start:stop], self.row_weight[start:stop], group_sizes, layout, self.kernel)
 
 
 def dispatch(
@@ -249,11 +251,13 @@ def dispatch(
     tile_rows: int | None = None,
     capacity: int | None = None,
     queue_start: Int[Array, " local_experts"] | int = 0,
+    kernel: str = "ragged_dot",
 ) -> Dispatch:
     """Sort the slots routed to experts [first_expert, first_expert + num_local_experts) by
     expert. With a `capacity`, a slot whose place in its expert's queue (after `queue_start`
     slots queued elsewhere) is `capacity` or later gets weight zero (dropped), as
-    capacity-based trainers do. Only index arrays: the tokens are read by the matmul itself."""
+    capacity-based trainers do. Only index arrays: the tokens are read by the matmul itself.
+    Without `tile_rows` the grouped matmul is `kernel` (`grouped_matmul`)."""
     tokens, k = indices.shape
     local_expert = indices.reshape(-1) - first_expert
     is_local = (local_expert >= 0) & (local_expert < num_local_experts)
@@ -267,7 +271,7 @@ def dispatch(
         expert = jnp.minimum(sort_key[order], num_local_experts - 1)
         row_weight = jnp.where(jnp.arange(tokens * k) - starts[expert] < capacity, row_weight, 0)
     layout = None if tile_rows is None else tile_layout(group_sizes, tokens * k, tile_rows)
-    return Dispatch(jnp.where(in_group, order // k, tokens), row_weight, group_sizes, layout)
+    return Dispatch(jnp.where(in_group, order // k, tokens), row_weight, group_sizes, layout, kernel)
 
 
 def grouped_matmul(
@@ -275,11 +279,14 @@ def grouped_matmul(
 ) -> Float[Array, "rows d_out"]:
     """Each dispatched row times its expert's matrix; the row is x's row of the row's token
     (`gather`: x holds the tokens) or x's own row. Rows past the groups give zeros.
-    `lax.ragged_dot` (TPU's grouped GEMM) when the dispatch has no tile layout; otherwise tiles
-    (`tiled_matmul`): XLA's CPU and GPU backends expand `ragged_dot` into every expert on every row."""
+    Without a tile layout, the dispatch's grouped kernel: `megablox` (JAX's Pallas kernels on TPU,
+    `ferry.nn.megablox`) or `lax.ragged_dot`; with one, tiles (`tiled_matmul`): XLA's CPU and GPU
+    backends expand `ragged_dot` and its transposes into every expert on every row."""
     num_rows = d.row_token.shape[0]
     if d.layout is None:
         rows = _rows(x, d.row_token) if gather else x
+        if d.kernel == "megablox":
+            return megablox_matmul(rows, weights.astype(rows.dtype), d.group_sizes)
         in_group = (jnp.arange(num_rows) < d.group_sizes.sum())[:, None]
         return jnp.where(in_group, jax.lax.ragged_dot(rows, weights, d.group_sizes), 0)
     source = d.layout.row
@@ -375,9 +382,10 @@ def dropless_moe(
     capacity_factor: float | None = None,
     tile_rows: int | None = None,
     tag_capacity_factor: float | None = None,
+    kernel: str = "ragged_dot",
 ) -> Float[Array, "tokens dim"]:
     """Sort the (token, expert) slots by expert and run each expert on exactly its tokens with
-    grouped matmuls (`lax.ragged_dot`, or tiles of `tile_rows` rows): no token is dropped, no
+    grouped matmuls (tiles of `tile_rows` rows, or else the grouped `kernel`): no token is dropped, no
     expert computes a token it was not routed. Under a mesh of several devices the dispatch is
     per device (`expert_parallel_moe`), unless the tokens do not split evenly over the batch axes
     (abstract traces with a toy shape), where XLA partitions the single-device dispatch. The
@@ -385,10 +393,13 @@ def dropless_moe(
     are not tagged: the backward pass recomputes them whatever the offload policy."""
     mesh = context_mesh()
     if mesh is not None and mesh.size > 1 and x.shape[0] % data_parallel_size(mesh) == 0:
-        return expert_parallel_moe(x, indices, weights, experts, mesh, capacity_factor, tile_rows, tag_capacity_factor)
+        return expert_parallel_moe(
+            x, indices, weights, experts, mesh, capacity_factor, tile_rows, tag_capacity_factor, kernel
+        )
     tokens, k = indices.shape
     num_experts = experts.gate.shape[0]
-    d = dispatch(indices, weights, 0, num_experts, tile_rows, _capacity(capacity_factor, tokens, k, num_experts))
+    capacity = _capacity(capacity_factor, tokens, k, num_experts)
+    d = dispatch(indices, weights, 0, num_experts, tile_rows, capacity, kernel=kernel)
     windows = tagged_windows(d, _tagged_rows(tag_capacity_factor, tokens, k, 1))
     return combine_windows(routed_experts(x, windows, experts, grouped_matmul), windows, tokens)
 
@@ -441,6 +452,7 @@ def _receive_and_dispatch(
     tile_rows: int | None,
     capacity: int | None,
     tagged_rows: int,
+    kernel: str,
 ) -> tuple[jax.Array, tuple[Dispatch, ...]]:
     """One step of the ring, on one device: the tokens and routing of the device `shift` ahead
     in the group, and the dispatch of their slots to this device's experts (`tagged_windows`)."""
@@ -452,7 +464,7 @@ def _receive_and_dispatch(
         queue_start = _queue_start(indices, (position + shift) % group, first, num_local, num_experts)
     if shift:
         x, indices, weights = (_from_device_ahead(a, shift, group) for a in (x, indices, weights))
-    d = dispatch(indices, weights, first, num_local, tile_rows, capacity, queue_start)
+    d = dispatch(indices, weights, first, num_local, tile_rows, capacity, queue_start, kernel)
     return x, tagged_windows(d, tagged_rows)
 
 
@@ -473,6 +485,7 @@ def expert_parallel_moe(
     capacity_factor: float | None = None,
     tile_rows: int | None = None,
     tag_capacity_factor: float | None = None,
+    kernel: str = "ragged_dot",
 ) -> Float[Array, "tokens dim"]:
     """Dropless MoE with the experts split over the mesh's `expert` axis and the tokens over its
     batch axes, as a ring over the `expert` group: at step s every device receives the tokens
@@ -506,6 +519,7 @@ def expert_parallel_moe(
             tile_rows=tile_rows,
             capacity=capacity,
             tagged_rows=tagged_rows,
+            kernel=kernel,
         )
         x_ahead, windows = jax.shard_map(receive, mesh=mesh, in_specs=rows, out_specs=rows)(x, indices, weights)
         if total is not None:
@@ -561,6 +575,7 @@ class DeepSeekMoE(eqx.Module):
     capacity_factor: float | None = eqx.field(static=True)
     tile_rows: int | None = eqx.field(static=True)
     tag_capacity_factor: float | None = eqx.field(static=True)
+    kernel: str = eqx.field(static=True)  # the grouped kernel without tiles: "ragged_dot" or "megablox"
 
     def __init__(
         self,
@@ -575,6 +590,7 @@ class DeepSeekMoE(eqx.Module):
         capacity_factor: float | None,
         tile_rows: int | None = None,
         tag_capacity_factor: float | None = None,
+        kernel: str = "ragged_dot",
         *,
         key: PRNGKeyArray,
     ):
@@ -588,6 +604,7 @@ class DeepSeekMoE(eqx.Module):
         self.capacity_factor = capacity_factor
         self.tile_rows = tile_rows
         self.tag_capacity_factor = tag_capacity_factor
+        self.kernel = kernel
 
     def __call__(self, x: Float[Array, "batch seq dim"]) -> tuple[Float[Array, "batch seq dim"], MoEStats]:
         batch, seq, dim = x.shape
@@ -609,6 +626,7 @@ class DeepSeekMoE(eqx.Module):
             self.capacity_factor,
             self.tile_rows,
             self.tag_capacity_factor,
+            self.kernel,
         )
         out = routed.reshape(x.shape) + self.shared(x)
         load = jnp.bincount(indices.reshape(-1), length=scores.shape[-1]).astype(jnp.float32)

@@ -89,11 +89,11 @@ def compile_only_mesh(target: Target, mesh_config: MeshConfig) -> Mesh:
 
 def for_target(model_config: Any, target: Target) -> Any:
     """The model as it runs on `target` where its config leaves a choice to the backend (this
-    process's backend is the CPU): the experts' grouped matmul is TPU's grouped GEMM
-    (`ragged_dot`) on a TPU, tiles on a GPU, whose XLA backend expands `ragged_dot` into every
-    expert on every row."""
+    process's backend is the CPU): the experts' grouped matmul is JAX's Pallas megablox kernels
+    on a TPU, tiles on a GPU, whose XLA backend expands `ragged_dot` and its transposes into
+    every expert on every row."""
     if getattr(model_config, "moe_matmul", None) == "auto":
-        return dataclasses.replace(model_config, moe_matmul="ragged_dot" if target.platform == "tpu" else "tiled")
+        return dataclasses.replace(model_config, moe_matmul="megablox" if target.platform == "tpu" else "tiled")
     return model_config
 
 

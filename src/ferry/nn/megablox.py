@@ -1,0 +1,124 @@
+"""The routed experts' grouped matmul on TPU: JAX's Pallas megablox kernels (`gmm` for the forward
+and input-gradient products, `tgmm` for the weight gradient), each costing the routed rows.
+
+XLA:TPU lowers `lax.ragged_dot` and both its transposes to grouped kernels too, at the same FLOPs,
+but it feeds the input-gradient kernel a transposed copy of every expert's matrix (a second
+[experts, hidden, dim] buffer per product, 7 GiB at DeepSeek-V3's width in bfloat16); `gmm` reads
+the matrix transposed in place (`transpose_rhs`). Other backends run the reference (`ragged_dot`
+and its VJP): the platform is chosen when the program is lowered, so a CPU process that compiles
+for a TPU gets the kernels. `interpret=True` runs the kernels themselves on any backend (tests).
+"""
+
+import functools
+import importlib
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+# the kernels' module (the package's `gmm` attribute is the wrapped function, not the module)
+kernels = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+
+# Rows x contracted x output columns per kernel step, as MaxText's default megablox tiling; each
+# is clipped to the operand's size, so small (test) widths take one tile.
+TILING: tuple[int, int, int] = (512, 1024, 1024)
+
+
+def _tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
+    """TILING clipped to the product's shape; rows stay a multiple of 8 (a TPU sublane)."""
+    tm, tk, tn = TILING
+    return min(tm, -(-m // 8) * 8), min(tk, k), min(tn, n)
+
+
+def _in_groups(rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """Zeros in the rows past the groups, which `gmm` leaves unwritten when every group is local."""
+    return jnp.where((jnp.arange(rows.shape[0]) < group_sizes.sum())[:, None], rows, 0)
+
+
+def _forward(x: jax.Array, w: jax.Array, group_sizes: jax.Array, interpret: bool) -> jax.Array:
+    m, k = x.shape
+    tiling = _tiling(m, k, w.shape[2])
+    return _in_groups(kernels.gmm(x, w, group_sizes, x.dtype, tiling, interpret=interpret), group_sizes)
+
+
+def _input_gradient(g: jax.Array, w: jax.Array, group_sizes: jax.Array, dtype: jnp.dtype, interpret: bool):
+    m, n = g.shape
+    tiling = _tiling(m, n, w.shape[1])
+    dx = kernels.gmm(g, w, group_sizes, dtype, tiling, transpose_rhs=True, interpret=interpret)
+    return _in_groups(dx, group_sizes)
+
+
+def _weight_gradient(x: jax.Array, g: jax.Array, group_sizes: jax.Array, dtype: jnp.dtype, interpret: bool):
+    m, k = x.shape
+    tiling = _tiling(m, k, g.shape[1])
+    return kernels.tgmm(x.swapaxes(0, 1), g, group_sizes, dtype, tiling, interpret=interpret)
+
+
+def _reference_forward(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    return jax.lax.ragged_dot(x, w, group_sizes)
+
+
+def _reference_gradients(x: jax.Array, w: jax.Array, group_sizes: jax.Array, g: jax.Array):
+    _, pullback = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, group_sizes), x, w)
+    return pullback(g)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def megablox_matmul(
+    x: Float[Array, "rows d_in"],
+    w: Float[Array, "experts d_in d_out"],
+    group_sizes: Int[Array, " experts"],
+    interpret: bool = False,
+) -> Float[Array, "rows d_out"]:
+    """Rows [sum(group_sizes[:e]), sum(group_sizes[:e + 1])) of x times expert e's matrix; rows
+    past the groups give zeros. x and w share a dtype (the compute dtype)."""
+    return _megablox_forward(x, w, group_sizes, interpret)
+
+
+def _kernel_dtypes(*arrays: jax.Array) -> bool:
+    """The kernels take bfloat16 and float32 (a float64 test runs the reference everywhere)."""
+    return all(a.dtype in (jnp.bfloat16, jnp.float32) for a in arrays)
+
+
+def _megablox_forward(x: jax.Array, w: jax.Array, group_sizes: jax.Array, interpret: bool) -> jax.Array:
+    if interpret:
+        return _forward(x, w, group_sizes, True)
+    if not _kernel_dtypes(x, w):
+        return _reference_forward(x, w, group_sizes)
+    return jax.lax.platform_dependent(
+        x, w, group_sizes, tpu=functools.partial(_forward, interpret=False), default=_reference_forward
+    )
+
+
+def _megablox_fwd(x: jax.Array, w: jax.Array, group_sizes: jax.Array, interpret: bool):
+    return _megablox_forward(x, w, group_sizes, interpret), (x, w, group_sizes)
+
+
+def _megablox_bwd(interpret: bool, residuals: tuple, g: jax.Array) -> tuple:
+    """Input gradient `gmm(g, w^T)`, weight gradient `tgmm(x^T, g)`: both over the routed rows."""
+    x, w, group_sizes = residuals
+    g = g.astype(x.dtype)
+
+    def kernels_(x: jax.Array, w: jax.Array, group_sizes: jax.Array, g: jax.Array, interpret: bool):
+        return (
+            _input_gradient(g, w, group_sizes, x.dtype, interpret),
+            _weight_gradient(x, g, group_sizes, w.dtype, interpret),
+        )
+
+    if interpret:
+        dx, dw = kernels_(x, w, group_sizes, g, True)
+    elif not _kernel_dtypes(x, w):
+        dx, dw = _reference_gradients(x, w, group_sizes, g)
+    else:
+        dx, dw = jax.lax.platform_dependent(
+            x,
+            w,
+            group_sizes,
+            g,
+            tpu=functools.partial(kernels_, interpret=False),
+            default=_reference_gradients,
+        )
+    return dx, dw, None
+
+
+megablox_matmul.defvjp(_megablox_fwd, _megablox_bwd)
