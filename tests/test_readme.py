@@ -4,7 +4,6 @@ no more matrix products than keeping everything: its tags sit on matmul outputs.
 import re
 
 import equinox as eqx
-import jax
 
 from ferry.hlo_stats import matmul_flops
 from ferry.offload import Policy

@@ -108,7 +108,8 @@ def test_extra_inputs_reach_every_layer_undifferentiated():
 
 def test_a_layer_stack_refuses_a_misspelt_name_listing_its_tags():
     stack = LayerStack(lambda k: Permute(jnp.eye(4), jnp.arange(4)), 2, key=jax.random.key(0))
-    with pytest.raises(PolicyError, match=r"names \['hh'\], which this model never tags; it tags: decoder_layer_input, h"):
+    message = r"names \['hh'\], which this model never tags; it tags: decoder_layer_input, h"
+    with pytest.raises(PolicyError, match=message):
         stack(jnp.ones((1, 3, 4)), Policy({"hh": "offload"}))
 
 

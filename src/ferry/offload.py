@@ -345,6 +345,7 @@ def offloaded(
     mesh: Mesh | None = None,
     check_names: bool = True,
     name: str = "layer",
+    in_scan: bool = False,
 ) -> Callable[..., Any]:
     """Wrap a layer `fn(params, x, *extra)` so its residuals are placed by `policy`.
 
@@ -356,6 +357,12 @@ def offloaded(
     tags, unless `check_names=False` because the caller checks it against a whole model whose
     layers tag different names (dense and MoE layers). `name` names the layer (group) in the
     copies' name scope (`copy_scope`).
+
+    `in_scan` says the layer is the body of a `lax.scan` of more than one step. Outside one, the
+    engine adds two optimisation barriers (see `layer_fwd` and `layer_bwd`); inside one they are
+    not needed (the scan's stacked host buffers keep the copies, and the backward loop cannot
+    merge with the forward one), and would cost: XLA's host offloader refuses a barrier on host
+    values in a loop body, and the replay could not start before every reload is done.
     """
     if policy.keep_all:
         return fn
@@ -396,20 +403,23 @@ def offloaded(
             axes[:] = recorder.axes
             if check_names:
                 policy.validate(set(names))
-            # The layer's output waits for its saved values, which go through the barrier with it:
-            # outside a loop XLA would otherwise fold a copy to host that is read straight back into
-            # nothing, and keep the value in HBM (inside a scan the stacked host buffer keeps it).
-            out, kept_input, saved = jax.lax.optimization_barrier((out, save(LAYER_INPUT, h, None), recorder.saved))
+            kept_input, saved = save(LAYER_INPUT, h, None), recorder.saved
+            if not in_scan:
+                # The layer's output waits for its saved values, which go through a barrier with it:
+                # outside a loop XLA would otherwise fold a copy to host that is read straight back
+                # into nothing, and keep the value in HBM.
+                out, kept_input, saved = jax.lax.optimization_barrier((out, kept_input, saved))
             return out, (p, kept_input, f, e, saved)
 
         def layer_bwd(residuals: Any, cotangent: Any) -> tuple[Any, Any, None, None]:
             p, h, f, e, saved = residuals
             h = restore(LAYER_INPUT, h, None)
             saved = [restore(tensor, value, a) for tensor, value, a in zip(names, saved, axes, strict=True)]
-            # What the replay reads passes an optimisation barrier, as `jax.checkpoint`'s
-            # prevent_cse does: outside a loop XLA would otherwise merge the replay with the
-            # forward pass, keeping the forward values alive and saving nothing.
-            p, h, f, e, saved = jax.lax.optimization_barrier((p, h, f, e, saved))
+            if not in_scan:
+                # What the replay reads passes a barrier, as `jax.checkpoint`'s prevent_cse does:
+                # outside a loop XLA would otherwise merge the replay with the forward pass, keeping
+                # the forward values alive and saving nothing.
+                p, h, f, e, saved = jax.lax.optimization_barrier((p, h, f, e, saved))
             injected = list(zip(names, saved, strict=True))
 
             def replay(p: Any, h: jax.Array) -> Any:

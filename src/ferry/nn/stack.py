@@ -63,11 +63,11 @@ class LayerStack(eqx.Module):
         names the model's other layers tag): a misspelt name is an error listing the names."""
         if policy.names and not policy.keep_all:
             policy.validate(self.tagged_names(x, *extra) | tagged_elsewhere)
-        run = offloaded(
-            _split_output(lambda layer, h, *e: layer(h, *e)), policy, mesh=mesh, check_names=False, name=self.name
-        )
+        in_scan = self.scan_layers and self.num_layers > 1  # XLA unrolls a scan of one step
+        layer_fn = _split_output(lambda layer, h, *e: layer(h, *e))
+        run = offloaded(layer_fn, policy, mesh=mesh, check_names=False, name=self.name, in_scan=in_scan)
         dynamic, static = eqx.partition(self.layers, eqx.is_array)
-        if self.scan_layers:
+        if in_scan:
             return jax.lax.scan(lambda h, d: run(eqx.combine(d, static), h, *extra), x, dynamic)
         all_stats = []
         for index in range(self.num_layers):
