@@ -321,3 +321,39 @@ def test_megablox_kernels_equal_the_reference_with_rows_past_the_groups():
     for got, expected in zip((y, *pullback(g)), (want, *want_pullback(g)), strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
     assert not np.asarray(y[36:]).any() and not np.asarray(pullback(g)[0][36:]).any()
+
+
+@pytest.mark.slow  # minutes of compiling at full width; the kernels' and tiles' counts are covered by test_hlo_stats
+@pytest.mark.parametrize(("target", "matmul"), [("v5p", {"kernel": "megablox"}), ("h200", {"tile_rows": 8})])
+def test_a_deepseek_v3_width_moe_layer_costs_its_routed_rows(target, matmul):
+    """One MoE layer at DeepSeek-V3's width (256 experts of 7168 x 2048, top-8, the shared
+    expert), 2048 tokens on one device, compiled with its backward pass for v5p (megablox) and
+    for H200 (tiles of 8 rows: XLA:GPU expands `ragged_dot` and its transposes into all 256
+    experts on every row): the matmul FLOPs of the compiled program are within 1.15x of 6 x
+    routed rows x 3 x 7168 x 2048 plus the shared expert's and the router's. Parameters are
+    shapes only; nothing is allocated."""
+    from jax.sharding import SingleDeviceSharding
+
+    from ferry.hlo_stats import matmul_flops
+    from ferry.plan.targets import TARGETS
+
+    experts, dim, hidden, k, tokens = 256, 7168, 2048, 8, 2048
+    device = TARGETS[target]
+    sharding = SingleDeviceSharding(device.devices(4 if device.platform == "tpu" else 1)[0])
+    tile_rows, kernel = matmul.get("tile_rows"), matmul.get("kernel", "ragged_dot")
+    moe = eqx.filter_eval_shape(
+        lambda: DeepSeekMoE(dim, hidden, experts, 1, 8, 4, k, 2.5, None, tile_rows, None, kernel, key=jax.random.key(0))
+    )
+    params, static = eqx.partition(moe, lambda a: isinstance(a, jax.ShapeDtypeStruct))
+    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), params)
+    x = jax.ShapeDtypeStruct((1, tokens, dim), jnp.bfloat16, sharding=sharding)
+
+    def loss(params, x):
+        compute = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.ndim > 1 else a, params)
+        out, stats = eqx.combine(compute, static)(x)
+        return jnp.sum(jnp.square(out.astype(jnp.float32))) + stats.balance_loss
+
+    hlo = jax.jit(jax.grad(loss, (0, 1))).lower(params, x).compile(device.compile_options({})).as_text()
+    routed = 6 * tokens * k * 3 * dim * hidden
+    shared_and_router = 6 * tokens * 3 * dim * hidden + 6 * tokens * dim * experts
+    assert routed + shared_and_router <= matmul_flops(hlo) <= 1.15 * (routed + shared_and_router)

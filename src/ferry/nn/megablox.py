@@ -14,6 +14,7 @@ import importlib
 
 import jax
 import jax.numpy as jnp
+from jax._src import config as jax_config
 from jaxtyping import Array, Float, Int
 
 # the kernels' module (the package's `gmm` attribute is the wrapped function, not the module)
@@ -30,6 +31,29 @@ def _tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
     return min(tm, -(-m // 8) * 8), min(tk, k), min(tn, n)
 
 
+def _padded_rows(a: jax.Array, tm: int) -> jax.Array:
+    """`a` with zero rows appended up to a multiple of the row tile, as the kernels require
+    (none at real widths: tokens x top-k rows are a multiple of 512)."""
+    pad = -a.shape[0] % tm
+    return jnp.pad(a, ((0, pad), (0, 0))) if pad else a
+
+
+def _unchecked(kernel):
+    """`kernel` run without shard_map's varying-axes check, its result typed as varying where
+    its operands do: megablox declares its outputs without the varying mesh axes that a kernel
+    inside `jax.shard_map` (per-device experts, `ferry.nn.moe`) must name."""
+
+    @functools.wraps(kernel)
+    def call(*operands: object, **kwargs: object) -> jax.Array:
+        arrays = [a for a in operands if isinstance(a, jax.Array)]
+        axes = tuple(sorted(set().union(*(jax.typeof(a).manual_axis_type.varying for a in arrays))))
+        with jax_config._check_vma(False):
+            out = kernel(*operands, **kwargs)
+        return jax.lax.pcast(out, axes, to="varying") if axes else out
+
+    return call
+
+
 def _in_groups(rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """Zeros in the rows past the groups, which `gmm` leaves unwritten when every group is local."""
     return jnp.where((jnp.arange(rows.shape[0]) < group_sizes.sum())[:, None], rows, 0)
@@ -38,20 +62,23 @@ def _in_groups(rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
 def _forward(x: jax.Array, w: jax.Array, group_sizes: jax.Array, interpret: bool) -> jax.Array:
     m, k = x.shape
     tiling = _tiling(m, k, w.shape[2])
-    return _in_groups(kernels.gmm(x, w, group_sizes, x.dtype, tiling, interpret=interpret), group_sizes)
+    out = _unchecked(kernels.gmm)(_padded_rows(x, tiling[0]), w, group_sizes, x.dtype, tiling, interpret=interpret)
+    return _in_groups(out[:m], group_sizes)
 
 
 def _input_gradient(g: jax.Array, w: jax.Array, group_sizes: jax.Array, dtype: jnp.dtype, interpret: bool):
     m, n = g.shape
     tiling = _tiling(m, n, w.shape[1])
-    dx = kernels.gmm(g, w, group_sizes, dtype, tiling, transpose_rhs=True, interpret=interpret)
-    return _in_groups(dx, group_sizes)
+    gmm = _unchecked(kernels.gmm)
+    dx = gmm(_padded_rows(g, tiling[0]), w, group_sizes, dtype, tiling, transpose_rhs=True, interpret=interpret)
+    return _in_groups(dx[:m], group_sizes)
 
 
 def _weight_gradient(x: jax.Array, g: jax.Array, group_sizes: jax.Array, dtype: jnp.dtype, interpret: bool):
     m, k = x.shape
     tiling = _tiling(m, k, g.shape[1])
-    return kernels.tgmm(x.swapaxes(0, 1), g, group_sizes, dtype, tiling, interpret=interpret)
+    x, g = _padded_rows(x, tiling[0]), _padded_rows(g, tiling[0])
+    return _unchecked(kernels.tgmm)(x.swapaxes(0, 1), g, group_sizes, dtype, tiling, interpret=interpret)
 
 
 def _reference_forward(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:

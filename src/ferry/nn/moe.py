@@ -505,9 +505,12 @@ def expert_parallel_moe(
     tagged_rows = _tagged_rows(tag_capacity_factor, tokens, k, group)
     experts, expert_spec = per_device_experts(experts, mesh)
 
+    check_vma = _kernel_checks_vma(kernel, tile_rows, mesh)
+
     def matmul(a: jax.Array, w: jax.Array, d: Dispatch, gather: bool) -> jax.Array:
         local = functools.partial(_copy_matmul, gather=gather)
-        return jax.shard_map(local, mesh=mesh, in_specs=(rows, expert_spec, rows), out_specs=rows)(a, w, d)
+        specs = {"in_specs": (rows, expert_spec, rows), "out_specs": rows, "check_vma": check_vma}
+        return jax.shard_map(local, mesh=mesh, **specs)(a, w, d)
 
     total = None
     for shift in range(group):
@@ -533,6 +536,23 @@ def expert_parallel_moe(
         total_step = jax.shard_map(send, mesh=mesh, in_specs=rows, out_specs=rows)(outs, windows)
         total = total_step if total is None else total + total_step
     return total
+
+
+def _kernel_checks_vma(kernel: str, tile_rows: int | None, mesh: Any) -> bool:
+    """Whether the experts' `shard_map` can check how its values vary over the mesh. Megablox
+    declares its outputs without the varying axes such a check needs, so its `shard_map` runs
+    unchecked; that is sound only where every axis of more than one device splits the operands
+    (no value is replicated, so no gradient sum is left to the check): a tensor axis is refused."""
+    if tile_rows is not None or kernel != "megablox":
+        return True
+    batch = mesh_axes("batch", ACTIVATION_RULES, mesh)
+    replicated = [axis for axis in mesh.axis_names if axis not in batch and mesh.shape[axis] > 1]
+    if replicated:
+        raise ValueError(
+            f"moe_matmul=megablox runs the experts on one device's tokens, but the mesh also splits "
+            f"{', '.join(f'{a}={mesh.shape[a]}' for a in replicated)}; use moe_matmul=ragged_dot with that mesh"
+        )
+    return False
 
 
 def _copy_matmul(x: jax.Array, weights: Float[Array, "1 experts d_in d_out"], d: Dispatch, gather: bool) -> jax.Array:
