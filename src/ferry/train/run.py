@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from ferry.data.corpus import Corpus, check_vocab, load_corpus
+from ferry.data.corpus import Corpus, check_vocab, load_corpus, open_prepared
 from ferry.data.pipeline import PackedWindows, local_batches, window_batches
 from ferry.data.tokenizer import load_tokenizer
 from ferry.errors import DataError, FerryError, JsonFileError
@@ -250,11 +250,19 @@ def prepare(config: FerryConfig, console: Console) -> PreparedRun:
         mesh=mesh,
     )
     check_wandb(config.log)
-    check_before_training(config, policy, console)  # train.check_policy: the policy's gradients on this machine
     with data_refusals():
         tokenizer = load_tokenizer(config.data.tokenizer, config.data.eos_token)
-        if config.data.source != "synthetic":
+        if config.data.prepared is not None:  # its manifest and shards, before anything compiles
+            open_prepared(
+                Path(config.data.prepared).expanduser(),
+                tokenizer,
+                config.data.tokenizer,
+                config.model.vocab_size,
+                config.model_name,
+            )
+        elif config.data.source != "synthetic":
             check_vocab(tokenizer, config.model.vocab_size, config.model_name)
+    check_before_training(config, policy, console)  # train.check_policy: the policy's gradients on this machine
     layout = state_layout(config.model, make_optimizer(config.train), mesh, config.train.seed)
     identity = model_identity(config.model_name, config.model, layout.shapes)
     directory = run_directory(config, identity)  # locked from here: release on any refusal
