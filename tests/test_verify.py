@@ -67,9 +67,9 @@ class Compiled(NamedTuple):
     policy: Policy
 
 
-def compile_plan(model: str, preset: str, *overrides: str, target=H200) -> Compiled:
-    """`plan_memory` at 64 tokens a row, keeping the program's HLO text for the forced failures."""
-    config = compose_config(f"model={model}", f"offload={preset}", "train.seq_len=64", *overrides)
+def compile_plan(model: str, preset: str, *overrides: str, target=H200, seq_len=64) -> Compiled:
+    """`plan_memory` at `seq_len` tokens a row, keeping the program's HLO text for the forced failures."""
+    config = compose_config(f"model={model}", f"offload={preset}", f"train.seq_len={seq_len}", *overrides)
     policy = load_preset(preset).policy(abstract_model(config.model).tagged_names())
     captured = {}
 
@@ -272,7 +272,7 @@ def test_a_tag_on_a_nonlinear_output_is_refused(nonlinear_tag):
 def test_deepseek_on_h200_copies_every_group_it_offloads():
     """The dense layer (a scan of length 1), the MoE loop and the MTP block each copy what the
     schedule lists, less the named dead copies, and every host slice walks its index's way."""
-    compiled = compile_plan("deepseek_v3_tiny", "minimal_offloaded", "train.global_batch_size=8")
+    compiled = compile_plan("deepseek_v3_tiny", "minimal_offloaded", "train.global_batch_size=2", seq_len=32)
     verification = compiled.plan.verification
     by_group = {c.group for c in verification.copies}
     assert by_group == {"dense", "moe", "mtp_1"}
@@ -286,7 +286,8 @@ def test_tpu_v5p_programs_copy_what_the_schedule_lists():
     """libtpu unrolls tiny layer loops and addresses host slices by index (no descriptor to
     check); the copies of llama_tiny's and deepseek_v3_tiny's offloaded tensors are all there."""
     for model in ("llama_tiny", "deepseek_v3_tiny"):
-        compiled = compile_plan(model, "minimal_offloaded", "mesh.data=4", "train.global_batch_size=8", target=V5P)
+        overrides = ("mesh.data=4", "train.global_batch_size=4")
+        compiled = compile_plan(model, "minimal_offloaded", *overrides, target=V5P, seq_len=32)
         copies = compiled.plan.verification.copies
         assert copies and {c.status for c in copies} <= {"copied", DEAD}
         assert all(w.status in ("no descriptor", "right") for w in compiled.plan.verification.walks)

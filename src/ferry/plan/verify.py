@@ -229,7 +229,7 @@ def check_copies(
     for s in slots:
         if s.found >= s.expected:
             status = "copied"
-        elif s.found == 0 and not read(s):
+        elif not read(s):  # XLA may drop all or some of them (libtpu keeps one of two unrolled layers')
             status = DEAD
         else:
             status = "missing"
