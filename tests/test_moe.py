@@ -15,7 +15,7 @@ from ferry.models.deepseek_v3 import _update_bias
 from ferry.nn.megablox import megablox_matmul
 from ferry.nn.moe import DeepSeekMoE, Experts, dense_moe, dropless_moe, route, tile_layout
 from ferry.offload import record_tags
-from ferry.sharding import MESH_AXES
+from ferry.sharding import MESH_AXES, MeshError
 from tests.conftest import run_python
 
 
@@ -357,3 +357,13 @@ def test_a_deepseek_v3_width_moe_layer_costs_its_routed_rows(target, matmul):
     routed = 6 * tokens * k * 3 * dim * hidden
     shared_and_router = 6 * tokens * 3 * dim * hidden + 6 * tokens * dim * experts
     assert routed + shared_and_router <= matmul_flops(hlo) <= 1.15 * (routed + shared_and_router)
+
+
+def test_megablox_refuses_a_mesh_whose_tensor_axis_would_replicate_the_experts_operands():
+    """Megablox's `shard_map` runs unchecked, sound only where every axis splits its operands."""
+    mesh = AbstractMesh((1, 4, 2, 1), MESH_AXES, axis_types=(AxisType.Auto,) * 4)
+    _, indices, weights, experts = random_problem(tokens=64)
+    x = jax.ShapeDtypeStruct((64, 16), jnp.float32)
+    moe = functools.partial(dropless_moe, kernel="megablox")
+    with jax.sharding.use_abstract_mesh(mesh), pytest.raises(MeshError, match="tensor=2.*moe_matmul=ragged_dot"):
+        jax.eval_shape(moe, x, indices, weights, experts)

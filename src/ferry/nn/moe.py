@@ -22,6 +22,7 @@ from ferry.nn.mlp import SwiGLU
 from ferry.offload import tag
 from ferry.sharding import (
     ACTIVATION_RULES,
+    MeshError,
     batch_spec,
     check_divisible,
     context_mesh,
@@ -548,7 +549,7 @@ def _kernel_checks_vma(kernel: str, tile_rows: int | None, mesh: Any) -> bool:
     batch = mesh_axes("batch", ACTIVATION_RULES, mesh)
     replicated = [axis for axis in mesh.axis_names if axis not in batch and mesh.shape[axis] > 1]
     if replicated:
-        raise ValueError(
+        raise MeshError(
             f"moe_matmul=megablox runs the experts on one device's tokens, but the mesh also splits "
             f"{', '.join(f'{a}={mesh.shape[a]}' for a in replicated)}; use moe_matmul=ragged_dot with that mesh"
         )
