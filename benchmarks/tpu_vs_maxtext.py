@@ -1,7 +1,7 @@
 """ferry's compiled HBM beside MaxText's on the same TPU step: DeepSeek-V3 at full width, 5 layers
 (1 dense + 4 MoE, no MTP: 48.47 B parameters), 1 x 4096 tokens per device on a 32-chip v5p slice
-(FSDP 32), float32 weights and AdamW moments. Each preset is planned by its own launcher run
-(`mode=plan target=v5p`), so a finished one is kept if a later one fails.
+(FSDP 32), float32 weights and AdamW moments. Each preset is compiled by the planner in a process
+of its own, so a finished one is kept if a later one fails.
 
     python benchmarks/tpu_vs_maxtext.py [--presets maxtext_best,full_remat,...] [--moe-matmul megablox]
                                         [--out DIR]
@@ -13,6 +13,7 @@ MaxText-equivalent placement (`maxtext_best`) <= MaxText's 45.04 GiB.
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -50,28 +51,51 @@ PRESETS = ("maxtext_best", "full_remat", "minimal_offloaded", "minimal", "moe_of
 
 
 def plan_one(preset: str, moe_matmul: str, out: Path) -> dict | None:
-    """One launcher run planning `preset`; its plan.json's record, or None if it failed."""
-    run_dir = out / f"{preset}-{moe_matmul}"
-    offload = MAXTEXT_BEST if preset == "maxtext_best" else (f"offload={preset}",)
-    command = [
-        sys.executable,
-        str(ROOT / "launch" / "run.py"),
-        "mode=plan",
-        "target=v5p",
-        *SHAPE,
-        f"model.moe_matmul={moe_matmul}",
-        *offload,
-        f"plan.presets=[{preset}]",
-        f"run.dir={run_dir}",
-    ]
-    print("$ " + " ".join(command[1:]), flush=True)
+    """Plan `preset` in a process of its own (`--one`); its MemoryPlan's JSON, or None if it
+    failed. A process per preset: a failed compile loses nothing already planned."""
+    path = out / f"{preset}-{moe_matmul}.json"
+    command = [sys.executable, __file__, "--one", preset, "--moe-matmul", moe_matmul, "--out", str(out)]
+    print(f"planning {preset} (moe_matmul={moe_matmul})", flush=True)
     started = time.perf_counter()
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    if result.returncode:
+    if result.returncode or not path.exists():
         print(result.stdout[-2000:] + result.stderr[-4000:], file=sys.stderr, flush=True)
         return None
     print(f"{preset}: planned in {time.perf_counter() - started:.0f} s", flush=True)
-    return json.loads((run_dir / "plan.json").read_text())["plans"][0]
+    return json.loads(path.read_text())
+
+
+def plan_here(preset: str, moe_matmul: str, out: Path) -> None:
+    """Compile the train step of SHAPE under `preset` for v5p x 32 with the TPU platform's XLA
+    flags (`ferry.plan.planner.plan_memory`, the planner's own compile and verifier) and write
+    its plan. Only the plan: `mode=plan` would also compile `save_all` for its recompute check,
+    which does not fit a v5p at this shape (130 GiB of temporaries, a compile-time OOM)."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin would otherwise try to start a GPU
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from ferry.config import from_dict
+    from ferry.models.registry import abstract_model
+    from ferry.plan.planner import plan_memory
+    from ferry.plan.targets import TARGETS
+    from ferry.platform import PlatformConfig
+    from ferry.train.config import OffloadConfig, load_config
+
+    configs = ROOT / "configs"
+    offload = MAXTEXT_BEST if preset == "maxtext_best" else (f"offload={preset}",)
+    overrides = ["mode=plan", "target=v5p", *SHAPE, f"model.moe_matmul={moe_matmul}", *offload]
+    with initialize_config_dir(str(configs), version_base=None):
+        config = load_config(OmegaConf.to_container(compose("train", overrides=overrides), resolve=True))
+    preset_config = (
+        config.offload
+        if preset == "maxtext_best"
+        else from_dict(OffloadConfig, OmegaConf.to_container(OmegaConf.load(configs / "offload" / f"{preset}.yaml")))
+    )
+    policy = preset_config.policy(abstract_model(config.model).tagged_names())
+    platform = from_dict(PlatformConfig, OmegaConf.to_container(OmegaConf.load(configs / "platform" / "tpu.yaml")))
+    plan = plan_memory(config, TARGETS["v5p"], policy, preset, xla_flags=dict(platform.xla_flags))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{preset}-{moe_matmul}.json").write_text(json.dumps(plan.to_json(), default=str))
 
 
 def row(preset: str, plan: dict) -> str:
@@ -88,7 +112,11 @@ def main() -> int:
     parser.add_argument("--presets", default=",".join(PRESETS))
     parser.add_argument("--moe-matmul", default="megablox", choices=("megablox", "ragged_dot"))
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "tpu_vs_maxtext")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # plan one preset in this process
     args = parser.parse_args()
+    if args.one:
+        plan_here(args.one, args.moe_matmul, args.out)
+        return 0
     plans = {}
     for preset in args.presets.split(","):
         plan = plan_one(preset, args.moe_matmul, args.out)
