@@ -1,6 +1,7 @@
 """Shared fixtures: the tiny model and the offload presets, loaded from configs/ as a user's run
 would load them."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -22,6 +23,18 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
 # the placement presets; `auto` is not one but the planner's instruction to choose one
 PRESETS = sorted(p.stem for p in (CONFIGS / "offload").glob("*.yaml") if p.stem != "auto")
+
+
+# Deviceless compiles for GPU and TPU targets need the planner's extra (the CUDA plugin, libtpu).
+needs_cuda_plugin = pytest.mark.skipif(
+    importlib.util.find_spec("jax_cuda12_plugin") is None,
+    reason='the planner needs the CUDA plugin for GPU targets: pip install -e ".[plan]"',
+)
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason='the planner needs libtpu for TPU targets: pip install -e ".[plan]"',
+)
+GPU_FLAGS = {"xla_gpu_enable_latency_hiding_scheduler": True}  # what configs/platform/gpu.yaml turns on
 
 
 def load_model_config(name: str, **overrides):

@@ -4,7 +4,6 @@ land in pinned host memory, never dropped), its host copies, and the placement o
 chooses."""
 
 import dataclasses
-import importlib.util
 
 import jax.numpy as jnp
 import pytest
@@ -15,19 +14,10 @@ from ferry.plan.auto import auto_plan, choose, tensor_costs
 from ferry.plan.planner import PlanError, compile_only_mesh, plan_memory
 from ferry.plan.targets import TARGETS
 from ferry.schedule import model_schedule
-from tests.conftest import compose_config, load_preset, run_launcher
+from tests.conftest import GPU_FLAGS, compose_config, load_preset, needs_cuda_plugin, needs_libtpu, run_launcher
 
-needs_cuda_plugin = pytest.mark.skipif(
-    importlib.util.find_spec("jax_cuda12_plugin") is None,
-    reason='the planner needs the CUDA plugin for GPU targets: pip install -e ".[plan]"',
-)
-needs_libtpu = pytest.mark.skipif(
-    importlib.util.find_spec("libtpu") is None,
-    reason='the planner needs libtpu for TPU targets: pip install -e ".[plan]"',
-)
 pytestmark = needs_cuda_plugin
 H200 = TARGETS["h200"]
-GPU_FLAGS = {"xla_gpu_enable_latency_hiding_scheduler": True}
 
 
 def plan(model: str, preset: str, *overrides: str, target=H200, seq_len=256, **kwargs):
@@ -37,10 +27,16 @@ def plan(model: str, preset: str, *overrides: str, target=H200, seq_len=256, **k
 
 
 def test_llama_presets_on_h200():
+    """Both presets keep far less in HBM than save_all. Which of the two needs fewer temporaries
+    is decided by the backward pass's attention working set (its 8 MiB float32 score buffers at
+    8 x 256 tokens), not by the residuals (256 KiB each): with jax 0.12 full_remat needs 48.1 MiB
+    and minimal_offloaded 46.7 (jax 0.10: the other way round), save_all 99.0."""
     plans = {preset: plan("llama_tiny", preset) for preset in ("save_all", "full_remat", "minimal_offloaded")}
     assert plans["minimal_offloaded"].host_bytes > 0
     assert plans["save_all"].host_bytes == plans["full_remat"].host_bytes == 0
-    assert plans["full_remat"].temp_bytes < plans["minimal_offloaded"].temp_bytes < plans["save_all"].temp_bytes
+    assert (
+        max(plans["full_remat"].temp_bytes, plans["minimal_offloaded"].temp_bytes) < 0.6 * plans["save_all"].temp_bytes
+    )
     # matmul FLOPs counted from the GPU program, layer loop included: recomputing the layer shows
     assert plans["full_remat"].flops > plans["minimal_offloaded"].flops > plans["save_all"].flops > 0
     measured = plans["save_all"]
@@ -48,6 +44,7 @@ def test_llama_presets_on_h200():
     assert not dataclasses.replace(measured, capacity_bytes=measured.device_bytes - 1).fits
 
 
+@pytest.mark.slow  # ~3 DeepSeek compiles; test_verify's DeepSeek H200 test covers its offloads group by group
 def test_deepseek_presets_on_h200():
     """full_remat and minimal_offloaded keep the same tensors in HBM, each layer's input; the
     second also stages its copies there. Which of the two needs more temporaries is decided by
@@ -129,7 +126,7 @@ def test_auto_keeps_everything_on_device_when_it_fits():
 def test_auto_rematerialises_when_the_host_link_is_too_slow_to_hide_copies():
     """llama_tiny's layers compute for about a microsecond: no copy hides behind that, so auto
     sheds HBM by recompute, cheapest per byte first, until the compiled step fits."""
-    measured, choices = auto_choice(H200, 0.038)  # between full_remat (36.5 MiB) and all on device (41.4)
+    measured, choices = auto_choice(H200, 0.052)  # between full_remat (49.6 MiB) and all on device (57.8)
     placements = {c.name: c.placement for c in choices}
     assert measured.fits and measured.host_bytes == 0
     assert "remat" in placements.values() and "offload" not in placements.values()

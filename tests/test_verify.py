@@ -4,7 +4,6 @@ loops walk the way their index goes, and no saved value's producer is recomputed
 also forced to fail, and the refusal names the tensor, its layer group and what the program does
 instead. The programs are compiled once per module and shared."""
 
-import importlib.util
 import json
 import re
 from typing import Any, NamedTuple
@@ -45,19 +44,10 @@ from ferry.plan.verify import (
 )
 from ferry.sharding import MeshConfig
 from ferry.train.config import FerryConfig
-from tests.conftest import compose_config, load_preset, run_launcher
+from tests.conftest import GPU_FLAGS, compose_config, load_preset, needs_cuda_plugin, needs_libtpu, run_launcher
 
-needs_cuda_plugin = pytest.mark.skipif(
-    importlib.util.find_spec("jax_cuda12_plugin") is None,
-    reason='the planner needs the CUDA plugin for GPU targets: pip install -e ".[plan]"',
-)
-needs_libtpu = pytest.mark.skipif(
-    importlib.util.find_spec("libtpu") is None,
-    reason='the planner needs libtpu for TPU targets: pip install -e ".[plan]"',
-)
 pytestmark = needs_cuda_plugin
 H200, V5P = TARGETS["h200"], TARGETS["v5p"]
-GPU_FLAGS = {"xla_gpu_enable_latency_hiding_scheduler": True}
 
 
 class Compiled(NamedTuple):
@@ -291,4 +281,3 @@ def test_tpu_v5p_programs_copy_what_the_schedule_lists():
         copies = compiled.plan.verification.copies
         assert copies and {c.status for c in copies} <= {"copied", DEAD}
         assert all(w.status in ("no descriptor", "right") for w in compiled.plan.verification.walks)
-
