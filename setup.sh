@@ -9,7 +9,7 @@ is_312() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null
 
 find_python() {
   local candidates=("${FERRY_PYTHON:-}" python3.12 python3.13 python3)
-  local root="${PYENV_ROOT:-$HOME/.pyenv}"
+  local root="${PYENV_ROOT:-$(pyenv root 2>/dev/null || echo "${HOME:-/root}/.pyenv")}"
   for dir in "$root"/versions/3.1[2-9]*; do candidates+=("$dir/bin/python3"); done
   for candidate in "${candidates[@]}"; do
     [ -n "$candidate" ] && is_312 "$candidate" && { command -v "$candidate"; return 0; }
