@@ -10,6 +10,9 @@ from pathlib import Path
 # Tests run on the CPU backend. With the planner's CUDA plugin installed, JAX would otherwise try
 # (and fail) to start a GPU backend first; the plugin still serves compile-only GPU topologies.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The suite's worker processes each compile for TPU targets without a TPU; libtpu's lockfile would
+# let only the first of them load it.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import pytest
 from hydra import compose, initialize_config_dir
