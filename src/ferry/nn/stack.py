@@ -61,7 +61,7 @@ class LayerStack(eqx.Module):
 
         The policy may name only tensors this stack's layer tags or `tagged_elsewhere` (the
         names the model's other layers tag): a misspelt name is an error listing the names."""
-        if policy.names and not policy.keep_all:
+        if not policy.keep_all and policy.names - tagged_elsewhere:  # tracing the layer only if it decides
             policy.validate(self.tagged_names(x, *extra) | tagged_elsewhere)
         in_scan = self.scan_layers and self.num_layers > 1  # XLA unrolls a scan of one step
         layer_fn = _split_output(lambda layer, h, *e: layer(h, *e))
