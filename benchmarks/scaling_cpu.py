@@ -37,7 +37,7 @@ class Layout:
         from omegaconf import OmegaConf
         from rich.console import Console
 
-        from ferry.hlo_stats import collective_bytes
+        from ferry.plan.hlo_stats import collective_bytes
         from ferry.train.config import load_config
         from ferry.train.optimizer import learning_rate_schedule, make_optimizer
         from ferry.train.run import device_batch, initial_state, prepare

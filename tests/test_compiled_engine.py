@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from ferry.hlo_stats import host_copies
+from ferry.plan.hlo_stats import host_copies
 from ferry.models.llama import llama_decoder_layer
 from ferry.offload import Policy, offloaded
 from ferry.plan.targets import TARGETS

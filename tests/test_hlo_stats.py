@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 
-from ferry.hlo_stats import (
+from ferry.plan.hlo_stats import (
     byte_strides,
     collective_bytes,
     execution_counts,

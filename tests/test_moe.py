@@ -334,7 +334,7 @@ def test_a_deepseek_v3_width_moe_layer_costs_its_routed_rows(target, matmul):
     shapes only; nothing is allocated."""
     from jax.sharding import SingleDeviceSharding
 
-    from ferry.hlo_stats import matmul_flops
+    from ferry.plan.hlo_stats import matmul_flops
     from ferry.plan.targets import TARGETS
 
     experts, dim, hidden, k, tokens = 256, 7168, 2048, 8, 2048

@@ -5,7 +5,7 @@ import re
 
 import equinox as eqx
 
-from ferry.hlo_stats import matmul_flops
+from ferry.plan.hlo_stats import matmul_flops
 from ferry.offload import Policy
 from tests.conftest import ROOT
 

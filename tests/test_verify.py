@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 from rich.console import Console
 
-from ferry.hlo_stats import matmul_count, matmul_flops
+from ferry.plan.hlo_stats import matmul_count, matmul_flops
 from ferry.models.registry import abstract_model
 from ferry.nn.stack import LayerStack
 from ferry.offload import Policy, tag

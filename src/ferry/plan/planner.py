@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from ferry.errors import FerryError
-from ferry.hlo_stats import matmul_count, matmul_flops
+from ferry.plan.hlo_stats import matmul_count, matmul_flops
 from ferry.models.registry import abstract_model
 from ferry.offload import Policy
 from ferry.plan.replay import LayerGroupTrace, read_by_backward

@@ -7,7 +7,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
-from ferry.hlo_stats import HostCopy, host_copies, overlapped_flops
+from ferry.plan.hlo_stats import HostCopy, host_copies, overlapped_flops
 from ferry.plan.targets import Target
 
 
