@@ -25,7 +25,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.offload_cpu import compare_presets, preset_names  # noqa: E402
-from ferry.nn.moe import Experts, dense_moe, dropless_moe, route
+from ferry.nn.moe import Experts, dropless_moe, route  # noqa: E402
+from tests.moe_reference import dense_moe  # noqa: E402
 
 TILE_ROWS = 32
 

@@ -2,10 +2,12 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ferry.plan.hlo_stats import (
     byte_strides,
     collective_bytes,
+    collectives,
     execution_counts,
     host_copies,
     host_slice_walks,
@@ -163,7 +165,7 @@ def test_tpu_grouped_kernels_count_their_routed_rows():
     the transposed weights, `tgmm`), compiled for v5p, count 2 x rows x 256 x 128 each (their
     `cost_estimate`): 304 rows (the group sizes, known at run time, may cover fewer) in 8 groups of
     [256, 128] matrices."""
-    from ferry.nn.megablox import megablox_matmul
+    from ferry.nn.moe.megablox import megablox_matmul
 
     def loss(x, w, group_sizes):
         return jnp.sum(jnp.square(megablox_matmul(x, w, group_sizes).astype(jnp.float32)))
@@ -263,3 +265,65 @@ def test_host_slice_walks_evaluate_the_index_and_read_both_descriptor_formats():
         assert (walk.expected_offset, walk.expected_stride) == (48, -16)
         assert walk.agrees is agrees and walk.checked
     assert byte_strides("bf16[4,8]{1,0}") == [16, 2] and byte_strides("f32[4,8]{0,1}") == [4, 16]
+
+
+GROUPS_MODULE = """HloModule groups, num_partitions=8
+
+ENTRY %main (p0: f32[4,16]) -> f32[] {
+  %ag = f32[16,16]{1,0} all-gather(%p0), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}
+  %ar-start = ((f32[256]{0}), f32[256]{0}) all-reduce-start(%x), channel_id=2, replica_groups=[4,2]<=[2,4]T(1,0), \
+to_apply=%add
+  %ar-done = f32[256]{0} all-reduce-done(%ar-start)
+  %rs = f32[2,16]{1,0} reduce-scatter(%y), channel_id=3, replica_groups=mesh['a'=2,'b'=4] {'b'}, dimensions={0}
+  %a2a = f32[8,16]{1,0} all-to-all(%z), channel_id=4, replica_groups={}, dimensions={0}
+  %cp = f32[8,16]{1,0} collective-permute(%z), channel_id=5, source_target_pairs={{0,1},{1,2},{2,0}}
+  ROOT %out = f32[] constant(0)
+}
+"""
+
+
+def test_collectives_read_every_spelling_of_their_groups_and_their_ring_bytes():
+    """Listed, iota (transposed) and mesh-axes groups, none (every partition) and permute pairs;
+    the bytes a device sends by a ring over n: (n-1)/n of an all-gather's or all-to-all's result,
+    n-1 of a reduce-scatter's results, 2 (n-1)/n of an all-reduce, a permute's buffer once."""
+    found = {c.op: c for c in collectives(GROUPS_MODULE)}
+    assert found["all-gather"].groups == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert found["all-reduce"].groups == ((0, 4), (1, 5), (2, 6), (3, 7))  # iota [2,4] transposed
+    assert found["reduce-scatter"].groups == ((0, 1, 2, 3), (4, 5, 6, 7))  # along mesh axis b
+    assert found["all-to-all"].groups == (tuple(range(8)),)
+    assert found["collective-permute"].groups == ((0, 1), (1, 2), (2, 0))
+    assert found["all-gather"].algorithmic_bytes == 16 * 16 * 4 * 3 / 4
+    assert found["all-reduce"].algorithmic_bytes == 256 * 4 * 2 * 1 / 2  # the done's result, groups of 2
+    assert found["reduce-scatter"].algorithmic_bytes == 2 * 16 * 4 * 3
+    assert found["all-to-all"].algorithmic_bytes == 8 * 16 * 4 * 7 / 8
+    assert found["collective-permute"].algorithmic_bytes == 8 * 16 * 4
+
+
+def test_an_fsdp_step_compiled_for_h200s_gathers_and_scatters_its_weight_shards():
+    """A weight sharded over 8 H200s (FSDP) and used by a batch sharded the same way: the forward
+    gathers the [512, 256] f32 weight (each device sends 7/8 of it), the gradient is reduce-
+    scattered back to the shards (each device sends 7 shards of 64 x 256)."""
+    from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+    from ferry.plan.targets import TARGETS
+
+    mesh = Mesh(np.array(TARGETS["h200"].devices(8)), ("fsdp",), axis_types=(AxisType.Explicit,))
+    weight = jax.ShapeDtypeStruct((512, 256), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("fsdp", None)))
+    batch = jax.ShapeDtypeStruct((64, 512), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("fsdp", None)))
+
+    def grad(w, x):
+        def loss(w):
+            full = jax.sharding.reshard(w, PartitionSpec(None, None))
+            return jnp.sum(jnp.tanh(x @ full))
+
+        return jax.sharding.reshard(jax.grad(loss)(w), PartitionSpec("fsdp", None))
+
+    with jax.set_mesh(mesh):
+        hlo = jax.jit(grad).lower(weight, batch).compile(TARGETS["h200"].compile_options({})).as_text()
+    sent = {}
+    for c in collectives(hlo):
+        assert c.groups == (tuple(range(8)),) or c.group_size == 8
+        sent[c.op] = sent.get(c.op, 0) + c.algorithmic_bytes * c.executions
+    assert sent["all-gather"] == 512 * 256 * 4 * 7 / 8
+    assert sent["reduce-scatter"] == 64 * 256 * 4 * 7
+    assert set(sent) == {"all-gather", "reduce-scatter"}

@@ -12,11 +12,12 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType
 
 from ferry.models.deepseek_v3 import _update_bias
-from ferry.nn.megablox import megablox_matmul
-from ferry.nn.moe import DeepSeekMoE, Experts, dense_moe, dropless_moe, route, tile_layout
+from ferry.nn.moe import DeepSeekMoE, Experts, dropless_moe, route, tile_layout
+from ferry.nn.moe.megablox import megablox_matmul
 from ferry.offload import record_tags
 from ferry.sharding import MESH_AXES, MeshError
 from tests.conftest import run_python
+from tests.moe_reference import dense_moe
 
 
 def route_by_loop(scores, bias, num_groups, groups_per_token, k, scaling):

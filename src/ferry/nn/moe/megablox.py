@@ -41,7 +41,7 @@ def _padded_rows(a: jax.Array, tm: int) -> jax.Array:
 def _unchecked(kernel):
     """`kernel` run without shard_map's varying-axes check, its result typed as varying where
     its operands do: megablox declares its outputs without the varying mesh axes that a kernel
-    inside `jax.shard_map` (per-device experts, `ferry.nn.moe`) must name."""
+    inside `jax.shard_map` (per-device experts, `ferry.nn.moe.parallel`) must name."""
 
     @functools.wraps(kernel)
     def call(*operands: object, **kwargs: object) -> jax.Array:
