@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from ferry.plan.hlo_stats import host_copies
 from ferry.models.llama import llama_decoder_layer
 from ferry.offload import Policy, offloaded
+from ferry.plan.hlo_stats import host_copies
 from ferry.plan.targets import TARGETS
 from tests.conftest import GPU_FLAGS, load_model_config, needs_cuda_plugin
 

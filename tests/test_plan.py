@@ -153,3 +153,23 @@ def test_auto_offloads_largest_first_within_the_host_link_budget():
     # a layer's recompute cost is its producing matmul: [tokens, dim] x [dim, mlp] for mlpwi_0
     tokens, dim, mlp = 8 * 256, config.model.dim, config.model.mlp_dim
     assert costs["mlpwi_0"].recompute_flops == config.model.num_layers * 2 * tokens * dim * mlp
+
+
+def test_the_estimate_reads_the_compiled_collectives_and_counts_model_flops_as_maxtext():
+    """llama_tiny over 8 H200s (FSDP): the weights' all-gathers and the gradients' reduce-scatters
+    are in the estimate at NVLink speed; the matmul time is the program's FLOPs at the peak, the
+    model FLOPs `train/flops.py`'s per device."""
+    from ferry.train.flops import training_flops
+
+    measured = plan("llama_tiny", "save_all", "mesh.fsdp=8")
+    config = compose_config("model=llama_tiny", "train.seq_len=256", "mesh.fsdp=8")
+    traffic = measured.collectives
+    assert traffic.bytes["all-gather"] > 0 and traffic.bytes["reduce-scatter"] > 0
+    assert traffic.seconds == pytest.approx(traffic.total_bytes / H200.interconnect_bandwidth)
+    estimate = measured.estimate
+    assert estimate.matmul_seconds == measured.flops / H200.bf16_peak_flops
+    assert estimate.collective_seconds == traffic.seconds and estimate.exposed_copy_seconds == 0
+    flops = training_flops(config.model, config.train.global_batch_size, 256).per_device(8)
+    assert estimate.model_flops == flops
+    assert estimate.best_seconds < estimate.worst_seconds
+    assert measured.to_json()["estimate"]["kind"] == "estimate"

@@ -5,8 +5,8 @@ import re
 
 import equinox as eqx
 
-from ferry.plan.hlo_stats import matmul_flops
 from ferry.offload import Policy
+from ferry.plan.hlo_stats import matmul_flops
 from tests.conftest import ROOT
 
 

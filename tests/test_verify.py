@@ -15,11 +15,11 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 from rich.console import Console
 
-from ferry.plan.hlo_stats import matmul_count, matmul_flops
 from ferry.models.registry import abstract_model
 from ferry.nn.stack import LayerStack
 from ferry.offload import Policy, tag
 from ferry.plan import verify
+from ferry.plan.hlo_stats import matmul_count, matmul_flops
 from ferry.plan.planner import (
     BackwardReads,
     MemoryPlan,

@@ -18,15 +18,17 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from ferry.errors import FerryError
-from ferry.plan.hlo_stats import matmul_count, matmul_flops
 from ferry.models.registry import abstract_model
 from ferry.offload import Policy
+from ferry.plan.estimate import CollectiveTraffic, StepEstimate, collective_traffic
+from ferry.plan.hlo_stats import matmul_count, matmul_flops
 from ferry.plan.replay import LayerGroupTrace, read_by_backward
 from ferry.plan.targets import Target
 from ferry.plan.transfers import Transfer, TransferSummary, time_transfers, transfers_json
 from ferry.schedule import TransferSchedule, model_schedule
 from ferry.sharding import MESH_AXES, MeshConfig, batch_sharded
 from ferry.train.config import FerryConfig
+from ferry.train.flops import training_flops
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer
 from ferry.train.run import state_layout
 from ferry.train.step import LossSettings, train_step_body
@@ -57,6 +59,9 @@ class MemoryPlan:
     transfer_summary: TransferSummary
     compile_seconds: float  # lowering and compiling on this machine
     verification: Any = None  # `ferry.plan.verify.Verification`: the compiled program checked against the plan
+    collectives: CollectiveTraffic = CollectiveTraffic({}, 0.0)
+    model_flops: float = 0.0  # per device per step, MaxText's convention (`ferry.train.flops`)
+    peak_flops: float = 0.0  # the target's dense bf16 peak, per device
 
     @property
     def device_bytes(self) -> int:
@@ -69,12 +74,20 @@ class MemoryPlan:
         host_fits = self.host_capacity_bytes is None or self.host_bytes <= self.host_capacity_bytes
         return self.device_bytes <= self.capacity_bytes and host_fits
 
+    @property
+    def estimate(self) -> StepEstimate:
+        """The step time this program implies on the target: an estimate (`ferry.plan.estimate`)."""
+        exposed = self.transfer_summary.exposed_seconds
+        return StepEstimate(self.flops / self.peak_flops, exposed, self.collectives.seconds, self.model_flops)
+
     def to_json(self) -> dict[str, Any]:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        del fields["transfers"], fields["transfer_summary"], fields["verification"]
+        del fields["transfers"], fields["transfer_summary"], fields["verification"], fields["collectives"]
         return fields | {
             "device_bytes": self.device_bytes,
             "fits": self.fits,
+            "collectives": dataclasses.asdict(self.collectives),
+            "estimate": self.estimate.to_json(),
             "transfers": transfers_json(self.transfers, self.transfer_summary),
             "verification": None if self.verification is None else self.verification.to_json(),
         }
@@ -179,6 +192,11 @@ def plan_memory(
         transfer_summary=summary,
         compile_seconds=compile_seconds,
         verification=verification,
+        collectives=collective_traffic(hlo, target),
+        model_flops=training_flops(model_config, config.train.global_batch_size, config.train.seq_len).per_device(
+            config.mesh.num_devices
+        ),
+        peak_flops=target.bf16_peak_flops,
     )
 
 

@@ -14,6 +14,7 @@ from ferry.config import ConfigError
 from ferry.models.registry import abstract_model
 from ferry.offload import Policy
 from ferry.plan.auto import Choice, auto_plan
+from ferry.plan.estimate import REFERENCE, ranked
 from ferry.plan.planner import MemoryPlan, compile_only_mesh, for_target, layer_group_traces, plan_memory
 from ferry.plan.targets import TARGETS, Target
 from ferry.plan.verify import DEAD, explain_recompute, recompute_checked
@@ -98,6 +99,7 @@ def run_plan(
         auto_result, choices = auto_plan(config, target, compile_only_mesh(target, config.mesh), compile_policy)
         plans.append(auto_result)
     console.print(plan_table(plans, config))
+    console.print(estimate_table(plans))
     for plan in plans:
         if plan.transfers:
             console.print(transfer_table(plan))
@@ -139,6 +141,35 @@ def plan_table(plans: list[MemoryPlan], config: FerryConfig) -> Table:
             f"{plan.flops / 1e12:.4f}",
             format_seconds(summary.exposed_seconds) if plan.transfers else "-",
             f"{plan.compile_seconds:.0f} s",
+        )
+    return table
+
+
+def estimate_table(plans: list[MemoryPlan]) -> Table:
+    """Each preset's step-time estimate (`ferry.plan.estimate`), fastest first."""
+    target = plans[0].target
+    table = Table(
+        title=f"step-time ESTIMATE on {target} (per device; from the compiled program, not measured)",
+        caption="estimate: matmuls at the dense bf16 peak + host copies left exposed + collectives over the "
+        "interconnect (targets.py); best overlaps collectives with compute, worst adds them; model TFLOPs "
+        f"by MaxText's convention; speed-up: {REFERENCE}'s best estimate over the preset's",
+    )
+    columns = ("rank", "preset", "verdict", "matmuls", "copies exposed", "collectives")
+    for column in (*columns, "best", "worst", "TFLOPs/s/device", f"vs {REFERENCE}"):
+        table.add_column(column, justify="left" if column in ("preset", "verdict") else "right")
+    for rank, (name, estimate, speedup) in enumerate(ranked({p.policy: p.estimate for p in plans}), 1):
+        plan = next(p for p in plans if p.policy == name)
+        table.add_row(
+            str(rank),
+            name,
+            "FITS" if plan.fits else "OOM",
+            format_seconds(estimate.matmul_seconds),
+            format_seconds(estimate.exposed_copy_seconds),
+            format_seconds(estimate.collective_seconds),
+            format_seconds(estimate.best_seconds),
+            format_seconds(estimate.worst_seconds),
+            f"{estimate.best_tflops:.1f} - {estimate.worst_tflops:.1f}",
+            "-" if speedup is None else f"{speedup:.3f}x",
         )
     return table
 

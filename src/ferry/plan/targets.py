@@ -32,10 +32,20 @@ class Target:
     hbm_bytes: int
     host_link_bandwidth: float  # bytes/s each way, for the transfer-time model
     bf16_peak_flops: float  # dense, per device
+    interconnect_bandwidth: float = 0.0  # bytes/s each way per device within a scale-up domain (NVLink, ICI)
+    domain_size: int = 1  # devices one scale-up domain joins (an NVLink domain, a TPU slice)
+    scale_out_bandwidth: float = 0.0  # bytes/s each way per device between domains (InfiniBand, DCN)
 
     def devices(self, num_devices: int) -> list[Any]:
         """`num_devices` compile-only devices of this target."""
         raise NotImplementedError
+
+    def collective_bandwidth(self, groups: tuple[tuple[int, ...], ...]) -> float:
+        """Bytes/s each way a collective over `groups` (device ids, a domain holding consecutive
+        ids) gets per device: the scale-up link when every group lies in one domain, else the
+        scale-out network, which the ring then crosses."""
+        within = all(len({device // self.domain_size for device in group}) <= 1 for group in groups)
+        return self.interconnect_bandwidth if within else self.scale_out_bandwidth
 
     def compile_options(self, xla_flags: dict[str, object]) -> dict[str, object]:
         """The per-compile options: the platform's XLA flags, plus what compiling without the
@@ -118,21 +128,73 @@ class TpuTarget(Target):
         return list(topologies.get_topology_desc(platform="tpu", topology_name=self.topology(num_devices)).devices)
 
 
-def _gpu(name, description, capability, cores, clock, hbm, bandwidth, l2, host_link, peak) -> GpuTarget:
-    return GpuTarget(name, description, hbm, host_link, peak, capability, cores, clock, bandwidth, l2)
+def _gpu(name, description, chip, hbm, hbm_bandwidth, host_link, peak, links) -> GpuTarget:
+    """`chip`: (compute capability, cores, clock GHz, L2 bytes); `links`: (scale-up bytes/s each
+    way, devices per scale-up domain, scale-out bytes/s each way)."""
+    capability, cores, clock, l2 = chip
+    nvlink, domain, network = links
+    return GpuTarget(
+        name,
+        description,
+        hbm,
+        host_link,
+        peak,
+        interconnect_bandwidth=nvlink,
+        domain_size=domain,
+        scale_out_bandwidth=network,
+        compute_capability=capability,
+        core_count=cores,
+        clock_rate_ghz=clock,
+        hbm_bandwidth=int(hbm_bandwidth),
+        l2_cache_bytes=l2,
+    )
 
 
-# Sources: NVIDIA's data sheets (see ../shared/gpu_targets.md) and Google Cloud's TPU pages. TPU
-# host links are not published per chip: PCIe Gen4 x16 (32 GB/s each way) is assumed for all three.
+def _tpu(name, description, hbm, host_link, peak, ici, generation, torus_dims, max_devices) -> TpuTarget:
+    return TpuTarget(
+        name,
+        description,
+        hbm,
+        host_link,
+        peak,
+        interconnect_bandwidth=ici,
+        domain_size=max_devices,
+        scale_out_bandwidth=ici,
+        generation=generation,
+        torus_dims=torus_dims,
+        max_devices=max_devices,
+    )
+
+
+# Sources, bandwidths given each way (half a published bidirectional figure):
+# - HBM, peak (dense bf16): NVIDIA's data sheets (see ../shared/gpu_targets.md), Google Cloud's TPU
+#   pages (docs.cloud.google.com/tpu/docs/v5p, /v5e, /v6e).
+# - Host link: H100, H200 and B200 reach the CPU over PCIe Gen5 x16, 128 GB/s bidirectional (their
+#   data sheets): 64 GB/s. GB200's GPUs reach Grace's LPDDR5X over NVLink-C2C, 900 GB/s
+#   bidirectional (GB200 NVL72 data sheet): 450 GB/s. v6e chips connect to their host over PCIe
+#   Gen5 (the v6e page): 64 GB/s; v5p and v5e publish none, PCIe Gen4 x16 is assumed: 32 GB/s.
+# - Scale-up: H100 and H200 SXM have NVLink 4 at 900 GB/s bidirectional per GPU, 8 GPUs per HGX
+#   board; B200 NVLink 5 at 1.8 TB/s, 8 per HGX board; GB200 NVLink 5 at 1.8 TB/s, 72 GPUs in an
+#   NVL72 domain (the data sheets). TPU ICI per chip, bidirectional (the TPU pages): v5p 1,200 GB/s,
+#   v5e 400 GB/s, v6e 800 GB/s, over the whole slice; every port of a chip is counted, which a
+#   collective over one axis of the torus does not use: optimistic.
+# - Scale-out: one ConnectX-7 400 Gb/s InfiniBand port per GPU (DGX H100/H200/B200 and GB200 NVL72
+#   compute trays): 50 GB/s. A TPU slice is one ICI domain (multislice DCN is not planned).
+_HGX_NVLINK4 = (450e9, 8, 50e9)  # H100, H200: NVLink 4 within an 8-GPU board, 400 Gb/s IB between
+_HGX_NVLINK5 = (900e9, 8, 50e9)  # B200: NVLink 5 within an 8-GPU board
+_NVL72 = (900e9, 72, 50e9)  # GB200: NVLink 5 across a 72-GPU rack
+
+_HOPPER = (9, 132, 1.98, 52428800)  # compute capability, cores, clock GHz, L2 bytes
+
 TARGETS: dict[str, Target] = {
     t.name: t
     for t in (
-        _gpu("h100", "NVIDIA H100 80GB HBM3", 9, 132, 1.98, 84942979072, 3352320000000, 52428800, 64e9, 989e12),
-        _gpu("h200", "NVIDIA H200 141GB HBM3e", 9, 132, 1.98, 151397597184, 4800000000000, 52428800, 64e9, 989e12),
-        _gpu("b200", "NVIDIA B200", 10, 148, 1.965, 191514411008, 7672320000000, 132644864, 64e9, 2250e12),
-        _gpu("gb200", "NVIDIA GB200", 10, 152, 2.062, 197897748480, 7928064000000, 135528448, 450e9, 2500e12),
-        TpuTarget("v5p", "TPU v5p", 95 * 2**30, 32e9, 459e12, "v5p", 3, 8960),
-        TpuTarget("v5e", "TPU v5e", 16 * 2**30, 32e9, 197e12, "v5e", 2, 256),
-        TpuTarget("v6e", "TPU v6e", 32 * 2**30, 32e9, 918e12, "v6e", 2, 256),
+        _gpu("h100", "NVIDIA H100 80GB HBM3", _HOPPER, 84942979072, 3352320e6, 64e9, 989e12, _HGX_NVLINK4),
+        _gpu("h200", "NVIDIA H200 141GB HBM3e", _HOPPER, 151397597184, 4800e9, 64e9, 989e12, _HGX_NVLINK4),
+        _gpu("b200", "NVIDIA B200", (10, 148, 1.965, 132644864), 191514411008, 7672320e6, 64e9, 2250e12, _HGX_NVLINK5),
+        _gpu("gb200", "NVIDIA GB200", (10, 152, 2.062, 135528448), 197897748480, 7928064e6, 450e9, 2500e12, _NVL72),
+        _tpu("v5p", "TPU v5p", 95 * 2**30, 32e9, 459e12, 600e9, "v5p", 3, 8960),
+        _tpu("v5e", "TPU v5e", 16 * 2**30, 32e9, 197e12, 200e9, "v5e", 2, 256),
+        _tpu("v6e", "TPU v6e", 32 * 2**30, 64e9, 918e12, 400e9, "v6e", 2, 256),
     )
 }

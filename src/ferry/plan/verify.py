@@ -32,10 +32,10 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from ferry.plan.hlo_stats import host_copies, host_slice_walks, op_names
 from ferry.offload import Policy
+from ferry.plan.hlo_stats import host_copies, host_slice_walks, op_names
 from ferry.plan.planner import MemoryPlan, PlanError
-from ferry.plan.replay import LayerGroupTrace, all_saved, record_names, recomputed_producers, untagged_matmuls
+from ferry.plan.replay import LayerGroupTrace, all_saved, recomputed_producers, record_names, untagged_matmuls
 from ferry.schedule import TransferSchedule, format_bytes
 
 DEAD = "dead: never read by the backward pass"
@@ -266,9 +266,7 @@ def check_walks(hlo_text: str, moved: dict[tuple[str, str], tuple[str, str]]) ->
                 buffer_shape=walk.buffer_shape,
                 index=f"{walk.index_start}, {walk.index_next}, ..." if resolved else "?",
                 expected=None if walk.expected_offset is None else (walk.expected_offset, walk.expected_stride),
-                descriptor=None
-                if walk.descriptor_offset is None
-                else (walk.descriptor_offset, walk.descriptor_stride),
+                descriptor=None if walk.descriptor_offset is None else (walk.descriptor_offset, walk.descriptor_stride),
                 status=status,
             )
         )
