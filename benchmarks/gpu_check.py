@@ -206,7 +206,7 @@ def measure_slice(
 
     from ferry.sharding import batch_sharded
     from ferry.train.optimizer import learning_rate_schedule, make_optimizer
-    from ferry.train.run import state_layout
+    from ferry.train.state import state_layout
     from ferry.train.step import LossSettings, train_step_body
 
     device = jax.devices()[0]

@@ -37,10 +37,12 @@ class Layout:
         from omegaconf import OmegaConf
         from rich.console import Console
 
+        from ferry.data.placement import device_batch
         from ferry.plan.hlo_stats import collective_bytes
         from ferry.train.config import load_config
         from ferry.train.optimizer import learning_rate_schedule, make_optimizer
-        from ferry.train.run import device_batch, initial_state, prepare
+        from ferry.train.prepare import prepare
+        from ferry.train.state import initial_state
         from ferry.train.step import LossSettings, make_train_step
 
         overrides = [f"model={model}", f"train.global_batch_size={batch}", f"train.seq_len={seq_len}"]

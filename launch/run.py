@@ -26,7 +26,10 @@ from ferry.errors import FerryError
 from ferry.platform import PlatformConfig, apply_platform, check_platform
 from ferry.train.checkpoint import checkpoint_steps
 from ferry.train.config import FerryConfig, OffloadConfig, load_config
-from ferry.train.run import NonFiniteLossError, PreparedRun, prepare, resolve_run_dir, train
+from ferry.train.nonfinite import NonFiniteLossError
+from ferry.train.prepare import PreparedRun, prepare
+from ferry.train.run import train
+from ferry.train.run_dir import resolve_run_dir
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 _TENSOR_OVERRIDE = re.compile(r"^offload\.tensors\.\w+=")

@@ -133,7 +133,8 @@ def finished_run(tmp_path_factory):
 
     from rich.console import Console
 
-    from ferry.train.run import prepare, train
+    from ferry.train.prepare import prepare
+    from ferry.train.run import train
 
     run_dir = tmp_path_factory.mktemp("finished") / "run"
     console = Console(file=io.StringIO(), width=200)

@@ -18,7 +18,8 @@ from rich.console import Console
 
 from ferry.platform import PlatformConfig, apply_platform
 from ferry.train.config import load_config
-from ferry.train.run import prepare, train
+from ferry.train.prepare import prepare
+from ferry.train.run import train
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 

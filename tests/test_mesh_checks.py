@@ -10,7 +10,7 @@ from ferry.models.registry import abstract_model, count_parameters
 from ferry.platform import PlatformConfig
 from ferry.sharding import MESH_AXES, MeshConfig, MeshError, param_spec, parameters_per_device
 from ferry.train.config import DistributedConfig
-from ferry.train.run import prepare
+from ferry.train.prepare import prepare
 from tests.conftest import compose_config, load_model_config, run_launcher
 
 

@@ -21,7 +21,8 @@ from ferry.data.shards import MANIFEST, PreparedDataError, ShardedTokens, read_m
 from ferry.data.sources import DataSourceError, TextSplit, documents
 from ferry.data.tokenizer import ByteTokenizer, load_tokenizer
 from ferry.train.preemption import SigtermStop
-from ferry.train.run import prepare, train
+from ferry.train.prepare import prepare
+from ferry.train.run import train
 from tests.conftest import ROOT, compose_config
 
 # 300 documents of 40 to 240 bytes, in one file, separated by blank lines

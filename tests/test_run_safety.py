@@ -27,7 +27,8 @@ from ferry.hf.safetensors_io import read_header
 from ferry.memory import CompiledMemory, InsufficientMemoryError, check_step_fits
 from ferry.train.checkpoint import CheckpointError, Checkpoints, array_checksums, checkpoint_steps
 from ferry.train.lock import LOCK_FILE, acquire
-from ferry.train.run import prepare, train
+from ferry.train.prepare import prepare
+from ferry.train.run import train
 from tests.conftest import ROOT, compose_config
 from tests.launcher_cases import load_launcher
 from tests.test_bad_inputs import COMMON, run_cases, tree_digest

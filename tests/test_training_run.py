@@ -24,8 +24,12 @@ from rich.console import Console
 import ferry.train.step as step_module
 from ferry.data.pipeline import PackedWindows, window_batches
 from ferry.train.checkpoint import CheckpointError, Checkpoints, checkpoint_steps
+from ferry.train.lock import RunDirectoryError
+from ferry.train.nonfinite import NonFiniteLossError
 from ferry.train.optimizer import make_optimizer
-from ferry.train.run import NonFiniteLossError, RunDirectoryError, prepare, state_layout, train
+from ferry.train.prepare import prepare
+from ferry.train.run import train
+from ferry.train.state import state_layout
 from tests.conftest import compose_config, start_launcher
 
 STEPS = 8

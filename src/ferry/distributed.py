@@ -25,3 +25,8 @@ def initialize(config: DistributedConfig, environ: Mapping[str, str] = os.enviro
         jax.distributed.initialize()
         return f"process {jax.process_index()} of {jax.process_count()} (SLURM)"
     return "single process"
+
+
+def is_main_process() -> bool:
+    """Process 0 writes the run directory, the metrics and the console output."""
+    return jax.process_index() == 0

@@ -30,7 +30,7 @@ from ferry.sharding import MESH_AXES, MeshConfig, batch_sharded
 from ferry.train.config import FerryConfig
 from ferry.train.flops import training_flops
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer
-from ferry.train.run import state_layout
+from ferry.train.state import state_layout
 from ferry.train.step import LossSettings, train_step_body
 
 

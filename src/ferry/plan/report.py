@@ -21,7 +21,7 @@ from ferry.plan.verify import DEAD, explain_recompute, recompute_checked
 from ferry.platform import PlatformConfig
 from ferry.schedule import format_bytes
 from ferry.train.config import FerryConfig, OffloadConfig
-from ferry.train.run import check_mesh_shape
+from ferry.train.config import check_mesh_shape
 
 HOST_POOL_VARIABLE = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"  # GiB of pinned host XLA's GPU client sets up
 

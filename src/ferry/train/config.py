@@ -10,7 +10,7 @@ from ferry.data.config import DataConfig
 from ferry.models.registry import model_config
 from ferry.offload import Policy
 from ferry.platform import PlatformConfig
-from ferry.sharding import MeshConfig
+from ferry.sharding import MeshConfig, check_divisible
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,6 +243,14 @@ class FerryConfig:
                 "offload=auto is chosen for a target by the planner: run mode=plan target=<target> offload=auto, "
                 "copy the offload_auto.yaml it writes into configs/offload/ and train with that preset"
             )
+
+
+def check_mesh_shape(config: FerryConfig) -> None:
+    """The mesh's axes divide the model's dimensions and the batch (no devices needed)."""
+    axes = config.mesh.shape
+    for what, size, axis in config.model.mesh_dims():
+        check_divisible(what, size, axis, axes[axis], f"choose a mesh.{axis} that divides {size}")
+    config.train.check_batch(config.mesh.data_parallel, config.mesh.describe())
 
 
 def load_config(node: Mapping) -> FerryConfig:

@@ -1,0 +1,197 @@
+"""Preparing a run: every check that can refuse it, cheapest first (the model's checkpoint and
+mesh, its memory, the offload policy, the data), then the run directory, locked. Nothing is
+allocated or written before all have been accepted."""
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from rich.console import Console
+
+from ferry.data.corpus import Corpus, check_vocab, load_corpus, open_prepared
+from ferry.data.pipeline import PackedWindows, window_batches
+from ferry.data.tokenizer import Tokenizer, load_tokenizer
+from ferry.errors import DataError, FerryError, JsonFileError
+from ferry.hf import CheckpointError as HFCheckpointError
+from ferry.hf import check_checkpoint
+from ferry.memory import check_fits
+from ferry.models.registry import TINY_MODELS, abstract_model, count_parameters, size_summary
+from ferry.offload import Policy
+from ferry.schedule import TransferSchedule, model_schedule
+from ferry.sharding import make_mesh, parameters_per_device
+from ferry.train.checkpoint import model_identity
+from ferry.train.config import FerryConfig, check_mesh_shape
+from ferry.train.loggers import check_wandb
+from ferry.train.optimizer import make_optimizer
+from ferry.train.policy_check import check_before_training
+from ferry.train.run_dir import RunDirectory, run_directory
+from ferry.train.state import StateLayout, state_layout
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedRun:
+    """A run whose config, memory estimate, mesh, data, offload policy and run directory have all
+    been accepted; `resume_step` is the checkpoint it continues from (None: a new run)."""
+
+    config: FerryConfig
+    corpus: Corpus | None  # None for a run that is already complete
+    schedule: TransferSchedule
+    policy: Policy
+    directory: RunDirectory  # locked by process 0 until `release`
+    mesh: Mesh
+    identity: dict[str, Any]
+    layout: StateLayout  # the train state's shapes and shardings, traced once
+
+    @property
+    def run_dir(self) -> Path:
+        return self.directory.path
+
+    @property
+    def resume_step(self) -> int | None:
+        return self.directory.resume_step
+
+    @property
+    def complete(self) -> bool:
+        """The run's latest checkpoint is already its last step."""
+        return self.resume_step is not None and self.resume_step >= self.config.train.steps
+
+    def release(self) -> None:
+        """Give up the run directory's lock (idempotent; `train` does it when it returns)."""
+        self.directory.release()
+
+
+def prepare(config: FerryConfig, console: Console) -> PreparedRun:
+    """Every check that can refuse the run, cheapest first; allocates no model, writes nothing."""
+    model = abstract_model(config.model)  # traced once, shapes only
+    num_parameters = count_parameters(model)
+    check_pretrained(config)
+    check_mesh_shape(config)
+    mesh = make_mesh(config.mesh)  # the devices
+    check_model_fits(config, model, num_parameters, mesh)
+    policy = config.offload.policy(model.tagged_names())
+    schedule = transfer_schedule(config, model, policy, mesh)
+    check_wandb(config.log)
+    tokenizer = checked_tokenizer(config)
+    check_before_training(config, policy, console)  # train.check_policy: the policy's gradients on this machine
+    layout = state_layout(config.model, make_optimizer(config.train), mesh, config.train.seed)
+    identity = model_identity(config.model_name, config.model, layout.shapes)
+    directory = locked_directory(config, identity, console)  # locked from here: release on any refusal
+    prepared = PreparedRun(config, None, schedule, policy, directory, mesh, identity, layout)
+    if prepared.complete:
+        return prepared  # `train` says so
+    try:
+        corpus = checked_corpus(config, tokenizer, console)
+    except BaseException:
+        directory.release()
+        raise
+    announce(config, num_parameters, corpus, console)
+    return dataclasses.replace(prepared, corpus=corpus)
+
+
+def check_pretrained(config: FerryConfig) -> None:
+    """init.from_hf's config.json and the tensors' headers match the model: nothing is read yet."""
+    if config.init.from_hf is None:
+        return
+    try:
+        check_checkpoint(config.init.from_hf, config.model)
+    except (HFCheckpointError, JsonFileError) as error:
+        raise HFCheckpointError(f"init.from_hf={config.init.from_hf}: {error}") from error
+
+
+def check_model_fits(config: FerryConfig, model: eqx.Module, num_parameters: int, mesh: Mesh) -> None:
+    """The parameters' share of each device fits its memory (and their axes divide their
+    dimensions)."""
+    check_fits(
+        config.model_name,
+        parameters_per_device(model, mesh),  # also refuses any parameter dimension its axes do not divide
+        size_summary(config.model, num_parameters),
+        f"Use model={TINY_MODELS[type(config.model)]} on this machine, or shard it (mesh.fsdp) over devices "
+        "whose memory holds it.",
+    )
+
+
+def transfer_schedule(config: FerryConfig, model: eqx.Module, policy: Policy, mesh: Mesh) -> TransferSchedule:
+    """What the policy moves to and from host memory per device and step."""
+    data_parallel = config.mesh.data_parallel
+    return model_schedule(
+        model,
+        policy,
+        config.train.rows_per_micro_step(data_parallel) // data_parallel,
+        config.train.seq_len,
+        jnp.dtype(config.train.compute_dtype),
+        config.offload.name,
+        micro_steps=config.train.micro_steps(data_parallel),
+        mesh=mesh,
+    )
+
+
+def checked_tokenizer(config: FerryConfig) -> Tokenizer:
+    """The tokenizer, and the prepared data's manifest and shards or the vocabulary it must fit,
+    before anything compiles."""
+    with data_refusals():
+        tokenizer = load_tokenizer(config.data.tokenizer, config.data.eos_token)
+        if config.data.prepared is not None:
+            open_prepared(
+                Path(config.data.prepared).expanduser(),
+                tokenizer,
+                config.data.tokenizer,
+                config.model.vocab_size,
+                config.model_name,
+            )
+        elif config.data.source != "synthetic":
+            check_vocab(tokenizer, config.model.vocab_size, config.model_name)
+    return tokenizer
+
+
+def locked_directory(config: FerryConfig, identity: dict[str, Any], console: Console) -> RunDirectory:
+    """The run directory, locked, saying when its lock was taken over from a dead holder."""
+    directory = run_directory(config, identity)
+    if directory.lock is not None and directory.lock.stale_holder is not None:
+        console.print(
+            f"run.dir={directory.path}: took over the lock of {directory.lock.stale_holder}, "
+            "which is no longer running",
+            highlight=False,
+        )
+    return directory
+
+
+def checked_corpus(config: FerryConfig, tokenizer: Tokenizer, console: Console) -> Corpus:
+    """The corpus, whose train and held-out splits each hold a whole global batch of windows."""
+    with data_refusals():
+        corpus = load_corpus(config.data, tokenizer, config.model.vocab_size, console, config.model_name)
+        for split, tokens in (("train", corpus.train), ("held-out", corpus.eval)):
+            window_batches(PackedWindows(tokens, config.train.seq_len), config.train.global_batch_size, 0, where=split)
+    return corpus
+
+
+def announce(config: FerryConfig, num_parameters: int, corpus: Corpus, console: Console) -> None:
+    """The model, the corpus and the mesh the run was prepared with."""
+    console.print(
+        f"model {config.model_name}: {num_parameters:,} parameters; "
+        f"corpus: {corpus.description}, {len(corpus.train):,} train / {len(corpus.eval):,} held-out tokens",
+        highlight=False,
+    )
+    console.print(
+        f"mesh {config.mesh.describe()} over {jax.device_count()} {jax.devices()[0].platform} devices "
+        f"in {jax.process_count()} process(es); micro steps per step: "
+        f"{config.train.micro_steps(config.mesh.data_parallel)}",
+        highlight=False,
+    )
+
+
+@contextlib.contextmanager
+def data_refusals() -> Iterator[None]:
+    """The data stage's `ValueError`s and missing files are refusals of the data the run was
+    pointed at (`ferry.data` raises them with the file and the fix in the message)."""
+    try:
+        yield
+    except FerryError:
+        raise
+    except (ValueError, FileNotFoundError, IsADirectoryError, PermissionError) as error:
+        raise DataError(str(error)) from error

@@ -1,0 +1,165 @@
+"""The run directory: which one a run writes (a new one, or one whose checkpoints it resumes),
+chosen by process 0 under its lock and told to every process, and the files a run starts with."""
+
+import dataclasses
+import datetime
+import itertools
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from ferry.distributed import is_main_process
+from ferry.errors import FerryError
+from ferry.schedule import TransferSchedule
+from ferry.train.checkpoint import CheckpointError, Checkpoints, checkpoint_steps, identity_difference
+from ferry.train.config import FerryConfig
+from ferry.train.lock import LOCK_FILE, RunDirectoryError, RunLock, acquire
+
+
+def resolve_run_dir(config: FerryConfig) -> Path:
+    """A new directory for what `mode=plan` writes (an existing non-empty one is refused), chosen
+    by process 0 and told to every process."""
+    return _from_process_zero(lambda: _new_run_dir(config))
+
+
+def _new_run_dir(config: FerryConfig) -> Path:
+    if config.run.dir is not None:
+        path = Path(config.run.dir)
+        if path.exists() and any(path.iterdir()):
+            raise RunDirectoryError(
+                f"run.dir={path} already holds files but no checkpoint to resume; ferry does not overwrite a run. "
+                "Pass a new run.dir, or omit it for runs/<timestamp>/"
+            )
+        return path
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    for suffix in itertools.count():
+        path = Path(config.run.root) / (stamp if suffix == 0 else f"{stamp}_{suffix}")
+        if not path.exists():
+            return path  # two launches in one second: the second's lock on it is refused
+    raise AssertionError("unreachable")
+
+
+def _from_process_zero(decide: Callable[[], Path], limit: int = 4096) -> Path:
+    """`decide()` on process 0 and its answer, a path or the refusal it raised (as a
+    RunDirectoryError), on every process."""
+    if jax.process_count() == 1:
+        return decide()
+    answer = b""
+    if is_main_process():
+        try:
+            answer = b"path:" + str(decide()).encode()
+        except FerryError as error:
+            answer = b"error:" + str(error).encode()
+    buffer = np.zeros(limit, np.uint8)
+    buffer[: len(answer[:limit])] = np.frombuffer(answer[:limit], np.uint8)
+    received = bytes(np.asarray(multihost_utils.broadcast_one_to_all(buffer))).rstrip(b"\0").decode()
+    kind, _, text = received.partition(":")
+    if kind == "error":
+        raise RunDirectoryError(text)
+    return Path(text)
+
+
+@dataclasses.dataclass
+class RunDirectory:
+    """Where a run writes, what it continues, and the lock process 0 holds on it (None on the
+    other processes). `restart`: an earlier attempt there saved no checkpoint; its logs are
+    replaced."""
+
+    path: Path
+    resume_step: int | None
+    lock: RunLock | None
+    restart: bool = False
+
+    def mark_started(self) -> None:
+        if self.lock is not None:
+            self.lock.started = True
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+
+
+def run_directory(config: FerryConfig, identity: dict[str, Any]) -> RunDirectory:
+    """The run's directory, locked by process 0, and the checkpoint step to resume from (None: a
+    new run). A run.dir holding checkpoints resumes from the latest when it holds this model's
+    state; one holding only an earlier attempt that saved none starts over; any other non-empty
+    directory is refused untouched. Every process reads the checkpoints (Orbax synchronises them;
+    none is written before all have started)."""
+    held: list[RunLock] = []
+
+    def claim() -> Path:
+        path = _claimed_dir(config)
+        held.append(acquire(path))
+        return path
+
+    path = _from_process_zero(claim)
+    directory = RunDirectory(path, None, held[0] if held else None)
+    try:
+        steps = checkpoint_steps(path / "checkpoints")
+        if steps:
+            directory.resume_step = _resumable(config, path, steps, identity)
+        else:
+            directory.restart = any(p.name != LOCK_FILE for p in path.iterdir()) if path.is_dir() else False
+    except BaseException:
+        directory.release()
+        raise
+    return directory
+
+
+def _claimed_dir(config: FerryConfig) -> Path:
+    """run.dir, when it is new, empty, or a ferry run's (checked before anything is touched), or a
+    new runs/<timestamp>/."""
+    if config.run.dir is None:
+        return _new_run_dir(config)
+    path = Path(config.run.dir)
+    if path.exists() and not path.is_dir():
+        raise RunDirectoryError(f"run.dir={path} is a file, not a directory; pass a directory for the run")
+    if path.is_dir():
+        try:
+            entries = [p.name for p in path.iterdir()]
+        except PermissionError as error:
+            raise RunDirectoryError(
+                f"run.dir={path} cannot be read (permission denied); pass another run.dir"
+            ) from error
+        ours = LOCK_FILE in entries or checkpoint_steps(path / "checkpoints")
+        if entries and not ours:
+            raise RunDirectoryError(
+                f"run.dir={path} already holds files but no checkpoint to resume, and no ferry run; ferry does not "
+                "overwrite them. "
+                "Pass a new run.dir, or omit it for runs/<timestamp>/"
+            )
+    return path
+
+
+def _resumable(config: FerryConfig, path: Path, steps: list[int], identity: dict[str, Any]) -> int:
+    """The latest step, when this command may continue the run that saved it."""
+    if not config.run.resume:
+        raise RunDirectoryError(
+            f"run.dir={path} holds checkpoints up to step {steps[-1]} and run.resume=false "
+            "refuses to continue it; drop run.resume=false to resume, or pass a new run.dir"
+        )
+    checkpoints = Checkpoints(path / "checkpoints", config.checkpoint)
+    try:
+        difference = identity_difference(checkpoints.read_identity(steps[-1]), identity)
+    finally:
+        checkpoints.close()
+    if difference is not None:
+        raise CheckpointError(
+            f"run.dir={path} holds checkpoints of another model or shape: {difference}. "
+            "Resume it with its own model config, or pass a new run.dir"
+        )
+    return steps[-1]
+
+
+def write_start_files(run_dir: Path, config_yaml: str, schedule: TransferSchedule, resume_step: int | None) -> None:
+    """config.yaml and schedule.json; a resumed run keeps the first config.yaml and writes its own
+    beside it."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    name = "config.yaml" if resume_step is None else f"config.resumed_at_{resume_step}.yaml"
+    (run_dir / name).write_text(config_yaml)
+    (run_dir / "schedule.json").write_text(json.dumps(schedule.to_json(), indent=2))
