@@ -25,7 +25,7 @@ from ferry.errors import JsonFileError, read_json
 from ferry.hf import CheckpointError as HFCheckpointError
 from ferry.hf.safetensors_io import read_header
 from ferry.memory import CompiledMemory, InsufficientMemoryError, check_step_fits
-from ferry.train.checkpoint import CheckpointError, Checkpoints, array_checksums, checkpoint_steps
+from ferry.train.checkpoint import Checkpoints, RunCheckpointError, array_checksums, checkpoint_steps
 from ferry.train.lock import LOCK_FILE, acquire
 from ferry.train.prepare import prepare
 from ferry.train.run import train
@@ -68,7 +68,7 @@ def test_a_checkpoint_step_that_exists_is_never_silently_skipped(two_checkpoints
     config = compose_config(*COMMON)
     checkpoints = Checkpoints(two_checkpoints / "checkpoints", config.checkpoint)
     try:
-        with pytest.raises(CheckpointError, match="step 4 already exists .* this run did not write it"):
+        with pytest.raises(RunCheckpointError, match="step 4 already exists .* this run did not write it"):
             checkpoints.save(4, {"x": jnp.zeros(3)}, {"next_index": 0}, {})
     finally:
         checkpoints.close()
@@ -101,7 +101,7 @@ def test_a_checkpoint_changed_in_place_is_refused_and_nothing_is_rotated_away(tw
     data[middle : middle + 5120] = np.random.default_rng(0).integers(0, 256, 5120, dtype=np.uint8).tobytes()
     largest.write_bytes(bytes(data))
     before = tree_digest(run_dir)
-    with pytest.raises(CheckpointError, match=r"step 4 .* (fails its checksums|cannot be read).* resume from step 2"):
+    with pytest.raises(RunCheckpointError, match=r"step 4 .* (fails its checksums|cannot be read).* resume from step 2"):
         run_in_process(run_dir, "train.steps=8", "checkpoint.keep=1")
     assert tree_digest(run_dir) == before  # nothing written, nothing rotated away
     shutil.move(run_dir / "checkpoints" / "4", tmp_path / "damaged_4")

@@ -23,7 +23,7 @@ from rich.console import Console
 
 import ferry.train.step as step_module
 from ferry.data.pipeline import PackedWindows, window_batches
-from ferry.train.checkpoint import CheckpointError, Checkpoints, checkpoint_steps
+from ferry.train.checkpoint import Checkpoints, RunCheckpointError, checkpoint_steps
 from ferry.train.lock import RunDirectoryError
 from ferry.train.nonfinite import NonFiniteLossError
 from ferry.train.optimizer import make_optimizer
@@ -242,7 +242,7 @@ def test_a_run_directory_is_resumed_only_by_its_own_model(uninterrupted, tmp_pat
     run_dir = uninterrupted[0]
     with pytest.raises(RunDirectoryError, match="holds checkpoints up to step 8 and run.resume=false refuses"):
         run(run_dir, "run.resume=false")
-    with pytest.raises(CheckpointError, match=r"another model or shape: .*dim: 64 -> 32"):
+    with pytest.raises(RunCheckpointError, match=r"another model or shape: .*dim: 64 -> 32"):
         run(run_dir, "model.dim=32")
     before = tree_digest(run_dir)
     assert "is complete: its latest checkpoint is step 8" in run(run_dir)
@@ -266,7 +266,7 @@ def test_a_damaged_latest_checkpoint_fails_clearly_and_an_unfinished_save_is_ign
         if path.is_file() and "ocdbt" in str(path):
             path.write_bytes(b"damaged")
     before = tree_digest(run_dir)
-    with pytest.raises(CheckpointError, match=r"checkpoint step 8 .* cannot be read .* to resume from step 4"):
+    with pytest.raises(RunCheckpointError, match=r"checkpoint step 8 .* cannot be read .* to resume from step 4"):
         run(run_dir, "train.steps=12")
     assert tree_digest(run_dir) == before  # nothing written, step 4 untouched
     # as the message says: with step 8 moved aside the run resumes from step 4 (saved asynchronously

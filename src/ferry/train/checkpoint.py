@@ -32,9 +32,9 @@ from ferry.train.config import CheckpointConfig
 ITEMS = ("state", "data", "model", "checksums")
 
 
-class CheckpointError(FerryError, ValueError):
-    """A checkpoint that cannot be resumed here: another model, unreadable, or changed since it
-    was saved."""
+class RunCheckpointError(FerryError, ValueError):
+    """A run's own checkpoint that cannot be resumed here: another model, unreadable, or changed
+    since it was saved (a Hugging Face checkpoint's refusals are `ferry.hf.CheckpointError`)."""
 
 
 def _mix(h: UInt32[Array, "*shape"]) -> UInt32[Array, "*shape"]:
@@ -140,7 +140,7 @@ class Checkpoints:
         if step in self.own_steps:
             return
         if step in self.manager.all_steps():
-            raise CheckpointError(
+            raise RunCheckpointError(
                 f"checkpoint step {step} already exists in {self.directory} but this run did not write it; "
                 "another run writes the same run.dir. Its checkpoint is left as it is"
             )
@@ -175,7 +175,7 @@ class Checkpoints:
             changed = sorted(k for k in saved.keys() | found.keys() if saved.get(k) != found.get(k))
             if changed:
                 shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
-                raise CheckpointError(
+                raise RunCheckpointError(
                     f"checkpoint step {step} in {self.directory} fails its checksums: {len(changed)} array(s) "
                     f"differ from what was saved ({shown}), so its files changed after saving; "
                     f"{self._fallback(step)}"
@@ -195,9 +195,9 @@ class Checkpoints:
             return "no earlier checkpoint exists; start a new run.dir"
         return f"move {self.directory / str(step)} aside to resume from step {max(earlier)} (left untouched)"
 
-    def _unreadable(self, step: int, error: Exception) -> CheckpointError:
+    def _unreadable(self, step: int, error: Exception) -> RunCheckpointError:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        return CheckpointError(
+        return RunCheckpointError(
             f"checkpoint step {step} in {self.directory} cannot be read ({first_line}); {self._fallback(step)}"
         )
 

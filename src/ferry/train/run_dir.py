@@ -16,7 +16,7 @@ from jax.experimental import multihost_utils
 from ferry.distributed import is_main_process
 from ferry.errors import FerryError
 from ferry.schedule import TransferSchedule
-from ferry.train.checkpoint import CheckpointError, Checkpoints, checkpoint_steps, identity_difference
+from ferry.train.checkpoint import Checkpoints, RunCheckpointError, checkpoint_steps, identity_difference
 from ferry.train.config import FerryConfig
 from ferry.train.lock import LOCK_FILE, RunDirectoryError, RunLock, acquire
 
@@ -149,7 +149,7 @@ def _resumable(config: FerryConfig, path: Path, steps: list[int], identity: dict
     finally:
         checkpoints.close()
     if difference is not None:
-        raise CheckpointError(
+        raise RunCheckpointError(
             f"run.dir={path} holds checkpoints of another model or shape: {difference}. "
             "Resume it with its own model config, or pass a new run.dir"
         )
