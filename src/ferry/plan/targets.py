@@ -6,6 +6,8 @@ import dataclasses
 import math
 from typing import Any, ClassVar
 
+from ferry.hardware import BF16_PEAK_FLOPS
+
 _COMMON_DEVICE_INFO = {
     "threads_per_block_limit": 1024,
     "threads_per_warp": 32,
@@ -128,9 +130,9 @@ class TpuTarget(Target):
         return list(topologies.get_topology_desc(platform="tpu", topology_name=self.topology(num_devices)).devices)
 
 
-def _gpu(name, description, chip, hbm, hbm_bandwidth, host_link, peak, links) -> GpuTarget:
+def _gpu(name, description, chip, hbm, hbm_bandwidth, host_link, links) -> GpuTarget:
     """`chip`: (compute capability, cores, clock GHz, L2 bytes); `links`: (scale-up bytes/s each
-    way, devices per scale-up domain, scale-out bytes/s each way)."""
+    way, devices per scale-up domain, scale-out bytes/s each way); the peak is `ferry.hardware`'s."""
     capability, cores, clock, l2 = chip
     nvlink, domain, network = links
     return GpuTarget(
@@ -138,7 +140,7 @@ def _gpu(name, description, chip, hbm, hbm_bandwidth, host_link, peak, links) ->
         description,
         hbm,
         host_link,
-        peak,
+        BF16_PEAK_FLOPS[name],
         interconnect_bandwidth=nvlink,
         domain_size=domain,
         scale_out_bandwidth=network,
@@ -150,13 +152,14 @@ def _gpu(name, description, chip, hbm, hbm_bandwidth, host_link, peak, links) ->
     )
 
 
-def _tpu(name, description, hbm, host_link, peak, ici, generation, torus_dims, max_devices) -> TpuTarget:
+def _tpu(name, description, hbm, host_link, ici, generation, torus_dims, max_devices) -> TpuTarget:
+    """The peak is `ferry.hardware`'s."""
     return TpuTarget(
         name,
         description,
         hbm,
         host_link,
-        peak,
+        BF16_PEAK_FLOPS[name],
         interconnect_bandwidth=ici,
         domain_size=max_devices,
         scale_out_bandwidth=ici,
@@ -167,8 +170,8 @@ def _tpu(name, description, hbm, host_link, peak, ici, generation, torus_dims, m
 
 
 # Sources, bandwidths given each way (half a published bidirectional figure):
-# - HBM, peak (dense bf16): NVIDIA's data sheets (see ../shared/gpu_targets.md), Google Cloud's TPU
-#   pages (docs.cloud.google.com/tpu/docs/v5p, /v5e, /v6e).
+# - HBM: NVIDIA's data sheets (see ../shared/gpu_targets.md), Google Cloud's TPU pages
+#   (docs.cloud.google.com/tpu/docs/v5p, /v5e, /v6e). The dense bf16 peaks are in ferry/hardware.py.
 # - Host link: H100, H200 and B200 reach the CPU over PCIe Gen5 x16, 128 GB/s bidirectional (their
 #   data sheets): 64 GB/s. GB200's GPUs reach Grace's LPDDR5X over NVLink-C2C, 900 GB/s
 #   bidirectional (GB200 NVL72 data sheet): 450 GB/s. v6e chips connect to their host over PCIe
@@ -189,12 +192,12 @@ _HOPPER = (9, 132, 1.98, 52428800)  # compute capability, cores, clock GHz, L2 b
 TARGETS: dict[str, Target] = {
     t.name: t
     for t in (
-        _gpu("h100", "NVIDIA H100 80GB HBM3", _HOPPER, 84942979072, 3352320e6, 64e9, 989e12, _HGX_NVLINK4),
-        _gpu("h200", "NVIDIA H200 141GB HBM3e", _HOPPER, 151397597184, 4800e9, 64e9, 989e12, _HGX_NVLINK4),
-        _gpu("b200", "NVIDIA B200", (10, 148, 1.965, 132644864), 191514411008, 7672320e6, 64e9, 2250e12, _HGX_NVLINK5),
-        _gpu("gb200", "NVIDIA GB200", (10, 152, 2.062, 135528448), 197897748480, 7928064e6, 450e9, 2500e12, _NVL72),
-        _tpu("v5p", "TPU v5p", 95 * 2**30, 32e9, 459e12, 600e9, "v5p", 3, 8960),
-        _tpu("v5e", "TPU v5e", 16 * 2**30, 32e9, 197e12, 200e9, "v5e", 2, 256),
-        _tpu("v6e", "TPU v6e", 32 * 2**30, 64e9, 918e12, 400e9, "v6e", 2, 256),
+        _gpu("h100", "NVIDIA H100 80GB HBM3", _HOPPER, 84942979072, 3352320e6, 64e9, _HGX_NVLINK4),
+        _gpu("h200", "NVIDIA H200 141GB HBM3e", _HOPPER, 151397597184, 4800e9, 64e9, _HGX_NVLINK4),
+        _gpu("b200", "NVIDIA B200", (10, 148, 1.965, 132644864), 191514411008, 7672320e6, 64e9, _HGX_NVLINK5),
+        _gpu("gb200", "NVIDIA GB200", (10, 152, 2.062, 135528448), 197897748480, 7928064e6, 450e9, _NVL72),
+        _tpu("v5p", "TPU v5p", 95 * 2**30, 32e9, 600e9, "v5p", 3, 8960),
+        _tpu("v5e", "TPU v5e", 16 * 2**30, 32e9, 200e9, "v5e", 2, 256),
+        _tpu("v6e", "TPU v6e", 32 * 2**30, 64e9, 400e9, "v6e", 2, 256),
     )
 }

@@ -1,5 +1,5 @@
-"""Peak FLOP/s of the device a run trains on, for MFU: the dense bf16 peaks of the planner's
-targets (`ferry.plan.targets`), looked up by the device kind JAX reports; a CPU's peak is
+"""Peak FLOP/s of the device a run trains on, for MFU: the dense bf16 peaks of the accelerators
+ferry knows (`ferry.hardware`), looked up by the device kind JAX reports; a CPU's peak is
 measured (a matmul in the run's compute dtype), as no table can know it."""
 
 import time
@@ -7,28 +7,13 @@ import time
 import jax
 import jax.numpy as jnp
 
-from ferry.plan.targets import TARGETS
-
-# Substrings of `device.device_kind` -> target name; the first match wins (GB200 before B200).
-DEVICE_KINDS: tuple[tuple[str, str], ...] = (
-    ("GB200", "gb200"),
-    ("B200", "b200"),
-    ("H200", "h200"),
-    ("H100", "h100"),
-    ("v5p", "v5p"),
-    ("v5 lite", "v5e"),
-    ("v5e", "v5e"),
-    ("v6 lite", "v6e"),
-    ("v6e", "v6e"),
-)
+from ferry.hardware import BF16_PEAK_FLOPS, accelerator_name
 
 
 def table_peak(device_kind: str) -> tuple[float, str] | None:
-    """(peak FLOP/s, target name) of a known device kind, else None."""
-    for fragment, name in DEVICE_KINDS:
-        if fragment.lower() in device_kind.lower():
-            return TARGETS[name].bf16_peak_flops, name
-    return None
+    """(peak FLOP/s, accelerator name) of a known device kind, else None."""
+    name = accelerator_name(device_kind)
+    return None if name is None else (BF16_PEAK_FLOPS[name], name)
 
 
 def measured_matmul_peak(dtype: str, size: int = 1024, repeats: int = 5) -> float:
