@@ -17,7 +17,7 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import equinox as eqx
 import jax
@@ -30,7 +30,7 @@ from ferry.sharding import activation_spec, constrain
 Axes = tuple[str | None, ...] | None
 
 Placement = Literal["device", "offload", "remat"]
-PLACEMENTS: tuple[str, ...] = ("device", "offload", "remat")
+PLACEMENTS: tuple[Placement, ...] = get_args(Placement)
 LAYER_INPUT = "decoder_layer_input"
 """The name of a layer's input. It is a residual of every layer and cannot be recomputed
 inside the layer, so a policy places it on `device` (the default) or `offload`s it."""
@@ -41,7 +41,7 @@ class PolicyError(FerryError, ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class Policy(Mapping[str, str]):
+class Policy(Mapping[str, Placement]):
     """Where each tagged activation lives between the forward and the backward pass: an
     immutable mapping from the tensor names it mentions to their placement.
 
@@ -85,13 +85,13 @@ class Policy(Mapping[str, str]):
         """Keep every residual on device: no recompute, no transfers."""
         return cls(keep_all=True)
 
-    def placement(self, name: str) -> str:
+    def placement(self, name: str) -> Placement:
         if self.keep_all:
             return "device"
         default = "device" if name == LAYER_INPUT else "remat"
         return dict(self.placements).get(name, default)
 
-    def __getitem__(self, name: str) -> str:
+    def __getitem__(self, name: str) -> Placement:
         return dict(self.placements)[name]
 
     def __iter__(self) -> Iterator[str]:

@@ -15,11 +15,11 @@ import equinox as eqx
 import jax
 from rich.table import Table
 
-from ferry.offload import LAYER_INPUT, Policy, record_tags_and_axes
+from ferry.offload import LAYER_INPUT, Placement, Policy, record_tags_and_axes
 from ferry.precision import cast_floating
 from ferry.sharding import activation_spec, data_parallel_size, shard_shape
 
-_DIRECTIONS = {"offload": ("D2H", "H2D"), "device": ("-", "-"), "remat": ("-", "-")}
+_DIRECTIONS: dict[Placement, tuple[str, str]] = {"offload": ("D2H", "H2D"), "device": ("-", "-"), "remat": ("-", "-")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +30,7 @@ class Residual:
     shape: tuple[int, ...]
     dtype: str
     bytes_per_device: int
-    placement: str
+    placement: Placement
     forward: str  # "D2H" when copied to pinned host after the forward pass, else "-"
     backward: str  # "H2D" when copied back before the backward pass, else "-"
 
@@ -55,7 +55,7 @@ class LayerGroup:
     num_layers: int
     residuals: tuple[Residual, ...]
 
-    def bytes(self, placement: str | None = None) -> int:
+    def bytes(self, placement: Placement | None = None) -> int:
         """Bytes of all its layers' residuals with `placement` (all when None), per device."""
         return self.num_layers * sum(r.bytes_per_device for r in self.residuals if placement in (None, r.placement))
 
@@ -74,7 +74,7 @@ class TransferSchedule:
         """The residuals of the first group's layer (the only group of a uniform model)."""
         return self.groups[0].residuals
 
-    def _bytes(self, placement: str | None = None) -> int:
+    def _bytes(self, placement: Placement | None = None) -> int:
         return sum(group.bytes(placement) for group in self.groups)
 
     @property
