@@ -4,13 +4,24 @@ land in pinned host memory, never dropped), its host copies, and the placement o
 chooses."""
 
 import dataclasses
+import functools
+import itertools
 
 import jax.numpy as jnp
 import pytest
 
 from ferry import offload
 from ferry.models.registry import abstract_model
-from ferry.plan.auto import auto_plan, choose, tensor_costs
+from ferry.plan.auto import (
+    MAX_CHECKS,
+    Baseline,
+    auto_plan,
+    fastest_fitting,
+    fits_with_headroom,
+    predict,
+    tensor_costs,
+    tensor_decisions,
+)
 from ferry.plan.planner import PlanError, compile_only_mesh, plan_memory
 from ferry.plan.targets import TARGETS
 from ferry.schedule import model_schedule
@@ -107,52 +118,80 @@ def test_tpu_v5p_plan_offloads_to_pinned_host():
     assert TARGETS["v5p"].topology(128) == "v5p:4x4x8" and TARGETS["v6e"].topology(32) == "v6e:4x8"
 
 
-def auto_choice(target, capacity_gib: float):
+def auto_choice(target, capacity_gib: float, host_capacity_gib: float | None = None, seq_len: int = 256):
     config = compose_config(
-        "model=llama_tiny", "offload=auto", "train.seq_len=256", "mode=plan", f"target={target.name}"
+        "model=llama_tiny", "offload=auto", f"train.seq_len={seq_len}", "mode=plan", f"target={target.name}"
     )
+    host = None if host_capacity_gib is None else int(host_capacity_gib * 2**30)
 
     def compile_policy(policy, name):
-        return plan_memory(config, target, policy, name, int(capacity_gib * 2**30), GPU_FLAGS)
+        return plan_memory(config, target, policy, name, int(capacity_gib * 2**30), GPU_FLAGS, host)
 
     return auto_plan(config, target, compile_only_mesh(target, config.mesh), compile_policy)
 
 
 def test_auto_keeps_everything_on_device_when_it_fits():
-    measured, choices = auto_choice(H200, 1.0)
-    assert measured.fits and {c.placement for c in choices} == {"device"}
+    measured, choices, tried = auto_choice(H200, 1.0)
+    assert measured.fits and {c.placement for c in choices} == {"device"} and len(tried) == 1
 
 
-def test_auto_rematerialises_when_the_host_link_is_too_slow_to_hide_copies():
-    """llama_tiny's layers compute for about a microsecond: no copy hides behind that, so auto
-    sheds HBM by recompute, cheapest per byte first, until the compiled step fits."""
-    measured, choices = auto_choice(H200, 0.052)  # between full_remat (49.6 MiB) and all on device (57.8)
-    placements = {c.name: c.placement for c in choices}
-    assert measured.fits and measured.host_bytes == 0
-    assert "remat" in placements.values() and "offload" not in placements.values()
-    assert placements["decoder_layer_input"] == "device"
-
-
-def test_auto_offloads_largest_first_within_the_host_link_budget():
-    """With a link fast enough, auto sheds HBM by copies (largest first) rather than recompute;
-    with H200's PCIe link llama_tiny's microsecond layers hide nothing, so it rematerialises."""
-    config = compose_config("model=llama_tiny", "offload=auto", "train.seq_len=256", "mode=plan", "target=h200")
+@functools.cache
+def llama_tiny_decisions(seq_len: int = 64):
+    config = compose_config("model=llama_tiny", "offload=auto", f"train.seq_len={seq_len}", "mode=plan", "target=h200")
     costs, forward = tensor_costs(config, H200, compile_only_mesh(H200, config.mesh))
-    excess = costs["mlpwi_0"].bytes + costs["mlpwi_1"].bytes  # the two largest
-    fast = {
-        c.name: c.placement for c in choose(costs, forward, dataclasses.replace(H200, host_link_bandwidth=1e18), excess)
-    }
-    assert {n for n, p in fast.items() if p != "device"} == {"mlpwi_0", "mlpwi_1"}
-    assert set(fast.values()) == {"device", "offload"}
-    slow = {c.name: c.placement for c in choose(costs, forward, H200, excess)}
-    assert "offload" not in slow.values() and slow["decoder_layer_input"] == "device"
-    cheapest = min(
-        (c for c in costs.values() if c.name != "decoder_layer_input"), key=lambda c: c.recompute_flops / c.bytes
+    decisions = tensor_decisions(costs, micro_steps=1)
+    baseline = Baseline(
+        hbm_bytes=float(sum(c.bytes for c in costs.values()) + 2**20),
+        host_bytes=0.0,
+        matmul_seconds=sum(forward.values()) * 3 / H200.bf16_peak_flops,
+        collective_seconds=0.0,
+        forward_seconds={group: flops / H200.bf16_peak_flops for group, flops in forward.items()},
+        layer_runs={"decoder": config.model.num_layers},
     )
-    assert slow[cheapest.name] == "remat"
-    # a layer's recompute cost is its producing matmul: [tokens, dim] x [dim, mlp] for mlpwi_0
-    tokens, dim, mlp = 8 * 256, config.model.dim, config.model.mlp_dim
-    assert costs["mlpwi_0"].recompute_flops == config.model.num_layers * 2 * tokens * dim * mlp
+    return costs, decisions, baseline
+
+
+@pytest.mark.parametrize("shed", [0.2, 0.5, 0.8])
+@pytest.mark.parametrize("link", [64e9, 1e15], ids=["pcie", "fast"])
+def test_the_search_finds_the_fastest_predicted_candidate_within_both_memories(shed, link):
+    """Branch and bound against every one of llama_tiny's 3^8 x 2 placements, predicted."""
+    target = dataclasses.replace(H200, host_link_bandwidth=link)
+    costs, decisions, baseline = llama_tiny_decisions()
+    hbm_limit = baseline.hbm_bytes - shed * sum(c.bytes for c in costs.values())
+    host_limit = 0.3 * sum(c.bytes for c in costs.values())
+    found = fastest_fitting(baseline, decisions, target, hbm_limit, host_limit)
+    every = [
+        predict(baseline, decisions, values, target)
+        for values in itertools.product(*[[o.value for o in d.options] for d in decisions])
+    ]
+    fitting = [p for p in every if p.hbm_bytes <= hbm_limit and p.host_bytes <= host_limit]
+    assert found is not None and found.seconds == min(p.seconds for p in fitting)
+    assert found.hbm_bytes <= hbm_limit and found.host_bytes <= host_limit
+    placements = dict(zip((d.name for d in decisions), found.values, strict=True))
+    if link > 1e12:  # copies hide behind any compute: offload within the host pool before recomputing
+        assert "offload" in placements.values()
+    excluded = fastest_fitting(baseline, decisions, target, hbm_limit, host_limit, frozenset({found.values}))
+    assert excluded is not None and excluded.values != found.values and excluded.seconds >= found.seconds
+
+
+def test_the_search_says_so_when_nothing_fits():
+    costs, decisions, baseline = llama_tiny_decisions()
+    assert fastest_fitting(baseline, decisions, H200, 2.0**20 - 1, None) is None  # below what nothing on device needs
+
+
+def test_auto_picks_the_fastest_estimate_that_fits_both_memories():
+    """llama_tiny's layers compute for about a microsecond: no copy hides behind that, so auto
+    sheds HBM by recompute. Of the candidates it compiled, its pick is the one of the least
+    estimated step time whose program fits HBM and the pinned host pool with 5% to spare."""
+    measured, choices, tried = auto_choice(H200, 0.055, host_capacity_gib=0.01, seq_len=256)
+    fitting = [t for t in tried if fits_with_headroom(t.plan)]
+    assert fitting and measured is min(fitting, key=lambda t: t.plan.estimate.best_seconds).plan
+    assert measured.device_bytes <= 0.95 * measured.capacity_bytes
+    assert measured.host_bytes <= 0.95 * measured.host_capacity_bytes
+    assert not fits_with_headroom(tried[0].plan)  # everything on device does not fit
+    placements = {c.name: c.placement for c in choices}
+    assert "remat" in placements.values() and placements["decoder_layer_input"] != "remat"
+    assert len(tried) <= 1 + MAX_CHECKS
 
 
 def test_the_estimate_reads_the_compiled_collectives_and_counts_model_flops_as_maxtext():

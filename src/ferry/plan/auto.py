@@ -1,12 +1,18 @@
 """`offload=auto`: choose where each tagged tensor waits for the backward pass (device, offload,
-remat) so that the step fits the target's HBM with the least recompute, offloading only what
-the host link moves within the compute of a layer's forward pass.
+remat), and any further placement choice (`Decision`), for the shortest estimated step
+(`ferry.plan.estimate`) that fits the target's HBM and its pinned host pool, each with
+`HEADROOM` to spare.
 
-The compiler decides: the all-on-device policy is compiled first, and if it does not fit, the
-bytes it must shed come from its `memory_analysis()`. Tensors go to pinned host, largest first,
-while each layer's copies take no longer on the host link than its forward matmuls at peak; if
-that is not enough, the tensors whose recompute costs the fewest FLOPs per byte are
-rematerialised. The choice is compiled again to check it, rematerialising more until it fits.
+The compiler decides: the all-on-device policy is compiled first; it gives the HBM, the matmul
+time and the collective time every other candidate is predicted from. Each option of a decision
+frees HBM, takes pinned host, costs recompute FLOPs (the tensor's producing matmul, once more per
+layer) or host copies (exposed where a layer's copies outlast its compute: the forward pass for
+the copies out, the backward pass, twice the forward, for the copies back). A branch-and-bound
+search over every combination finds the candidate of the least predicted step time that is
+predicted to fit; it is compiled, and its compiled program decides whether it fits and what its
+estimate is. What the prediction missed in HBM or host bytes is added to every later prediction,
+and the search runs again, until no candidate left is predicted faster than the fastest compiled
+one that fits, or `MAX_CHECKS` compiles are spent.
 """
 
 import dataclasses
@@ -23,7 +29,7 @@ from ferry.offload import LAYER_INPUT, Policy, record_tags
 from ferry.plan.planner import MemoryPlan, for_target
 from ferry.plan.targets import Target
 from ferry.precision import cast_floating
-from ferry.schedule import format_bytes, model_schedule
+from ferry.schedule import model_schedule
 from ferry.train.config import FerryConfig
 
 _SHAPE_ONLY = {
@@ -41,7 +47,7 @@ _SHAPE_ONLY = {
     "concatenate",
     "select_n",
 }
-MAX_CHECKS = 4  # compiles spent verifying a choice before giving up
+MAX_CHECKS = 6  # candidates compiled after the all-on-device one, at most
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,54 +175,196 @@ def tensor_costs(config: FerryConfig, target: Target, mesh: Any) -> tuple[dict[s
     return costs, forward
 
 
-def choose(
-    costs: dict[str, TensorCost],
-    forward_flops: dict[str, float],
-    target: Target,
-    excess_bytes: int,
-    no_offload: frozenset[str] = frozenset(),
-) -> list[Choice]:
-    """Shed `excess_bytes` of HBM: offload largest first within each layer's transfer budget
-    (never the tensors in `no_offload`), then rematerialise the cheapest recompute per byte."""
-    budget = {
-        group: flops / target.bf16_peak_flops * target.host_link_bandwidth for group, flops in forward_flops.items()
-    }
-    used = dict.fromkeys(budget, 0)
-    shed = 0
-    choices: dict[str, Choice] = {}
-    for cost in sorted(costs.values(), key=lambda c: -c.bytes):
-        if shed >= excess_bytes:
-            break
-        if cost.name not in no_offload and all(used[g] + b <= budget[g] for g, b in cost.layer_bytes.items()):
-            for g, b in cost.layer_bytes.items():
-                used[g] += b
-            shed += cost.bytes
-            worst = max(cost.layer_bytes, key=lambda g: used[g] / budget[g])
-            choices[cost.name] = Choice(
-                cost.name,
-                "offload",
-                cost.bytes,
-                0.0,
-                f"copies of a {worst} layer ({format_bytes(used[worst])} so far) take "
-                f"{used[worst] / target.host_link_bandwidth * 1e3:.2f} ms of the "
-                f"{forward_flops[worst] / target.bf16_peak_flops * 1e3:.2f} ms its forward matmuls take",
-            )
-    remat = [c for c in costs.values() if c.name not in choices and c.name != LAYER_INPUT]
-    for cost in sorted(remat, key=lambda c: c.recompute_flops / max(c.bytes, 1)):
-        if shed >= excess_bytes:
-            break
-        shed += cost.bytes
-        choices[cost.name] = Choice(
-            cost.name,
-            "remat",
-            cost.bytes,
-            cost.recompute_flops,
-            f"{cost.recompute_flops / max(cost.bytes, 1):.0f} recompute FLOPs per byte freed, the least left; "
-            "the host link has no time left to move it",
-        )
+HEADROOM = 0.05  # of HBM and of the pinned host pool, left free by auto's choice
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One value of a decision and what it changes against keeping everything on device, per
+    device per step."""
+
+    value: str
+    freed_bytes: float = 0.0  # HBM
+    host_bytes: float = 0.0  # pinned host taken
+    recompute_flops: float = 0.0
+    copy_bytes: tuple[tuple[str, int], ...] = ()  # per layer group: one layer's copies, each way
+    seconds: float = 0.0  # any other time it adds (its own copies, already known exposed)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """A choice `auto` makes: a tagged tensor's placement, or another placement (the optimizer
+    state's, say) given by its options; the first option is the all-on-device one."""
+
+    name: str
+    options: tuple[Option, ...]
+    tensor: bool = True  # a tagged tensor: its value goes into the policy
+
+
+@dataclasses.dataclass(frozen=True)
+class Baseline:
+    """The compiled all-on-device step that predictions start from, and the layers behind each
+    group's copies."""
+
+    hbm_bytes: float
+    host_bytes: float
+    matmul_seconds: float
+    collective_seconds: float
+    forward_seconds: dict[str, float]  # one layer of each group, per micro step
+    layer_runs: dict[str, int]  # layers x micro steps of each group, per step
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    values: tuple[str, ...]  # one per decision
+    hbm_bytes: float
+    host_bytes: float
+    seconds: float  # the best estimate: collectives overlapped
+
+
+def tensor_decisions(costs: dict[str, TensorCost], micro_steps: int) -> list[Decision]:
+    """device / offload / remat for every tagged tensor (the layer input is never recomputed: it
+    is what recompute starts from). An offloaded residual still passes through HBM a layer at a
+    time, so offloading frees its bytes less one layer's copy."""
+    decisions = []
     for cost in costs.values():
-        choices.setdefault(cost.name, Choice(cost.name, "device", cost.bytes, 0.0, "fits on device"))
-    return [choices[name] for name in costs]
+        staged = max(cost.layer_bytes.values(), default=0)
+        options = [
+            Option("device"),
+            Option(
+                "offload", float(cost.bytes - staged), float(cost.bytes), 0.0, tuple(sorted(cost.layer_bytes.items()))
+            ),
+        ]
+        if cost.name != LAYER_INPUT:
+            options.append(Option("remat", float(cost.bytes), 0.0, cost.recompute_flops * micro_steps))
+        decisions.append(Decision(cost.name, tuple(options)))
+    return decisions
+
+
+def predict(baseline: Baseline, decisions: list[Decision], values: tuple[str, ...], target: Target) -> Prediction:
+    """The HBM, host bytes and best step-time estimate of one candidate, from the baseline."""
+    chosen = [next(o for o in d.options if o.value == v) for d, v in zip(decisions, values, strict=True)]
+    return _prediction(baseline, values, *_totals(chosen), target)
+
+
+def _totals(chosen: list[Option]) -> tuple[float, float, float, dict[str, int], float]:
+    copies: dict[str, int] = {}
+    for option in chosen:
+        for group, size in option.copy_bytes:
+            copies[group] = copies.get(group, 0) + size
+    return (
+        sum((o.freed_bytes for o in chosen), 0.0),
+        sum((o.host_bytes for o in chosen), 0.0),
+        sum((o.recompute_flops for o in chosen), 0.0),
+        copies,
+        sum((o.seconds for o in chosen), 0.0),
+    )
+
+
+def exposed_copy_seconds(baseline: Baseline, copies: dict[str, int], target: Target) -> float:
+    """A layer's copies out against its forward compute, back against its backward (twice the
+    forward), for every layer run of the step."""
+    total = 0.0
+    for group, size in copies.items():
+        link, forward = size / target.host_link_bandwidth, baseline.forward_seconds[group]
+        total += baseline.layer_runs[group] * (max(0.0, link - forward) + max(0.0, link - 2 * forward))
+    return total
+
+
+def _prediction(baseline, values, freed, host, recompute, copies, seconds, target) -> Prediction:
+    compute = baseline.matmul_seconds + recompute / target.bf16_peak_flops
+    busy = compute + exposed_copy_seconds(baseline, copies, target) + seconds
+    return Prediction(
+        values, baseline.hbm_bytes - freed, baseline.host_bytes + host, max(busy, baseline.collective_seconds)
+    )
+
+
+def fastest_fitting(
+    baseline: Baseline,
+    decisions: list[Decision],
+    target: Target,
+    hbm_limit: float,
+    host_limit: float | None,
+    exclude: frozenset[tuple[str, ...]] = frozenset(),
+) -> Prediction | None:
+    """The candidate of the least predicted step time predicted within both limits (None if none
+    is), not one of `exclude`: a depth-first branch and bound. Every option adds time and host
+    bytes and frees HBM, so a partial choice is dropped once it is no faster than the best found,
+    its host bytes are over, or even freeing the most of every decision left leaves HBM over."""
+    order = sorted(range(len(decisions)), key=lambda i: -max(o.freed_bytes for o in decisions[i].options))
+    most_left = [0.0] * (len(order) + 1)
+    for depth in range(len(order) - 1, -1, -1):
+        most_left[depth] = most_left[depth + 1] + max(o.freed_bytes for o in decisions[order[depth]].options)
+    best: list[Prediction | None] = [None]
+    chosen: list[Option] = []
+
+    def visit(depth: int) -> None:
+        totals = _totals(chosen)
+        values_so_far = tuple(o.value for o in chosen)
+        partial = _prediction(baseline, values_so_far, *totals, target)
+        if best[0] is not None and partial.seconds >= best[0].seconds:
+            return
+        if host_limit is not None and partial.host_bytes > host_limit:
+            return
+        if partial.hbm_bytes - most_left[depth] > hbm_limit:
+            return
+        if depth == len(order):
+            values = [""] * len(decisions)
+            for i, option in zip(order, chosen, strict=True):
+                values[i] = option.value
+            if partial.hbm_bytes <= hbm_limit and tuple(values) not in exclude:
+                best[0] = dataclasses.replace(partial, values=tuple(values))
+            return
+        for option in decisions[order[depth]].options:
+            chosen.append(option)
+            visit(depth + 1)
+            chosen.pop()
+
+    visit(0)
+    return best[0]
+
+
+def fits_with_headroom(plan: MemoryPlan) -> bool:
+    """HBM and the pinned host pool (where its size is known) each keep `HEADROOM` free."""
+    host = plan.host_capacity_bytes is None or plan.host_bytes <= (1 - HEADROOM) * plan.host_capacity_bytes
+    return plan.device_bytes <= (1 - HEADROOM) * plan.capacity_bytes and host
+
+
+@dataclasses.dataclass(frozen=True)
+class Tried:
+    """A candidate auto compiled: what it predicted and what the compiled program says."""
+
+    values: dict[str, str]
+    predicted: Prediction
+    plan: MemoryPlan
+
+    @property
+    def fits(self) -> bool:
+        return fits_with_headroom(self.plan)
+
+
+def calibrated_limits(
+    baseline: Baseline, tried: list[Tried], hbm_limit: float, host_limit: float | None
+) -> tuple[float, float | None]:
+    """The limits on predicted bytes that the compiled candidates imply: where a program freed
+    (or took on host) k times the bytes predicted, the prediction is held to the limit scaled by
+    the least favourable k seen, so the next candidate is chosen as if predicted that well."""
+    freed = [
+        (baseline.hbm_bytes - t.plan.device_bytes) / (baseline.hbm_bytes - t.predicted.hbm_bytes)
+        for t in tried
+        if t.predicted.hbm_bytes < baseline.hbm_bytes
+    ]
+    hosted = [
+        (t.plan.host_bytes - baseline.host_bytes) / (t.predicted.host_bytes - baseline.host_bytes)
+        for t in tried
+        if t.predicted.host_bytes > baseline.host_bytes
+    ]
+    freeing = min(freed, default=1.0)
+    if freeing > 0:
+        hbm_limit = baseline.hbm_bytes - (baseline.hbm_bytes - hbm_limit) / freeing
+    if host_limit is not None and max(hosted, default=1.0) > 0:
+        host_limit = baseline.host_bytes + (host_limit - baseline.host_bytes) / max(hosted, default=1.0)
+    return hbm_limit, host_limit
 
 
 def policy_of(choices: list[Choice]) -> Policy:
@@ -224,30 +372,79 @@ def policy_of(choices: list[Choice]) -> Policy:
 
 
 def auto_plan(
-    config: FerryConfig, target: Target, mesh: Any, compile_policy: Callable[[Policy, str], MemoryPlan]
-) -> tuple[MemoryPlan, list[Choice]]:
-    """Compile the all-on-device policy; if it does not fit, choose, compile the choice, and
-    shed more per check until it fits: the bytes the estimate fell short by while tensors remain
-    on device, else rematerialise the offloaded tensor cheapest to recompute (an offloaded
-    residual still passes through HBM, so offloading frees less than its size)."""
+    config: FerryConfig,
+    target: Target,
+    mesh: Any,
+    compile_policy: Callable[[Policy, str], MemoryPlan],
+    extra: tuple[Decision, ...] = (),
+    compile_choice: Callable[[Policy, dict[str, str]], MemoryPlan] | None = None,
+) -> tuple[MemoryPlan, list[Choice], list[Tried]]:
+    """The fastest-estimated candidate whose compiled step fits both memories with `HEADROOM`
+    (see the module), its choices, and every candidate compiled on the way. `extra` decisions
+    (not tensors) reach the compile through `compile_choice(policy, {decision: value})`; without
+    them `compile_policy(policy, "auto")` compiles. Where nothing fits: the candidate closest to
+    fitting."""
     costs, forward = tensor_costs(config, target, mesh)
-    keep = [Choice(c.name, "device", c.bytes, 0.0, "fits on device: no recompute, no copies") for c in costs.values()]
-    plan = compile_policy(policy_of(keep), "auto")
-    if plan.fits:
-        return plan, keep
-    excess = plan.device_bytes - plan.capacity_bytes
-    no_offload: frozenset[str] = frozenset()
+    micro_steps = config.train.micro_steps(config.mesh.data_parallel)
+    decisions = tensor_decisions(costs, micro_steps) + list(extra)
+    compile_values = compile_choice or (lambda policy, values: compile_policy(policy, "auto"))
+    all_device = tuple(d.options[0].value for d in decisions)
+
+    def compile_candidate(values: tuple[str, ...]) -> MemoryPlan:
+        policy = Policy.from_dict({d.name: v for d, v in zip(decisions, values, strict=True) if d.tensor})
+        return compile_values(policy, {d.name: v for d, v in zip(decisions, values, strict=True) if not d.tensor})
+
+    first = compile_candidate(all_device)
+    estimate = first.estimate
+    model = abstract_model(for_target(config.model, target))
+    baseline = Baseline(
+        float(first.device_bytes),
+        float(first.host_bytes),
+        estimate.matmul_seconds,
+        estimate.collective_seconds,
+        {group: flops / target.bf16_peak_flops for group, flops in forward.items()},
+        {kind.name: kind.num_layers * micro_steps for kind in model.layer_kinds()},
+    )
+    tried = [
+        Tried(
+            dict(zip((d.name for d in decisions), all_device, strict=True)),
+            predict(baseline, decisions, all_device, target),
+            first,
+        )
+    ]
+    hbm_limit = (1 - HEADROOM) * first.capacity_bytes
+    host_limit = None if first.host_capacity_bytes is None else (1 - HEADROOM) * first.host_capacity_bytes
     for _ in range(MAX_CHECKS):
-        choices = choose(costs, forward, target, excess, no_offload)
-        plan = compile_policy(policy_of(choices), "auto")
-        if plan.fits:
+        fitting = [t for t in tried if t.fits]
+        best = min(fitting, key=lambda t: t.plan.estimate.best_seconds, default=None)
+        exclude = frozenset(t.predicted.values for t in tried)
+        hbm_room, host_room = calibrated_limits(baseline, tried[1:], hbm_limit, host_limit)
+        candidate = fastest_fitting(baseline, decisions, target, hbm_room, host_room, exclude)
+        if candidate is None or (best is not None and candidate.seconds >= best.plan.estimate.best_seconds):
             break
-        if any(c.placement == "device" for c in choices if c.name != LAYER_INPUT):
-            excess += plan.device_bytes - plan.capacity_bytes  # the estimate fell short by this much
-            continue
-        offloaded = [costs[c.name] for c in choices if c.placement == "offload" and c.name != LAYER_INPUT]
-        if not offloaded:
-            break  # everything is rematerialised: nothing is left to shed
-        cheapest = min(offloaded, key=lambda c: c.recompute_flops / max(c.bytes, 1))
-        no_offload |= {cheapest.name}
-    return plan, choices
+        plan = compile_candidate(candidate.values)
+        tried.append(Tried(dict(zip((d.name for d in decisions), candidate.values, strict=True)), candidate, plan))
+    fitting = [t for t in tried if t.fits]
+    pick = min(fitting, key=lambda t: t.plan.estimate.best_seconds, default=None)
+    if pick is None:
+        pick = min(tried, key=lambda t: t.plan.device_bytes / t.plan.capacity_bytes)
+    return pick.plan, _choices(pick, costs, decisions, fitting), tried
+
+
+def _choices(
+    pick: Tried, costs: dict[str, TensorCost], decisions: list[Decision], fitting: list[Tried]
+) -> list[Choice]:
+    why = (
+        f"the fastest estimate ({pick.plan.estimate.best_seconds * 1e3:.2f} ms) of {len(fitting)} compiled "
+        "candidates that fit with headroom"
+        if pick in fitting
+        else "nothing compiled fits with headroom: the closest"
+    )
+    choices = []
+    for decision in decisions:
+        value = pick.values[decision.name]
+        cost = costs.get(decision.name)
+        size = cost.bytes if cost else 0
+        recompute = cost.recompute_flops if cost and value == "remat" else 0.0
+        choices.append(Choice(decision.name, value, size, recompute, why))
+    return choices

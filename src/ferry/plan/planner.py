@@ -62,6 +62,7 @@ class MemoryPlan:
     collectives: CollectiveTraffic = CollectiveTraffic({}, 0.0)
     model_flops: float = 0.0  # per device per step, MaxText's convention (`ferry.train.flops`)
     peak_flops: float = 0.0  # the target's dense bf16 peak, per device
+    extrapolated: str | None = None  # how `ferry.plan.extrapolate` made it from shallow compiles; None: compiled whole
 
     @property
     def device_bytes(self) -> int:
@@ -193,11 +194,15 @@ def plan_memory(
         compile_seconds=compile_seconds,
         verification=verification,
         collectives=collective_traffic(hlo, target),
-        model_flops=training_flops(model_config, config.train.global_batch_size, config.train.seq_len).per_device(
-            config.mesh.num_devices
-        ),
+        model_flops=model_flops_per_device(config, target),
         peak_flops=target.bf16_peak_flops,
     )
+
+
+def model_flops_per_device(config: FerryConfig, target: Target) -> float:
+    """Model FLOPs of one step per device, by MaxText's convention (`ferry.train.flops`)."""
+    flops = training_flops(for_target(config.model, target), config.train.global_batch_size, config.train.seq_len)
+    return flops.per_device(config.mesh.num_devices)
 
 
 def _schedule(config: FerryConfig, model_config: Any, policy: Policy, mesh: Mesh) -> TransferSchedule:

@@ -13,15 +13,28 @@ from rich.table import Table
 from ferry.config import ConfigError
 from ferry.models.registry import abstract_model
 from ferry.offload import Policy
-from ferry.plan.auto import Choice, auto_plan
+from ferry.plan.auto import HEADROOM, Choice, Tried, auto_plan, fits_with_headroom
 from ferry.plan.estimate import REFERENCE, ranked
-from ferry.plan.planner import MemoryPlan, compile_only_mesh, for_target, layer_group_traces, plan_memory
+from ferry.plan.extrapolate import (
+    ExtrapolationError,
+    extrapolated_plan,
+    group_depths,
+    should_extrapolate,
+    with_depths,
+)
+from ferry.plan.planner import (
+    MemoryPlan,
+    compile_only_mesh,
+    for_target,
+    layer_group_traces,
+    model_flops_per_device,
+    plan_memory,
+)
 from ferry.plan.targets import TARGETS, Target
 from ferry.plan.verify import DEAD, explain_recompute, recompute_checked
 from ferry.platform import PlatformConfig
 from ferry.schedule import format_bytes
-from ferry.train.config import FerryConfig, OffloadConfig
-from ferry.train.config import check_mesh_shape
+from ferry.train.config import FerryConfig, OffloadConfig, check_mesh_shape
 
 HOST_POOL_VARIABLE = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"  # GiB of pinned host XLA's GPU client sets up
 
@@ -65,10 +78,35 @@ def run_plan(
     pool = platform.env.get(HOST_POOL_VARIABLE) if target.platform == "gpu" else None
     capacity = None if config.plan.capacity_gib is None else int(config.plan.capacity_gib * 2**30)
 
+    host_capacity = None if pool is None else int(pool) * 2**30
+    extrapolate = should_extrapolate(config.plan.extrapolate, config.model)
+
+    def compile_at(policy: Policy, name: str, depths: dict[str, int] | None = None) -> MemoryPlan:
+        at = config if depths is None else dataclasses.replace(config, model=with_depths(config.model, depths))
+        shown = "" if depths is None else " (" + ", ".join(f"{g} {d} layers" for g, d in depths.items()) + ")"
+        console.print(f"compiling the train step for {config.mesh.num_devices} x {target.description}: {name}{shown}")
+        return plan_memory(at, target, policy, name, capacity, dict(platform.xla_flags), host_capacity)
+
+    compiled: dict[tuple, MemoryPlan] = {}  # auto's all-on-device candidate is `minimal`, say: compile once
+
     def compile_policy(policy: Policy, name: str) -> MemoryPlan:
-        console.print(f"compiling the train step for {config.mesh.num_devices} x {target.description}: {name}")
-        host_capacity = None if pool is None else int(pool) * 2**30
-        return plan_memory(config, target, policy, name, capacity, dict(platform.xla_flags), host_capacity)
+        key = (policy.keep_all, tuple(policy.placement(tensor) for tensor in sorted(tagged)))
+        if key not in compiled:
+            compiled[key] = compile_new(policy, name)
+        return dataclasses.replace(compiled[key], policy=name)
+
+    def compile_new(policy: Policy, name: str) -> MemoryPlan:
+        if not extrapolate:
+            return compile_at(policy, name)
+        try:
+            return extrapolated_plan(
+                lambda depths: compile_at(policy, name, depths),
+                group_depths(config.model),
+                model_flops_per_device(config, target),
+            )
+        except ExtrapolationError as error:
+            console.print(f"not extrapolated: {error}; compiling the whole model", highlight=False)
+            return compile_at(policy, name)
 
     plans = [compile_policy(policy, name) for name, policy in policies.items()]
     model_config = for_target(config.model, target)
@@ -95,8 +133,9 @@ def run_plan(
             highlight=False,
         )
     choices: list[Choice] = []
+    tried: list[Tried] = []
     if auto:
-        auto_result, choices = auto_plan(config, target, compile_only_mesh(target, config.mesh), compile_policy)
+        auto_result, choices, tried = auto_plan(config, target, compile_only_mesh(target, config.mesh), compile_policy)
         plans.append(auto_result)
     console.print(plan_table(plans, config))
     console.print(estimate_table(plans))
@@ -106,6 +145,7 @@ def run_plan(
         if plan.verification is not None and (plan.verification.copies or plan.verification.recompute):
             console.print(verification_table(plan))
     if choices:
+        console.print(candidate_table(tried))
         console.print(choice_table(choices, plans[-1]))
     return plans, choices
 
@@ -125,8 +165,8 @@ def plan_table(plans: list[MemoryPlan], config: FerryConfig) -> Table:
         caption="compile options: " + ", ".join(f"{k}={v}" for k, v in first.compile_options) + pool,
     )
     columns = ("preset", "arguments", "outputs", "temp", "HBM total", "capacity", "verdict", "pinned host")
-    for column in (*columns, "matmul TFLOP", "copies exposed", "compile"):
-        table.add_column(column, justify="left" if column in ("preset", "verdict") else "right")
+    for column in (*columns, "matmul TFLOP", "copies exposed", "compile", "planned"):
+        table.add_column(column, justify="left" if column in ("preset", "verdict", "planned") else "right")
     for plan in plans:
         summary = plan.transfer_summary
         table.add_row(
@@ -141,6 +181,7 @@ def plan_table(plans: list[MemoryPlan], config: FerryConfig) -> Table:
             f"{plan.flops / 1e12:.4f}",
             format_seconds(summary.exposed_seconds) if plan.transfers else "-",
             f"{plan.compile_seconds:.0f} s",
+            "compiled whole" if plan.extrapolated is None else f"EXTRAPOLATED: {plan.extrapolated}",
         )
     return table
 
@@ -248,10 +289,35 @@ def verification_table(plan: MemoryPlan) -> Table:
     return table
 
 
-def choice_table(choices: list[Choice], plan: MemoryPlan) -> Table:
+def candidate_table(tried: list[Tried]) -> Table:
+    """The candidates offload=auto compiled, in order: what it predicted, what each compiled to."""
     table = Table(
-        title=f"offload=auto for {plan.target}: {'FITS' if plan.fits else 'nothing fits; the closest'}, "
-        f"{format_bytes(plan.device_bytes)} of {format_bytes(plan.capacity_bytes)} HBM per device",
+        title="offload=auto: candidates compiled (per device; step times are ESTIMATES)",
+        caption=f"fits: HBM and the pinned host pool each keep {HEADROOM:.0%} free",
+    )
+    for column in ("#", "off device", "HBM predicted", "HBM", "pinned host", "best predicted", "best estimate", "fits"):
+        table.add_column(column, justify="left" if column in ("off device", "fits") else "right")
+    for number, t in enumerate(tried, 1):
+        moved = [f"{name}={value}" for name, value in t.values.items() if value != "device"]
+        table.add_row(
+            str(number),
+            ", ".join(moved) or "(all on device)",
+            format_bytes(int(t.predicted.hbm_bytes)),
+            format_bytes(t.plan.device_bytes),
+            format_bytes(t.plan.host_bytes),
+            format_seconds(t.predicted.seconds),
+            format_seconds(t.plan.estimate.best_seconds),
+            "yes" if t.fits else "no",
+        )
+    return table
+
+
+def choice_table(choices: list[Choice], plan: MemoryPlan) -> Table:
+    fits = fits_with_headroom(plan)
+    table = Table(
+        title=f"offload=auto for {plan.target}: {'FITS' if fits else 'nothing fits; the closest'}, "
+        f"{format_bytes(plan.device_bytes)} of {format_bytes(plan.capacity_bytes)} HBM per device, "
+        f"estimated step {format_seconds(plan.estimate.best_seconds)}",
     )
     for column in ("tensor", "placement", "bytes per micro step", "recompute TFLOP", "why"):
         table.add_column(column, justify="right" if column in ("bytes per micro step", "recompute TFLOP") else "left")

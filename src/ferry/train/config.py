@@ -199,10 +199,13 @@ class InitConfig:
 @dataclasses.dataclass(frozen=True)
 class PlanConfig:
     """`mode=plan`: the target to compile for, and the presets to compare (default: save_all,
-    full_remat and the run's own `offload`). `capacity_gib` overrides the target's HBM."""
+    full_remat and the run's own `offload`). `capacity_gib` overrides the target's HBM.
+    `extrapolate` plans a deep model from shallow compiles (`ferry.plan.extrapolate`); null: for
+    models over 8 layers."""
 
     presets: tuple[str, ...] | None = None
     capacity_gib: float | None = None
+    extrapolate: bool | None = None
 
     def __post_init__(self) -> None:
         if self.presets is not None:

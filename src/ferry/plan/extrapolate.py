@@ -1,0 +1,133 @@
+"""`plan.extrapolate`: plan a deep model from shallow compiles of it.
+
+A scanned stack runs one loop body per layer, so everything the planner reads from a compiled step
+grows by the same amount with each layer of a group: the parameters, optimizer state and gradients
+(arguments, outputs), the residuals the forward pass keeps for the backward pass (temporaries or
+pinned host bytes), the loop's FLOPs, host copies and collectives. Each of those is affine in the
+groups' depths. The step is therefore compiled with `BASE_DEPTH` layers in every deep group and
+once more per deep group with one layer more, and each quantity is extended along the lines
+through those points to the model's real depth. A group of at most `WHOLE_DEPTH` layers (DeepSeek-
+V3's three dense layers, an MTP block) is compiled whole. A GPU scan of one layer is no loop (XLA
+removes it, and with it the host offloads it holds), so no group is probed below two layers.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from ferry.models.registry import abstract_model
+from ferry.plan.estimate import CollectiveTraffic
+from ferry.plan.planner import MemoryPlan
+from ferry.plan.transfers import Transfer, TransferSummary
+
+BASE_DEPTH = 2
+WHOLE_DEPTH = 4
+AUTO_ABOVE = 8  # plan.extrapolate=null extrapolates models of more layers than this
+
+
+class ExtrapolationError(ValueError):
+    """The shallow compiles differ in structure (not only in their loops' length): the plan needs
+    the full compile."""
+
+
+def group_depths(model_config: Any) -> dict[str, int]:
+    """Each scanned layer group's depth (the groups `with_depths` can change)."""
+    kinds = {kind.name: kind.num_layers for kind in abstract_model(model_config).layer_kinds()}
+    return {name: depth for name, depth in kinds.items() if name in ("decoder", "dense", "moe")}
+
+
+def with_depths(model_config: Any, depths: dict[str, int]) -> Any:
+    """`model_config` with its scanned groups `depths` layers deep: a DeepSeek-V3 config's dense
+    and MoE layers, any other family's `num_layers` (its one `decoder` group)."""
+    if hasattr(model_config, "num_dense_layers"):
+        dense = depths.get("dense", 0)
+        return dataclasses.replace(model_config, num_dense_layers=dense, num_layers=dense + depths.get("moe", 0))
+    return dataclasses.replace(model_config, num_layers=depths["decoder"])
+
+
+def should_extrapolate(setting: bool | None, model_config: Any) -> bool:
+    """`plan.extrapolate`: true, false, or null (true for models over `AUTO_ABOVE` layers)."""
+    if setting is not None:
+        return setting
+    return sum(group_depths(model_config).values()) > AUTO_ABOVE
+
+
+def probe_depths(full: dict[str, int]) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+    """The base compile's depths and, per group deep enough to extrapolate, a compile with one
+    layer more in that group."""
+    base = {name: BASE_DEPTH if depth > WHOLE_DEPTH else depth for name, depth in full.items()}
+    steps = {name: base | {name: base[name] + 1} for name, depth in full.items() if depth > WHOLE_DEPTH}
+    return base, steps
+
+
+def describe(base: dict[str, int], steps: dict[str, dict[str, int]], full: dict[str, int]) -> str:
+    return (
+        "; ".join(f"{name} {full[name]} from {base[name]} and {base[name] + 1}" for name in steps) or "compiled whole"
+    )
+
+
+def extrapolated_plan(
+    compile_at: Callable[[dict[str, int]], MemoryPlan], full: dict[str, int], model_flops: float
+) -> MemoryPlan:
+    """Compile at the probe depths (`compile_at(depths)`) and extend each quantity to `full`.
+    The result keeps the base compile's verification (the shallow program's copies and walks) and
+    records how it was made in `extrapolated`."""
+    base_depths, step_depths = probe_depths(full)
+    base = compile_at(base_depths)
+    steps = {name: compile_at(depths) for name, depths in step_depths.items()}
+    extra = {name: full[name] - base_depths[name] for name in steps}
+
+    def line(read: Callable[[MemoryPlan], Any]) -> Any:
+        at_base = read(base)
+        return at_base + sum((read(plan) - at_base) * extra[name] for name, plan in steps.items())
+
+    return dataclasses.replace(
+        base,
+        argument_bytes=line(lambda p: p.argument_bytes),
+        output_bytes=line(lambda p: p.output_bytes),
+        alias_bytes=line(lambda p: p.alias_bytes),
+        temp_bytes=line(lambda p: p.temp_bytes),
+        host_bytes=line(lambda p: p.host_bytes),
+        flops=line(lambda p: p.flops),
+        matmuls=line(lambda p: p.matmuls),
+        transfers=_transfers(base, steps, extra),
+        transfer_summary=TransferSummary(
+            *(line(lambda p, f=f.name: getattr(p.transfer_summary, f)) for f in dataclasses.fields(TransferSummary))
+        ),
+        compile_seconds=base.compile_seconds + sum(plan.compile_seconds for plan in steps.values()),
+        collectives=CollectiveTraffic(
+            {
+                op: line(lambda p, op=op: p.collectives.bytes.get(op, 0.0))
+                for op in set(base.collectives.bytes).union(*(p.collectives.bytes for p in steps.values()))
+            },
+            line(lambda p: p.collectives.seconds),
+        ),
+        model_flops=model_flops,
+        extrapolated=describe(base_depths, step_depths, full),
+    )
+
+
+def _transfers(base: MemoryPlan, steps: dict[str, MemoryPlan], extra: dict[str, int]) -> tuple[Transfer, ...]:
+    """The base compile's host copies, each run as often as the line through the compiles gives:
+    a copy in a layer loop runs once more per layer. The compiles must schedule the same copies."""
+
+    def key(t: Transfer) -> tuple:
+        return t.tensor, t.direction, t.shape, t.bytes
+
+    for name, plan in steps.items():
+        if sorted(map(key, plan.transfers)) != sorted(map(key, base.transfers)):
+            raise ExtrapolationError(
+                f"{base.policy}: the compiles with {name} layers deeper schedule other host copies than the base's"
+            )
+
+    def order(plan: MemoryPlan) -> list[Transfer]:  # copies of one tensor and direction by how often they run
+        return sorted(plan.transfers, key=lambda t: (key(t), t.executions))
+
+    ordered = {name: order(plan) for name, plan in steps.items()}
+    result = []
+    for i, transfer in enumerate(order(base)):
+        executions = transfer.executions + sum(
+            (ordered[name][i].executions - transfer.executions) * extra[name] for name in steps
+        )
+        result.append(dataclasses.replace(transfer, executions=executions))
+    return tuple(result)
