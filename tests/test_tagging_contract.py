@@ -86,7 +86,7 @@ def test_integer_arrays_of_a_layer_work_in_a_layer_stack():
 
 
 def test_extra_inputs_reach_every_layer_undifferentiated():
-    """`LayerStack(x, policy, mesh, *extra)`: e.g. segment ids every layer reads."""
+    """`LayerStack(x, policy, *extra)`: e.g. segment ids every layer reads."""
 
     class Masked(eqx.Module):
         w: jax.Array
@@ -99,7 +99,7 @@ def test_extra_inputs_reach_every_layer_undifferentiated():
     keep = jnp.arange(10).reshape(2, 5) % 3 != 0
 
     def loss(s, policy):
-        return jnp.sum(jnp.sin(s(x, policy, None, keep)[0]))
+        return jnp.sum(jnp.sin(s(x, policy, keep)[0]))
 
     want = eqx.filter_grad(loss)(stack, Policy.save_all())
     for placements in POLICIES:

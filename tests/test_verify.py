@@ -227,7 +227,7 @@ def compile_user_stack(nonlinear_tag: bool, policy: Policy) -> tuple[str, LayerS
     x = place(jax.ShapeDtypeStruct((4, 16, 32), jnp.float32))
 
     def loss(stack: LayerStack, x: jax.Array) -> jax.Array:
-        y, _ = stack(x, policy, mesh)
+        y, _ = stack(x, policy)
         return jnp.sum(y**2)
 
     with jax.set_mesh(mesh):

@@ -25,7 +25,7 @@ from jax._src import core as jax_core
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ferry.errors import FerryError
-from ferry.sharding import activation_spec, constrain
+from ferry.sharding import activation_spec, constrain, context_mesh
 
 Axes = tuple[str | None, ...] | None
 
@@ -272,20 +272,15 @@ def tagged_names(fn: Callable[..., Any], *args: Any) -> frozenset[str]:
 # Memory placement.
 
 
-def _mesh(mesh: Mesh | None) -> Mesh | jax.sharding.AbstractMesh:
-    """The mesh to place on: the one given, else the one set by `jax.set_mesh`, else the only
+def _mesh() -> Mesh | jax.sharding.AbstractMesh:
+    """The mesh to place on: the one set by `jax.set_mesh` (`context_mesh`), else the only
     device's."""
+    mesh = context_mesh()
     if mesh is not None:
         return mesh
-    context = jax.sharding.get_abstract_mesh()
-    if not context.empty:
-        return context
     if jax.device_count() == 1:
         return Mesh(jax.devices()[:1], ("data",))
-    raise ValueError(
-        "offloading on several devices needs a mesh: pass mesh= to offloaded() or trace the "
-        "step under `with jax.set_mesh(mesh):`"
-    )
+    raise ValueError("offloading on several devices needs a mesh: trace the step under `with jax.set_mesh(mesh):`")
 
 
 def spec_of(x: jax.Array, axes: Axes, mesh: Mesh | jax.sharding.AbstractMesh) -> PartitionSpec:
@@ -300,14 +295,14 @@ def spec_of(x: jax.Array, axes: Axes, mesh: Mesh | jax.sharding.AbstractMesh) ->
     return activation_spec(x, axes, mesh)
 
 
-def to_memory(x: jax.Array, memory_kind: str, mesh: Mesh | None = None, axes: Axes = None) -> jax.Array:
+def to_memory(x: jax.Array, memory_kind: str, axes: Axes = None) -> jax.Array:
     """`device_put` a value to `memory_kind` ("pinned_host" or "device") keeping its sharding.
 
     Compile-only devices (a GPU target compiled without a GPU) have no memories, and JAX would
     silently canonicalise a `pinned_host` NamedSharding to device memory, dropping the offload;
     there the value goes to the memory *space* instead, which the compiler honours, its spec
     kept by the sharding constraint."""
-    target = _mesh(mesh)
+    target = _mesh()
     spec = spec_of(x, axes, target)
     if target.size > 1 and all(t == AxisType.Auto for t in target.axis_types):
         x = jax.lax.with_sharding_constraint(x, NamedSharding(target, spec))  # the device value's spec, pinned
@@ -317,9 +312,9 @@ def to_memory(x: jax.Array, memory_kind: str, mesh: Mesh | None = None, axes: Ax
 
 
 def has_memory_kinds(mesh: Mesh | jax.sharding.AbstractMesh) -> bool:
-    """Do the mesh's devices expose memories? Not for compile-only devices, which is why the
-    planner passes its concrete mesh (`offloaded(..., mesh=)`); an abstract mesh names no
-    devices and is taken to have them."""
+    """Do the mesh's devices expose memories? Not for compile-only devices (the planner traces
+    under `jax.set_mesh` of a concrete mesh of them, so `context_mesh` finds it); an abstract
+    mesh names no devices and is taken to have them."""
     if not isinstance(mesh, Mesh):
         return True
     return bool(mesh.devices.flat[0].addressable_memories())
@@ -342,7 +337,6 @@ def offloaded(
     fn: Callable[..., Any],
     policy: Policy,
     *,
-    mesh: Mesh | None = None,
     check_names: bool = True,
     name: str = "layer",
     in_scan: bool = False,
@@ -371,13 +365,13 @@ def offloaded(
         placement = policy.placement(tensor)
         if placement == "offload":
             with jax.named_scope(copy_scope(name, tensor, "to_host")):
-                return to_memory(value, "pinned_host", mesh, axes)
+                return to_memory(value, "pinned_host", axes)
         return value if placement == "device" else None
 
     def restore(tensor: str, value: jax.Array | None, axes: Axes) -> jax.Array | None:
         if policy.placement(tensor) == "offload":
             with jax.named_scope(copy_scope(name, tensor, "to_device")):
-                return to_memory(value, "device", mesh, axes)
+                return to_memory(value, "device", axes)
         return value
 
     def call(params: Any, x: jax.Array, *extra: Any) -> Any:

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+from jax._src.mesh import get_concrete_mesh
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ferry.errors import FerryError
@@ -219,8 +220,14 @@ def shard_shape(shape: Sequence[int], spec: PartitionSpec, mesh: Any) -> tuple[i
     return tuple(size // _axis_size(mesh, entry) for size, entry in zip(shape, entries, strict=True))
 
 
-def context_mesh() -> Any:
-    """The mesh set by `jax.set_mesh`, or None outside one."""
+def context_mesh() -> Mesh | jax.sharding.AbstractMesh | None:
+    """The mesh set by `jax.set_mesh` (the one way ferry's layers find their mesh, so no `mesh`
+    argument threads through them): the concrete mesh when one is set, which names its devices
+    (the offload engine asks them for memories), else the abstract one (`use_abstract_mesh`),
+    else None."""
+    concrete = get_concrete_mesh()  # `jax.sharding.get_mesh` refuses to answer while tracing
+    if concrete is not None and not concrete.empty:
+        return concrete
     mesh = jax.sharding.get_abstract_mesh()
     return None if mesh.empty else mesh
 

@@ -7,7 +7,6 @@ import dataclasses
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ferry.data.segments import DocumentMask, document_segments, loss_weights
@@ -280,7 +279,6 @@ class DeepSeekV3(eqx.Module):
         self,
         tokens: Int[Array, "batch seq"],
         policy: Policy,
-        mesh: Mesh | None = None,
         segments: Segments | None = None,
     ) -> tuple[Float[Array, "batch seq dim"], MoEStats | None]:
         """The last decoder layer's output (before the final norm) and the MoE layers' stats;
@@ -291,27 +289,25 @@ class DeepSeekV3(eqx.Module):
         tagged = self.tagged_names() if policy.names and not policy.keep_all else frozenset()
         x = self.embed(tokens)
         if self.dense_layers is not None:
-            x, _ = self.dense_layers(x, policy, mesh, *extra, tagged_elsewhere=tagged)
+            x, _ = self.dense_layers(x, policy, *extra, tagged_elsewhere=tagged)
         stats = None
         if self.moe_layers is not None:
-            x, stats = self.moe_layers(x, policy, mesh, *extra, tagged_elsewhere=tagged)
+            x, stats = self.moe_layers(x, policy, *extra, tagged_elsewhere=tagged)
         return x, stats
 
     def __call__(
         self,
         tokens: Int[Array, "batch seq"],
         policy: Policy = SAVE_ALL,
-        mesh: Mesh | None = None,
         segments: Segments | None = None,
     ) -> Float[Array, "batch seq vocab"]:
-        return self.head(self.final_norm(self.hidden(tokens, policy, mesh, segments)[0]))
+        return self.head(self.final_norm(self.hidden(tokens, policy, segments)[0]))
 
     def multi_token_prediction(
         self,
         batch: Int[Array, "batch seq_plus_one"],
         h: Float[Array, "batch seq dim"],
         policy: Policy,
-        mesh: Mesh | None,
         segments: Segments | None = None,
         documents: DocumentMask | None = None,
     ) -> tuple[Float[Array, " depth"], MoEStats]:
@@ -323,7 +319,7 @@ class DeepSeekV3(eqx.Module):
         losses, stats = [], []
         for depth, module in enumerate(self.mtp, start=1):
             block = offloaded(
-                lambda layer, x, *e: layer(x, *e), policy, mesh=mesh, check_names=False, name=f"mtp_{depth}"
+                lambda layer, x, *e: layer(x, *e), policy, check_names=False, name=f"mtp_{depth}"
             )
             extra = () if segments is None else (tuple(a[:, depth:seq] for a in segments),)
             embedded = module.embedding_norm(self.embed(batch[:, depth:seq]))
@@ -339,7 +335,6 @@ class DeepSeekV3(eqx.Module):
         self,
         batch: Int[Array, "batch seq_plus_one"],
         policy: Policy,
-        mesh: Mesh | None = None,
         z_loss_weight: float = 0.0,
         documents: DocumentMask | None = None,
     ) -> tuple[Float[Array, ""], dict[str, Array]]:
@@ -349,7 +344,7 @@ class DeepSeekV3(eqx.Module):
         config = self.config
         inputs = batch[:, :-1]
         segments = None if documents is None else document_segments(inputs, documents.end_of_document)
-        hidden, stats = self.hidden(inputs, policy, mesh, segments)
+        hidden, stats = self.hidden(inputs, policy, segments)
         h = self.final_norm(hidden)
         weights = loss_weights(inputs, documents)
         loss, cross_entropy = next_token_loss(self.head(h), batch[:, 1:], z_loss_weight, weights)
@@ -359,7 +354,7 @@ class DeepSeekV3(eqx.Module):
             metrics["moe_expert_load"] = stats.expert_load
             metrics |= _expert_load_metrics(stats.expert_load, "expert_load")
         if self.mtp:
-            mtp_losses, mtp_stats = self.multi_token_prediction(batch, h, policy, mesh, segments, documents)
+            mtp_losses, mtp_stats = self.multi_token_prediction(batch, h, policy, segments, documents)
             metrics["mtp_loss"] = mtp_losses.mean()
             metrics["mtp_expert_load"] = mtp_stats.expert_load
             metrics["balance_loss"] += mtp_stats.balance_loss.sum()

@@ -4,7 +4,6 @@ import dataclasses
 
 import equinox as eqx
 import jax
-from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ferry.data.segments import DocumentMask, document_segments, loss_weights
@@ -91,20 +90,18 @@ class Llama(eqx.Module):
         self,
         tokens: Int[Array, "batch seq"],
         policy: Policy = SAVE_ALL,
-        mesh: Mesh | None = None,
         segments: Segments | None = None,
     ) -> Float[Array, "batch seq vocab"]:
         """Logits; `segments` (packed documents' segment ids and positions) keep attention inside
         each document."""
         extra = () if segments is None else (segments,)
-        x, _ = self.layers(self.embed(tokens), policy, mesh, *extra)  # the stack checks the policy's names
+        x, _ = self.layers(self.embed(tokens), policy, *extra)  # the stack checks the policy's names
         return self.head(self.final_norm(x))
 
     def training_loss(
         self,
         batch: Int[Array, "batch seq_plus_one"],
         policy: Policy,
-        mesh: Mesh | None = None,
         z_loss_weight: float = 0.0,
         documents: DocumentMask | None = None,
     ) -> tuple[Float[Array, ""], dict[str, Array]]:
@@ -112,7 +109,7 @@ class Llama(eqx.Module):
         `documents`, attention and positions stay inside each packed document."""
         inputs = batch[:, :-1]
         segments = None if documents is None else document_segments(inputs, documents.end_of_document)
-        logits = self(inputs, policy, mesh, segments)
+        logits = self(inputs, policy, segments)
         loss, cross_entropy = next_token_loss(logits, batch[:, 1:], z_loss_weight, loss_weights(inputs, documents))
         return loss, {"loss": cross_entropy}
 

@@ -10,7 +10,6 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from ferry.offload import Policy, offloaded, tagged_names
@@ -50,7 +49,6 @@ class LayerStack(eqx.Module):
         self,
         x: Float[Array, "batch seq dim"],
         policy: Policy,
-        mesh: Mesh | None = None,
         *extra: Any,
         tagged_elsewhere: frozenset[str] = frozenset(),
     ) -> tuple[Float[Array, "batch seq dim"], Any]:
@@ -65,7 +63,7 @@ class LayerStack(eqx.Module):
             policy.validate(self.tagged_names(x, *extra) | tagged_elsewhere)
         in_scan = self.scan_layers and self.num_layers > 1  # XLA unrolls a scan of one step
         layer_fn = _split_output(lambda layer, h, *e: layer(h, *e))
-        run = offloaded(layer_fn, policy, mesh=mesh, check_names=False, name=self.name, in_scan=in_scan)
+        run = offloaded(layer_fn, policy, check_names=False, name=self.name, in_scan=in_scan)
         dynamic, static = eqx.partition(self.layers, eqx.is_array)
         if in_scan:
             return jax.lax.scan(lambda h, d: run(eqx.combine(d, static), h, *extra), x, dynamic)

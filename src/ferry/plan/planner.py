@@ -139,8 +139,9 @@ def plan_memory(
     batch = jax.ShapeDtypeStruct(
         (config.train.global_batch_size, config.train.seq_len + 1), jnp.int32, sharding=batch_sharded(mesh)
     )
-    # the concrete mesh, so the engine sees its devices have no memories (`has_memory_kinds`)
-    settings = LossSettings(policy, config.train.compute_dtype, config.train.z_loss_weight, mesh)
+    # traced under `jax.set_mesh` of the concrete mesh below, so the engine sees its devices have no
+    # memories (`has_memory_kinds`)
+    settings = LossSettings(policy, config.train.compute_dtype, config.train.z_loss_weight)
     body = train_step_body(
         optimizer,
         settings,

@@ -102,14 +102,15 @@ def _needed(model: Any, group: LayerGroupTrace, policy: Policy) -> _Needed:
     """Trace the gradient of one layer of `group` under `policy` (through the engine, or plain
     autodiff for `save_all`) and count what it needs."""
     mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("data",))  # memory kinds: host copies are device_puts
-    layer = group.run if policy.keep_all else offloaded(group.run, policy, mesh=mesh, check_names=False)
+    layer = group.run if policy.keep_all else offloaded(group.run, policy, check_names=False)
 
     def gradients(model: Any, x: jax.Array) -> Any:
         out, vjp = eqx.filter_vjp(lambda m, h: layer(cast_floating(m, group.dtype), h), model, x)
         return out, vjp(jax.tree.map(_cotangent, out))  # the output too: in a model the next layer reads it
 
     x = jax.ShapeDtypeStruct(group.input_shape, group.dtype)
-    closed = eqx.filter_make_jaxpr(gradients)(model, x)[0]
+    with jax.set_mesh(mesh):
+        closed = eqx.filter_make_jaxpr(gradients)(model, x)[0]
     found = _Needed()
     _walk(closed.jaxpr, [True] * len(closed.jaxpr.outvars), found, 1.0)
     return found

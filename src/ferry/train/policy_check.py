@@ -191,7 +191,7 @@ def check_policy(
                 results[index] = dataclasses.replace(results[index], groups=(*results[index].groups, kind.name))
                 continue
             start = time.perf_counter()
-            worst = compare_group(kind.make, config.dim, seq, policy, mesh, jax.random.fold_in(key, len(seen)))
+            worst = compare_group(kind.make, config.dim, seq, policy, jax.random.fold_in(key, len(seen)))
             seen[structure] = len(results)
             results.append(GroupCheck((kind.name,), worst, time.perf_counter() - start, narrowed))
     failed = [r for r in results if not r.ok]
@@ -229,7 +229,6 @@ def compare_group(
     dim: int,
     seq: int,
     policy: Policy,
-    mesh: Mesh,
     key: PRNGKeyArray,
 ) -> Difference:
     """The largest difference, relative to scale, between `policy`'s and save_all's outputs and
@@ -240,17 +239,17 @@ def compare_group(
     # the policy of the names this layer tags: the model's other layers' names mean nothing here
     own = stack.tagged_names(x)
     policy = Policy.from_dict({name: policy.placement(name) for name in policy if name in own})
-    shapes = eqx.filter_eval_shape(_outputs, stack, x, policy, mesh)
+    shapes = eqx.filter_eval_shape(_outputs, stack, x, policy)
     keys = jax.random.split(k_cotangent, len(shapes))
     cotangents = tuple(jax.random.normal(k, s.shape, s.dtype) for k, s in zip(keys, shapes, strict=True))
-    got = _outputs_and_grads(stack, x, cotangents, policy, mesh)
-    expected = _outputs_and_grads(stack, x, cotangents, Policy.save_all(), mesh)
+    got = _outputs_and_grads(stack, x, cotangents, policy)
+    expected = _outputs_and_grads(stack, x, cotangents, Policy.save_all())
     return max(_differences(got, expected), key=lambda d: (not d.ok, d.relative))
 
 
-def _outputs(stack: LayerStack, x: Float[Array, "1 seq dim"], policy: Policy, mesh: Mesh) -> tuple[jax.Array, ...]:
+def _outputs(stack: LayerStack, x: Float[Array, "1 seq dim"], policy: Policy) -> tuple[jax.Array, ...]:
     """The floating-point outputs of the stack (its last output and every layer's statistics)."""
-    out = stack(x, policy, mesh)
+    out = stack(x, policy)
     return tuple(leaf for leaf in jax.tree.leaves(out) if jnp.issubdtype(leaf.dtype, jnp.inexact))
 
 
@@ -260,12 +259,11 @@ def _outputs_and_grads(
     x: Float[Array, "1 seq dim"],
     cotangents: tuple[jax.Array, ...],
     policy: Policy,
-    mesh: Mesh,
 ) -> dict[str, jax.Array]:
     """Outputs, and the vector-Jacobian product of `cotangents` with respect to every parameter of
     the stack and to its input, by name."""
     params, static = eqx.partition(stack, eqx.is_inexact_array)
-    outputs, vjp = jax.vjp(lambda p, h: _outputs(eqx.combine(p, static), h, policy, mesh), params, x)
+    outputs, vjp = jax.vjp(lambda p, h: _outputs(eqx.combine(p, static), h, policy), params, x)
     param_grads, input_grad = vjp(cotangents)
     named = {f"output {i}" if len(outputs) > 1 else "output": o for i, o in enumerate(outputs)}
     named["input gradient"] = input_grad

@@ -8,7 +8,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
 from ferry.data.segments import DocumentMask
@@ -38,7 +37,6 @@ class LossSettings:
     policy: Policy = SAVE_ALL
     compute_dtype: str = "float32"
     z_loss_weight: float = 0.0
-    mesh: Mesh | None = None
     documents: DocumentMask | None = None  # data.document_mask: attention stays inside each document
 
 
@@ -50,9 +48,9 @@ def batch_loss(
     compute_model = cast_floating(model, jnp.dtype(settings.compute_dtype))
     if settings.documents is not None:
         return compute_model.training_loss(
-            batch, settings.policy, settings.mesh, settings.z_loss_weight, documents=settings.documents
+            batch, settings.policy, settings.z_loss_weight, documents=settings.documents
         )
-    return compute_model.training_loss(batch, settings.policy, settings.mesh, settings.z_loss_weight)
+    return compute_model.training_loss(batch, settings.policy, settings.z_loss_weight)
 
 
 def accumulated_loss_and_grad(
