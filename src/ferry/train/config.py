@@ -5,6 +5,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from hydra.core.config_store import ConfigStore
+
 from ferry.config import ConfigError, from_dict, require_finite
 from ferry.data.config import DataConfig
 from ferry.models.registry import model_config
@@ -17,7 +19,7 @@ from ferry.sharding import MeshConfig, check_divisible
 class TrainConfig:
     steps: int = 200
     global_batch_size: int = 8
-    micro_batch_size: int | None = None  # per device; None: the whole batch in one micro step
+    micro_batch_size: int | None = None  # per device; set to accumulate gradients; None: one micro step
     seq_len: int = 128
     learning_rate: float = 3e-3
     warmup_steps: int = 20
@@ -32,7 +34,7 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     eval_every: int = 50
-    eval_batches: int = 4  # 0: no evaluation
+    eval_batches: int = 4  # held-out batches per evaluation; 0: no evaluation
     on_nonfinite: str = "stop"  # stop: checkpoint the last good state and stop; skip: skip the update
     # the gradient self-check of the offload policy before training (ferry.train.policy_check);
     # None: on for platform=gpu and tpu, off on cpu
@@ -93,6 +95,19 @@ class TrainConfig:
             raise ConfigError(f"train.on_nonfinite is {self.on_nonfinite!r}; use stop or skip")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"train.compute_dtype is {self.compute_dtype!r}; use float32 or bfloat16")
+
+
+# The config holding TrainConfig's defaults as Hydra sees them; configs/train.yaml's defaults list loads it.
+TRAIN_DEFAULTS = "train_defaults"
+
+
+def register_train_defaults() -> None:
+    """Give Hydra TrainConfig's defaults as the config `train_defaults`, so that the dataclass is
+    their one source and every `train.*` key can be overridden on the command line."""
+    ConfigStore.instance().store(name=TRAIN_DEFAULTS, node={"train": dataclasses.asdict(TrainConfig())})
+
+
+register_train_defaults()  # on import: whatever composes configs/ imports this module to load the result
 
 
 @dataclasses.dataclass(frozen=True)
