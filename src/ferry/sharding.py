@@ -96,9 +96,14 @@ class MeshConfig:
         return math.prod(self.shape.values())
 
     @property
+    def axis_names(self) -> tuple[str, ...]:
+        return MESH_AXES
+
+    @property
     def data_parallel(self) -> int:
-        """How many ways a batch is split: data x fsdp x expert."""
-        return self.data * self.fsdp * self.expert
+        """How many ways a batch is split (data x fsdp x expert): `data_parallel_size` of a mesh
+        of this shape, so the config and the mesh cannot disagree."""
+        return data_parallel_size(self)
 
     def describe(self) -> str:
         return " x ".join(f"{axis}={size}" for axis, size in self.shape.items())
@@ -190,7 +195,8 @@ def batch_spec(mesh: Any) -> PartitionSpec:
 
 
 def data_parallel_size(mesh: Any) -> int:
-    """How many ways the mesh splits a batch (the product of its batch axes)."""
+    """How many ways the mesh (or a `MeshConfig`) splits a batch: the product of its batch axes
+    (`ACTIVATION_RULES`), the one definition of the data-parallel size."""
     return _axis_size(mesh, batch_spec(mesh)[0])
 
 

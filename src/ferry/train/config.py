@@ -50,6 +50,11 @@ class TrainConfig:
         """Rows of one micro step, over all devices."""
         return self.global_batch_size // self.micro_steps(data_parallel)
 
+    def rows_per_device(self, data_parallel: int = 1) -> int:
+        """Rows of one micro step on each of the `data_parallel` devices a batch is split over
+        (`micro_batch_size` when it is set)."""
+        return self.rows_per_micro_step(data_parallel) // data_parallel
+
     def check_batch(self, data_parallel: int, mesh_description: str) -> None:
         """The global batch must split into micro batches over the data-parallel devices."""
         per_step = (self.micro_batch_size or 1) * data_parallel

@@ -11,7 +11,7 @@ from ferry.train.config import FerryConfig
 def step_fit_advice(config: FerryConfig) -> str:
     """The levers that shrink a step's memory, in this run's terms."""
     micro = config.train.micro_batch_size
-    per_device = config.train.rows_per_micro_step(config.mesh.data_parallel) // config.mesh.data_parallel
+    per_device = config.train.rows_per_device(config.mesh.data_parallel)
     smaller = max(1, (micro or per_device) // 2)
     return (
         f"Shrink the step: offload=full_remat or an offloading preset (now offload={config.offload.name}), "
