@@ -31,7 +31,7 @@ def compile_one_layer(policy: Policy, num_layers: int = 1):
     x = jax.ShapeDtypeStruct((8, 512, config.dim), jnp.float32)
     head = jax.ShapeDtypeStruct((config.dim, 2048), jnp.float32)
     mesh = Mesh(np.array(H200.devices(1)), ("data",))
-    run = offloaded(lambda block, h: block(h), policy)
+    run = offloaded(lambda block, h: block(h).hidden, policy)
 
     def loss(block, h, w):
         for _ in range(num_layers):

@@ -45,7 +45,7 @@ def test_a_parameter_dimension_the_mesh_does_not_divide_names_the_parameter():
     mesh = MeshConfig(fsdp=3)
     fake = type("Mesh", (), {"axis_names": ("data", "fsdp", "tensor", "expert"), "shape": mesh.shape})()
     with pytest.raises(MeshError, match=r"parameter .layers.mlp.wo.weight has shape \(2, 192, 64\): dimension 2"):
-        param_spec(".layers.mlp.wo.weight", (2, 192, 64), fake)
+        param_spec(".layers.mlp.wo.weight", (2, 192, 64), ("mlp", "embed"), fake)
 
 
 def test_launcher_refuses_a_bad_mesh_before_compiling(tmp_path):

@@ -7,16 +7,23 @@ layer), `tensor` (heads and MLP columns split across devices) and `expert` (MoE 
 across devices; outside the experts it is one more data-parallel axis). Every dimension is named
 by a *logical* axis (`embed`, `heads`, `batch`...); the two rule tables below map logical axes to
 mesh axes, one for parameters and one for activations, as MaxText's `logical_axis_rules` do.
+
+Activations name their axes where they are made (`tag(x, name, axes)`); parameters where they are
+created: every layer that owns arrays is an `AbstractSharded` module whose `param_axes` names each
+array's axes (a `Linear` is told its weight's axes when it is built). The shardings of a whole
+train state are read from those declarations; an array no layer declares is an error naming it,
+never silently replicated.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import equinox as eqx
 import jax
 from jax._src.mesh import get_concrete_mesh
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
@@ -50,23 +57,6 @@ HEADS: LogicalAxes = ("batch", "seq", "heads")  # heads x head_dim, flattened
 SPLIT_HEADS: LogicalAxes = ("batch", "seq", "heads", None)
 MLP: LogicalAxes = ("batch", "seq", "mlp")
 LATENT: LogicalAxes = ("batch", "seq", None)  # MLA's low-rank projections, not split
-
-PARAM_AXES: tuple[tuple[str, LogicalAxes], ...] = (
-    # (regex on the parameter's path, logical axes of its trailing dimensions). The first match
-    # wins; a stacked layer's leading layer axis is never sharded; unmatched arrays are replicated.
-    (r"\.embed\.weight$", (None, "embed")),
-    (r"\.head\.weight$", ("embed", "vocab")),
-    (r"\.attention\.(query|key|value)\.weight$", ("embed", "heads")),
-    (r"\.attention\.(q_b|kv_b)\.weight$", ("latent", "heads")),
-    (r"\.attention\.(q_a|kv_a)\.weight$", ("embed", None)),
-    (r"\.attention\.out\.weight$", ("heads", "embed")),
-    (r"\.(wi_0|wi_1)\.weight$", ("embed", "mlp")),
-    (r"\.wo\.weight$", ("mlp", "embed")),
-    (r"\.experts\.(gate|up)$", ("experts", "embed", "mlp")),
-    (r"\.experts\.down$", ("experts", "mlp", "embed")),
-    (r"\.router$", ("embed", None)),
-    (r"\.projection\.weight$", (None, "embed")),
-)
 
 
 class MeshError(FerryError, ValueError):
@@ -143,23 +133,72 @@ def logical_spec(axes: Sequence[str | None], rules: Mapping[str, tuple[str, ...]
     return PartitionSpec(*entries)
 
 
-def param_logical_axes(path: str, ndim: int) -> LogicalAxes:
-    """The logical axes of the parameter at `path` (leading stacked-layer axes unnamed)."""
-    for pattern, axes in PARAM_AXES:
-        if re.search(pattern, path) and ndim >= len(axes):
-            return (None,) * (ndim - len(axes)) + axes
-    return (None,) * ndim
-
-
 def _axis_size(mesh: Any, entry: str | tuple[str, ...] | None) -> int:
     names = () if entry is None else (entry,) if isinstance(entry, str) else entry
     return math.prod(mesh.shape[name] for name in names)
 
 
-def param_spec(path: str, shape: tuple[int, ...], mesh: Any) -> PartitionSpec:
-    """A parameter's (or its optimizer moment's) spec; a dimension its mesh axes do not divide is
-    an error naming both."""
-    spec = logical_spec(param_logical_axes(path, len(shape)), PARAM_RULES, mesh)
+class AbstractSharded(eqx.Module):
+    """A layer that owns parameters and says, where it creates them, which logical axis each of
+    their dimensions is (its sublayers say their own)."""
+
+    @abc.abstractmethod
+    def param_axes(self) -> dict[str, LogicalAxes]:
+        """Each array field's logical axes, one per dimension (a `LayerStack`'s leading layer axis
+        is added, unnamed)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamAxes:
+    """What a layer declared for one array of a tree: its path and logical axes (a tree leaf)."""
+
+    path: str
+    axes: LogicalAxes
+
+
+def declared_axes(tree: Any) -> Any:
+    """`tree` (a model, or a train state whose optimizer moments mirror it) with every array
+    replaced by the `ParamAxes` its layer declared; a scalar needs none. An array no layer
+    declares is a MeshError naming it."""
+
+    def undeclared(path: str, leaf: Any) -> ParamAxes:
+        shape = tuple(getattr(leaf, "shape", ()))
+        if shape:
+            raise MeshError(
+                f"parameter {path} of shape {shape} has no logical axes: the layer that creates it must "
+                "declare them (an AbstractSharded layer's param_axes)"
+            )
+        return ParamAxes(path, ())
+
+    def in_layer(prefix: str, layer: AbstractSharded) -> Any:
+        declared = layer.param_axes()
+
+        def one(path: tuple[Any, ...], leaf: Any) -> Any:
+            where = prefix + jax.tree_util.keystr(path)
+            if isinstance(leaf, AbstractSharded) and leaf is not layer:
+                return in_layer(where, leaf)
+            field = getattr(path[0], "name", None)
+            return ParamAxes(where, declared[field]) if field in declared else undeclared(where, leaf)
+
+        return jax.tree_util.tree_map_with_path(one, layer, is_leaf=lambda x: x is not layer and _is_sharded(x))
+
+    def top(path: tuple[Any, ...], leaf: Any) -> Any:
+        where = jax.tree_util.keystr(path)
+        return in_layer(where, leaf) if isinstance(leaf, AbstractSharded) else undeclared(where, leaf)
+
+    return jax.tree_util.tree_map_with_path(top, tree, is_leaf=_is_sharded)
+
+
+def _is_sharded(node: Any) -> bool:
+    return isinstance(node, AbstractSharded)
+
+
+def param_spec(path: str, shape: tuple[int, ...], axes: LogicalAxes, mesh: Any) -> PartitionSpec:
+    """A parameter's (or its optimizer moment's) spec from its declared logical axes (leading
+    stacked axes unnamed); a dimension its mesh axes do not divide is an error naming both."""
+    if len(axes) > len(shape):
+        raise MeshError(f"parameter {path} has shape {shape} but its layer declares {len(axes)} axes {axes}")
+    spec = logical_spec((None,) * (len(shape) - len(axes)) + tuple(axes), PARAM_RULES, mesh)
     for dim, (size, entry) in enumerate(zip(shape, spec, strict=False)):
         if size % _axis_size(mesh, entry):
             raise MeshError(
@@ -169,23 +208,23 @@ def param_spec(path: str, shape: tuple[int, ...], mesh: Any) -> PartitionSpec:
     return spec
 
 
-def tree_shardings(tree: Any, mesh: Mesh) -> Any:
+def tree_shardings(tree: Any, mesh: Mesh | jax.sharding.AbstractMesh) -> Any:
     """A NamedSharding for every array leaf of `tree` (a model, or a whole train state whose
-    optimizer moments mirror the model's paths), by the parameter rules."""
+    optimizer moments mirror the model), from the axes its layers declare."""
 
-    def sharding(path: Any, leaf: Any) -> Any:
+    def sharding(leaf: Any, declared: ParamAxes) -> NamedSharding:
         shape = tuple(getattr(leaf, "shape", ()))
-        return NamedSharding(mesh, param_spec(jax.tree_util.keystr(path), shape, mesh))
+        return NamedSharding(mesh, param_spec(declared.path, shape, declared.axes, mesh))
 
-    return jax.tree_util.tree_map_with_path(sharding, tree)
+    return jax.tree.map(sharding, tree, declared_axes(tree))
 
 
 def parameters_per_device(tree: Any, mesh: Any) -> int:
     """How many of `tree`'s parameters (a model, concrete or abstract) one device holds."""
     total = 0
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    for leaf, declared in zip(jax.tree.leaves(tree), jax.tree.leaves(declared_axes(tree)), strict=True):
         shape = tuple(getattr(leaf, "shape", ()))
-        total += math.prod(shard_shape(shape, param_spec(jax.tree_util.keystr(path), shape, mesh), mesh))
+        total += math.prod(shard_shape(shape, param_spec(declared.path, shape, declared.axes, mesh), mesh))
     return total
 
 

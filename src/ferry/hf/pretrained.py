@@ -14,14 +14,12 @@ import numpy as np
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from ferry.errors import read_json
-from ferry.hf import deepseek_v3, llama
 from ferry.hf.hf_config import check_matches
 from ferry.hf.layout import TensorMap, check_tensors, host_tensors, load_array
 from ferry.hf.safetensors_io import CheckpointError, CheckpointReader, ShardedWriter
-from ferry.models.registry import abstract_model
+from ferry.models.family import Family
 from ferry.sharding import tree_shardings
 
-FAMILIES: dict[str, ModuleType] = {llama.MODEL_TYPE: llama, deepseek_v3.MODEL_TYPE: deepseek_v3}
 EXPORT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
 
@@ -32,7 +30,7 @@ class Checkpoint:
 
     directory: Path
     hf_config: dict[str, Any]
-    family: ModuleType
+    family: Family
     config: Any
     reader: CheckpointReader
 
@@ -47,16 +45,25 @@ def open_checkpoint(directory: str | Path) -> Checkpoint:
             "(config.json, *.safetensors and, when sharded, model.safetensors.index.json)"
         )
     hf = read_json(config_file, "the checkpoint's config")
-    model_type = hf.get("model_type")
-    if model_type not in FAMILIES:
+    registry = _registry()
+    family = registry.hf_family(hf.get("model_type"))
+    if family is None:
+        known = sorted(f.hf.MODEL_TYPE for f in registry.FAMILIES.values())
+        architectures = ", ".join(f.hf.ARCHITECTURE for f in registry.FAMILIES.values())
         raise CheckpointError(
-            f"{config_file} has model_type {model_type!r}; ferry imports {sorted(FAMILIES)} (LlamaForCausalLM, "
-            "DeepseekV3ForCausalLM)"
+            f"{config_file} has model_type {hf.get('model_type')!r}; ferry imports {known} ({architectures})"
         )
     reader = CheckpointReader(directory, _fp8_block(hf))
-    family = FAMILIES[model_type]
-    mtp = deepseek_v3.mtp_layers(reader.names(), hf.get("num_hidden_layers", 0)) if family is deepseek_v3 else 0
-    return Checkpoint(directory, hf, family, family.config_from_hf(hf, mtp), reader)
+    config = family.hf.config_from_hf(hf, family.hf.mtp_layers(reader.names(), hf))
+    return Checkpoint(directory, hf, family, config, reader)
+
+
+def _registry() -> ModuleType:
+    """`ferry.models.registry`, imported when first used: each family's `hf` module imports this
+    package, so importing the registry at the top would be circular."""
+    from ferry.models import registry
+
+    return registry
 
 
 def _fp8_block(hf: dict[str, Any]) -> tuple[int, int] | None:
@@ -82,12 +89,13 @@ def matching_config(checkpoint: Checkpoint, config: Any) -> Any:
     otherwise); its training settings (scan, MoE dispatch, loss weights) are its own. MTP depths
     may be fewer than the checkpoint's."""
     family = checkpoint.family
-    if not isinstance(config, family.CONFIG_CLASS):
+    if type(config) is not family.config:
         raise CheckpointError(
-            f"{checkpoint.directory} is a {family.FAMILY} checkpoint but the model config is a {type(config).__name__}"
+            f"{checkpoint.directory} is a {family.hf.FAMILY} checkpoint but the model config is a "
+            f"{type(config).__name__}"
         )
     where = str(checkpoint.directory / "config.json")
-    check_matches(config, checkpoint.config, family.CONFIG_KEYS, where, at_most=frozenset({"mtp_depth"}))
+    check_matches(config, checkpoint.config, family.hf.CONFIG_KEYS, where, at_most=frozenset({"mtp_depth"}))
     return config
 
 
@@ -107,10 +115,10 @@ def check_checkpoint(directory: str | Path, config: Any | None = None) -> Checke
     config.json describes) with the right shape: headers only, before any tensor is read."""
     checkpoint = open_checkpoint(directory)
     config = checkpoint.config if config is None else matching_config(checkpoint, config)
-    maps = checkpoint.family.tensor_maps(config, checkpoint.hf_config)
-    abstract = abstract_model(config)
+    maps = checkpoint.family.hf.tensor_maps(config, checkpoint.hf_config)
+    abstract = _registry().abstract_model(config)
     check_tensors(
-        checkpoint.reader, maps, _leaves(abstract, maps), checkpoint.family.ignored(config, checkpoint.hf_config)
+        checkpoint.reader, maps, _leaves(abstract, maps), checkpoint.family.hf.ignored(config, checkpoint.hf_config)
     )
     return CheckedCheckpoint(checkpoint, config, abstract, maps)
 
@@ -147,15 +155,17 @@ def save_pretrained(
     `{"bos_token_id": 128000, "max_position_embeddings": 131072}`. Every process must call this
     (each tensor is gathered from the devices holding it, one at a time); process 0 writes.
     Returns the files written."""
-    family = next((f for f in FAMILIES.values() if isinstance(model.config, f.CONFIG_CLASS)), None)
+    registry = _registry()
+    family = next((f for f in registry.FAMILIES.values() if type(model) is f.model), None)
     if family is None:
-        raise TypeError(f"save_pretrained exports Llama and DeepSeek-V3 models, not a {type(model).__name__}")
+        known = ", ".join(f.model.__name__ for f in registry.FAMILIES.values())
+        raise TypeError(f"save_pretrained exports models of ferry's families ({known}), not a {type(model).__name__}")
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype is {dtype!r}; export as one of {sorted(EXPORT_DTYPES)}")
-    hf = family.config_to_hf(model.config)
-    mtp_depth = getattr(model.config, "mtp_depth", 0)
+    mapping = family.hf
+    hf = mapping.config_to_hf(model.config)
     merged = hf | (config_overrides or {})
-    if family.config_to_hf(family.config_from_hf(merged, mtp_depth)) != hf:
+    if mapping.config_to_hf(mapping.config_from_hf(merged, model.config.mtp_depth)) != hf:
         changed = sorted(k for k in config_overrides or {} if k in hf and config_overrides[k] != hf[k])
         raise ValueError(
             f"config_overrides changes the model ({changed}): it may only add keys, or set ones the model "
@@ -169,7 +179,7 @@ def save_pretrained(
     writing = jax.process_index() == 0
     if writing:
         directory.mkdir(parents=True, exist_ok=True)
-    maps = family.tensor_maps(model.config, hf)
+    maps = mapping.tensor_maps(model.config, hf)
     writer = ShardedWriter(directory, max_shard_bytes)
     for path, array in _leaves(model, maps).items():
         for name, tensor in host_tensors(array, maps[path]):

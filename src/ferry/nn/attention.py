@@ -102,10 +102,10 @@ class GroupedQueryAttention(eqx.Module):
         key: PRNGKeyArray,
     ):
         kq, kk, kv, ko = jax.random.split(key, 4)
-        self.query = Linear(dim, num_heads * head_dim, key=kq)
-        self.key = Linear(dim, num_kv_heads * head_dim, key=kk)
-        self.value = Linear(dim, num_kv_heads * head_dim, key=kv)
-        self.out = Linear(num_heads * head_dim, dim, key=ko)
+        self.query = Linear(dim, num_heads * head_dim, axes=("embed", "heads"), key=kq)
+        self.key = Linear(dim, num_kv_heads * head_dim, axes=("embed", "heads"), key=kk)
+        self.value = Linear(dim, num_kv_heads * head_dim, axes=("embed", "heads"), key=kv)
+        self.out = Linear(num_heads * head_dim, dim, axes=("heads", "embed"), key=ko)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
 

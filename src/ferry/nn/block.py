@@ -1,35 +1,57 @@
-"""The pre-norm residual decoder block shared by Llama and DeepSeek-V3:
-x + attention(norm(x)), then + feed_forward(norm(.))."""
+"""The pre-norm residual decoder block: x + attention(norm(x)), then + feed_forward(norm(.)).
 
+Every decoder layer returns a `LayerOutput`: the hidden state and the statistics its feed-forward
+reports (None for a dense one; a MoE's balance loss and expert load), so a stack of layers never
+asks what a layer returned."""
+
+import abc
 from typing import Any
 
 import equinox as eqx
+from equinox import AbstractVar
 from jaxtyping import Array, Float
 
 from ferry.nn.attention import Segments
+from ferry.nn.mlp import SwiGLU
 from ferry.nn.norm import RMSNorm
 
 
-class DecoderBlock(eqx.Module):
+class LayerOutput(eqx.Module):
+    hidden: Float[Array, "batch seq dim"]
+    stats: Any = None  # a pytree of arrays, or None when the layer reports none
+
+
+class AbstractDecoderBlock(eqx.Module):
+    """A pre-norm block; its final subclasses say what their feed-forward is and reports."""
+
+    attention_norm: AbstractVar[RMSNorm]
+    attention: AbstractVar[eqx.Module]  # (x, segments) -> x
+    mlp_norm: AbstractVar[RMSNorm]
+
+    @abc.abstractmethod
+    def feed_forward(self, x: Float[Array, "batch seq dim"]) -> tuple[Float[Array, "batch seq dim"], Any]:
+        """The feed-forward's output and its statistics (None for none)."""
+
+    def __call__(self, x: Float[Array, "batch seq dim"], segments: Segments | None = None) -> LayerOutput:
+        """`segments`: packed documents' segment ids and positions, for attention (None: one sequence)."""
+        x = x + self.attention(self.attention_norm(x), segments)
+        out, stats = self.feed_forward(self.mlp_norm(x))
+        return LayerOutput(x + out, stats)
+
+
+class DecoderBlock(AbstractDecoderBlock):
+    """Attention and a SwiGLU feed-forward (Llama's and Qwen3's layers, DeepSeek-V3's dense ones)."""
+
     attention_norm: RMSNorm
     attention: eqx.Module
     mlp_norm: RMSNorm
-    mlp: eqx.Module  # a SwiGLU, or a MoE that also returns statistics
+    mlp: SwiGLU
 
-    def __init__(self, attention: eqx.Module, mlp: eqx.Module, dim: int, norm_eps: float):
+    def __init__(self, attention: eqx.Module, mlp: SwiGLU, dim: int, norm_eps: float):
         self.attention_norm = RMSNorm(dim, norm_eps)
         self.attention = attention
         self.mlp_norm = RMSNorm(dim, norm_eps)
         self.mlp = mlp
 
-    def __call__(
-        self, x: Float[Array, "batch seq dim"], segments: Segments | None = None
-    ) -> Float[Array, "batch seq dim"] | tuple[Float[Array, "batch seq dim"], Any]:
-        """The block's output, with the feed-forward's statistics when it returns some (MoE).
-        `segments`: packed documents' segment ids and positions, for attention (None: one sequence)."""
-        x = x + self.attention(self.attention_norm(x), segments)
-        out = self.mlp(self.mlp_norm(x))
-        if isinstance(out, tuple):
-            out, stats = out
-            return x + out, stats
-        return x + out
+    def feed_forward(self, x: Float[Array, "batch seq dim"]) -> tuple[Float[Array, "batch seq dim"], None]:
+        return self.mlp(x), None

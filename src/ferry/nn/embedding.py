@@ -1,18 +1,21 @@
 """Token embedding lookup."""
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ferry.sharding import constrain
+from ferry.sharding import AbstractSharded, LogicalAxes, constrain
 
 
-class Embedding(eqx.Module):
+class Embedding(AbstractSharded):
     weight: Float[Array, "vocab dim"]
 
     def __init__(self, vocab_size: int, dim: int, *, key: PRNGKeyArray, std: float = 0.02):
         self.weight = std * jax.random.normal(key, (vocab_size, dim), jnp.float32)
+
+    def param_axes(self) -> dict[str, LogicalAxes]:
+        """The table is stored FSDP-sharded along its width and gathered whole to look up."""
+        return {"weight": (None, "embed")}
 
     def __call__(self, tokens: Int[Array, "*batch"]) -> Float[Array, "*batch dim"]:
         """Under a mesh the (FSDP-sharded) table is gathered whole first, so every device looks up

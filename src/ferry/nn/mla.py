@@ -48,13 +48,13 @@ class MultiHeadLatentAttention(eqx.Module):
         key: PRNGKeyArray,
     ):
         keys = jax.random.split(key, 5)
-        self.q_a = Linear(dim, q_lora_rank, key=keys[0])
+        self.q_a = Linear(dim, q_lora_rank, axes=("embed", None), key=keys[0])
         self.q_a_norm = RMSNorm(q_lora_rank, norm_eps)
-        self.q_b = Linear(q_lora_rank, num_heads * (qk_nope_dim + qk_rope_dim), key=keys[1])
-        self.kv_a = Linear(dim, kv_lora_rank + qk_rope_dim, key=keys[2])
+        self.q_b = Linear(q_lora_rank, num_heads * (qk_nope_dim + qk_rope_dim), axes=("latent", "heads"), key=keys[1])
+        self.kv_a = Linear(dim, kv_lora_rank + qk_rope_dim, axes=("embed", None), key=keys[2])
         self.kv_a_norm = RMSNorm(kv_lora_rank, norm_eps)
-        self.kv_b = Linear(kv_lora_rank, num_heads * (qk_nope_dim + v_dim), key=keys[3])
-        self.out = Linear(num_heads * v_dim, dim, key=keys[4])
+        self.kv_b = Linear(kv_lora_rank, num_heads * (qk_nope_dim + v_dim), axes=("latent", "heads"), key=keys[3])
+        self.out = Linear(num_heads * v_dim, dim, axes=("heads", "embed"), key=keys[4])
         self.num_heads, self.qk_nope_dim, self.qk_rope_dim, self.v_dim = num_heads, qk_nope_dim, qk_rope_dim, v_dim
         self.kv_lora_rank, self.rope_theta, self.yarn = kv_lora_rank, rope_theta, yarn
 

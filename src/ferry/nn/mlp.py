@@ -16,9 +16,9 @@ class SwiGLU(eqx.Module):
 
     def __init__(self, dim: int, hidden: int, *, key: PRNGKeyArray):
         k0, k1, ko = jax.random.split(key, 3)
-        self.wi_0 = Linear(dim, hidden, key=k0)
-        self.wi_1 = Linear(dim, hidden, key=k1)
-        self.wo = Linear(hidden, dim, key=ko)
+        self.wi_0 = Linear(dim, hidden, axes=("embed", "mlp"), key=k0)
+        self.wi_1 = Linear(dim, hidden, axes=("embed", "mlp"), key=k1)
+        self.wo = Linear(hidden, dim, axes=("mlp", "embed"), key=ko)
 
     def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
         gate = tag(self.wi_0(x), "mlpwi_0", MLP)

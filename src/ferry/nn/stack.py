@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from ferry.nn.block import LayerOutput
 from ferry.offload import Policy, offloaded, tagged_names
 
 
@@ -53,33 +54,36 @@ class LayerStack(eqx.Module):
         tagged_elsewhere: frozenset[str] = frozenset(),
     ) -> tuple[Float[Array, "batch seq dim"], Any]:
         """Run every layer as `layer(h, *extra)` (`extra`: inputs every layer reads and nothing
-        differentiates, such as segment ids); a layer returns `h` or `(h, stats)`. Returns the last
-        `h` and the stats of all layers stacked along a leading layer axis (None when layers
-        return none).
+        differentiates, such as segment ids); a layer returns `h`, or a `LayerOutput` of `h` and
+        its statistics. Returns the last `h` and the stats of all layers stacked along a leading
+        layer axis (None when layers report none).
 
         The policy may name only tensors this stack's layer tags or `tagged_elsewhere` (the
         names the model's other layers tag): a misspelt name is an error listing the names."""
         if not policy.keep_all and policy.names - tagged_elsewhere:  # tracing the layer only if it decides
             policy.validate(self.tagged_names(x, *extra) | tagged_elsewhere)
         in_scan = self.scan_layers and self.num_layers > 1  # XLA unrolls a scan of one step
-        layer_fn = _split_output(lambda layer, h, *e: layer(h, *e))
-        run = offloaded(layer_fn, policy, check_names=False, name=self.name, in_scan=in_scan)
+        run = offloaded(_run_layer, policy, check_names=False, name=self.name, in_scan=in_scan)
         dynamic, static = eqx.partition(self.layers, eqx.is_array)
         if in_scan:
-            return jax.lax.scan(lambda h, d: run(eqx.combine(d, static), h, *extra), x, dynamic)
+
+            def step(h: jax.Array, d: Any) -> tuple[jax.Array, Any]:
+                out = run(eqx.combine(d, static), h, *extra)
+                return out.hidden, out.stats
+
+            return jax.lax.scan(step, x, dynamic)
         all_stats = []
         for index in range(self.num_layers):
-            x, stats = run(self.layer(index), x, *extra)
-            all_stats.append(stats)
+            out = run(self.layer(index), x, *extra)
+            x = out.hidden
+            all_stats.append(out.stats)
         return x, stack_trees(all_stats)
 
 
-def _split_output(layer_fn: Callable[..., Any]) -> Callable[..., tuple[jax.Array, Any]]:
-    def call(layer: Any, h: jax.Array, *extra: Any) -> tuple[jax.Array, Any]:
-        out = layer_fn(layer, h, *extra)
-        return out if isinstance(out, tuple) else (out, None)
-
-    return call
+def _run_layer(layer: Callable[..., jax.Array | LayerOutput], h: jax.Array, *extra: Any) -> LayerOutput:
+    """One layer's output as a `LayerOutput` (a layer without statistics may return `h` alone)."""
+    out = layer(h, *extra)
+    return out if isinstance(out, LayerOutput) else LayerOutput(out)
 
 
 def stack_trees(trees: list[Any]) -> Any:

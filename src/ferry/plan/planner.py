@@ -106,9 +106,7 @@ def for_target(model_config: Any, target: Target) -> Any:
     process's backend is the CPU): the experts' grouped matmul is JAX's Pallas megablox kernels
     on a TPU, tiles on a GPU, whose XLA backend expands `ragged_dot` and its transposes into
     every expert on every row."""
-    if getattr(model_config, "moe_matmul", None) == "auto":
-        return dataclasses.replace(model_config, moe_matmul="megablox" if target.platform == "tpu" else "tiled")
-    return model_config
+    return model_config.for_platform(target.platform)
 
 
 def plan_memory(

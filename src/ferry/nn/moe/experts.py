@@ -4,16 +4,16 @@ tagged for offload."""
 import functools
 from collections.abc import Callable
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from ferry.nn.moe.dispatch import Dispatch
 from ferry.offload import tag
+from ferry.sharding import AbstractSharded, LogicalAxes
 
 
-class Experts(eqx.Module):
+class Experts(AbstractSharded):
     """The routed SwiGLU experts, stacked: gate/up [E, dim, hidden], down [E, hidden, dim]."""
 
     gate: Float[Array, "experts dim hidden"]
@@ -25,6 +25,10 @@ class Experts(eqx.Module):
         self.gate = std * jax.random.normal(kg, (num_experts, dim, hidden), jnp.float32)
         self.up = std * jax.random.normal(ku, (num_experts, dim, hidden), jnp.float32)
         self.down = std * jax.random.normal(kd, (num_experts, hidden, dim), jnp.float32)
+
+    def param_axes(self) -> dict[str, LogicalAxes]:
+        gate_up = ("experts", "embed", "mlp")
+        return {"gate": gate_up, "up": gate_up, "down": ("experts", "mlp", "embed")}
 
 
 Matmul = Callable[[jax.Array, jax.Array, Dispatch, bool], jax.Array]

@@ -25,7 +25,7 @@ from ferry.nn.moe.dispatch import (
 from ferry.nn.moe.experts import Experts, routed_experts
 from ferry.nn.moe.parallel import expert_parallel_moe, per_device_tokens
 from ferry.nn.moe.routing import route, sequence_balance_loss
-from ferry.sharding import context_mesh, data_parallel_size
+from ferry.sharding import AbstractSharded, LogicalAxes, context_mesh, data_parallel_size
 
 
 def dropless_moe(
@@ -65,7 +65,7 @@ class MoEStats(eqx.Module):
     expert_load: Float[Array, " experts"]
 
 
-class DeepSeekMoE(eqx.Module):
+class DeepSeekMoE(AbstractSharded):
     router: Float[Array, "dim experts"]
     correction_bias: Float[Array, " experts"]
     experts: Experts
@@ -107,6 +107,10 @@ class DeepSeekMoE(eqx.Module):
         self.tile_rows = tile_rows
         self.tag_capacity_factor = tag_capacity_factor
         self.kernel = kernel
+
+    def param_axes(self) -> dict[str, LogicalAxes]:
+        """The router's columns (the experts) stay whole; the correction bias is replicated."""
+        return {"router": ("embed", None), "correction_bias": (None,)}
 
     def __call__(self, x: Float[Array, "batch seq dim"]) -> tuple[Float[Array, "batch seq dim"], MoEStats]:
         batch, seq, dim = x.shape

@@ -1,54 +1,22 @@
 """Llama 3.1: RMSNorm, GQA with llama3-scaled RoPE, SwiGLU, untied embedding and head."""
 
-import dataclasses
-
 import equinox as eqx
 import jax
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ferry.data.segments import DocumentMask, document_segments, loss_weights
 from ferry.loss import next_token_loss
+from ferry.models.base import AbstractLanguageModel
+from ferry.models.llama.config import LlamaConfig
 from ferry.nn.attention import GroupedQueryAttention, Segments
 from ferry.nn.block import DecoderBlock
 from ferry.nn.embedding import Embedding
 from ferry.nn.linear import Linear
 from ferry.nn.mlp import SwiGLU
 from ferry.nn.norm import RMSNorm
-from ferry.nn.rope import Llama3RopeScaling
 from ferry.nn.stack import LayerStack
 from ferry.offload import SAVE_ALL, Policy
 from ferry.schedule import LayerKind
-
-
-@dataclasses.dataclass(frozen=True)
-class LlamaConfig:
-    vocab_size: int
-    dim: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    mlp_dim: int
-    rope_theta: float = 500000.0
-    rope_scaling: Llama3RopeScaling | None = Llama3RopeScaling()
-    norm_eps: float = 1e-5
-    scan_layers: bool = True
-
-    def __post_init__(self) -> None:
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
-
-    def mesh_dims(self) -> list[tuple[str, int, str]]:
-        """(config field, size, mesh axis) of every dimension the sharding rules split."""
-        return [
-            ("model.num_heads", self.num_heads, "tensor"),
-            ("model.num_kv_heads", self.num_kv_heads, "tensor"),
-            ("model.mlp_dim", self.mlp_dim, "tensor"),
-            ("model.vocab_size", self.vocab_size, "tensor"),
-            ("model.dim", self.dim, "fsdp"),
-        ]
 
 
 def llama_decoder_layer(config: LlamaConfig, *, key: PRNGKeyArray) -> DecoderBlock:
@@ -65,7 +33,7 @@ def llama_decoder_layer(config: LlamaConfig, *, key: PRNGKeyArray) -> DecoderBlo
     return DecoderBlock(attention, SwiGLU(config.dim, config.mlp_dim, key=k_mlp), config.dim, config.norm_eps)
 
 
-class Llama(eqx.Module):
+class Llama(AbstractLanguageModel):
     embed: Embedding
     layers: LayerStack
     final_norm: RMSNorm
@@ -83,17 +51,12 @@ class Llama(eqx.Module):
             name="decoder",
         )
         self.final_norm = RMSNorm(config.dim, config.norm_eps)
-        self.head = Linear(config.dim, config.vocab_size, key=k_head)
+        self.head = Linear(config.dim, config.vocab_size, axes=("embed", "vocab"), key=k_head)
         self.config = config
 
     def __call__(
-        self,
-        tokens: Int[Array, "batch seq"],
-        policy: Policy = SAVE_ALL,
-        segments: Segments | None = None,
+        self, tokens: Int[Array, "batch seq"], policy: Policy = SAVE_ALL, segments: Segments | None = None
     ) -> Float[Array, "batch seq vocab"]:
-        """Logits; `segments` (packed documents' segment ids and positions) keep attention inside
-        each document."""
         extra = () if segments is None else (segments,)
         x, _ = self.layers(self.embed(tokens), policy, *extra)  # the stack checks the policy's names
         return self.head(self.final_norm(x))
@@ -105,8 +68,6 @@ class Llama(eqx.Module):
         z_loss_weight: float = 0.0,
         documents: DocumentMask | None = None,
     ) -> tuple[Float[Array, ""], dict[str, Array]]:
-        """Next-token loss of batch[:, 1:] given batch[:, :-1], and its statistics; with
-        `documents`, attention and positions stay inside each packed document."""
         inputs = batch[:, :-1]
         segments = None if documents is None else document_segments(inputs, documents.end_of_document)
         logits = self(inputs, policy, segments)
@@ -120,8 +81,3 @@ class Llama(eqx.Module):
     def layer_kinds(self) -> list[LayerKind]:
         make = lambda k: llama_decoder_layer(self.config, key=k)  # noqa: E731
         return [LayerKind("decoder", self.config.num_layers, lambda m, x: m.layers.layer(0)(x), make=make)]
-
-    def tagged_names(self) -> frozenset[str]:
-        """Every activation name a decoder layer of this model tags."""
-        example = jax.ShapeDtypeStruct((1, 2, self.config.dim), self.embed.weight.dtype)
-        return self.layers.tagged_names(example)

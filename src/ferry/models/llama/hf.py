@@ -11,11 +11,11 @@ from typing import Any
 from ferry.hf.hf_config import copied_from_hf, copied_to_hf, refuse_unless, required, rope_settings
 from ferry.hf.layout import TensorMap, single, stacked
 from ferry.hf.safetensors_io import CheckpointError
-from ferry.models.llama import LlamaConfig
+from ferry.models.llama.config import LlamaConfig
 from ferry.nn.rope import Llama3RopeScaling
 
 MODEL_TYPE = "llama"
-CONFIG_CLASS = LlamaConfig
+ARCHITECTURE = "LlamaForCausalLM"
 FAMILY = "Llama"
 
 # ferry field -> the config.json key it comes from (what a mismatch names)
@@ -77,7 +77,7 @@ def config_to_hf(config: LlamaConfig) -> dict[str, Any]:
         }
     )
     return {
-        "architectures": ["LlamaForCausalLM"],
+        "architectures": [ARCHITECTURE],
         "model_type": MODEL_TYPE,
         **copied_to_hf(config, CONFIG_KEYS, COPIED),
         "num_key_value_heads": config.num_kv_heads,
@@ -122,3 +122,8 @@ def ignored(config: LlamaConfig, hf: Mapping[str, Any]) -> Callable[[str], bool]
     a tied checkpoint may still hold the head it does not use."""
     tied = hf.get("tie_word_embeddings", False)
     return lambda name: name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight")
+
+
+def mtp_layers(names: set[str], hf: Mapping[str, Any]) -> int:
+    """Llama checkpoints hold no multi-token-prediction layers."""
+    return 0

@@ -2,8 +2,6 @@
 auxiliary-loss-free router bias update. Facts: DeepSeek-V3 technical report; layout: Hugging Face's
 `DeepseekV3ForCausalLM` (so weights map one-to-one)."""
 
-import dataclasses
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -11,160 +9,19 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ferry.data.segments import DocumentMask, document_segments, loss_weights
 from ferry.loss import next_token_loss
+from ferry.models.base import AbstractLanguageModel
+from ferry.models.deepseek_v3.config import DeepSeekV3Config
 from ferry.nn.attention import Segments
-from ferry.nn.block import DecoderBlock
+from ferry.nn.block import AbstractDecoderBlock, DecoderBlock
 from ferry.nn.embedding import Embedding
 from ferry.nn.linear import Linear
 from ferry.nn.mla import MultiHeadLatentAttention
 from ferry.nn.mlp import SwiGLU
 from ferry.nn.moe import DeepSeekMoE, MoEStats
 from ferry.nn.norm import RMSNorm
-from ferry.nn.rope import YarnScaling
 from ferry.nn.stack import LayerStack, stack_trees
 from ferry.offload import SAVE_ALL, Policy, offloaded
 from ferry.schedule import LayerKind
-
-
-@dataclasses.dataclass(frozen=True)
-class DeepSeekV3Config:
-    vocab_size: int
-    dim: int
-    num_layers: int
-    num_dense_layers: int
-    dense_mlp_dim: int
-    moe_mlp_dim: int
-    num_heads: int
-    q_lora_rank: int
-    kv_lora_rank: int
-    qk_nope_dim: int
-    qk_rope_dim: int
-    v_dim: int
-    num_experts: int
-    num_shared_experts: int
-    experts_per_token: int
-    num_groups: int
-    groups_per_token: int
-    routed_scaling: float = 2.5
-    capacity_factor: float | None = None  # None: dropless
-    # Grouped matmul of the routed experts: "megablox" (JAX's Pallas grouped kernels on TPU, the
-    # ragged_dot reference elsewhere), "ragged_dot" (XLA's own grouped kernels on TPU, which add
-    # a transposed copy of the expert weights per product), "tiled" (tiles of moe_tile_rows rows,
-    # one expert each; XLA's CPU and GPU backends expand ragged_dot and its transposes into every
-    # expert on every row), or "auto": megablox on TPU, tiled elsewhere.
-    moe_matmul: str = "auto"
-    moe_tile_rows: int = 32
-    # Expert parallelism runs the experts in a ring of steps, one per device of the expert
-    # group; per step, the expert products of up to this x the rows a balanced router sends a
-    # device (tokens x k / group) are tagged, so an offload policy places them, and the rows
-    # past it (an overloaded device's) are recomputed in the backward pass, never dropped.
-    # None tags every row: group x a balanced load, the worst case of all slots routed here.
-    moe_tag_capacity_factor: float | None = None
-    bias_update_rate: float = 0.001  # gamma of the auxiliary-loss-free balancing
-    balance_loss_weight: float = 1e-4  # alpha of the sequence-wise balance loss
-    mtp_depth: int = 1  # 0 switches multi-token prediction off
-    mtp_loss_weight: float = 0.3  # lambda
-    rope_theta: float = 10000.0
-    yarn: YarnScaling = YarnScaling()
-    norm_eps: float = 1e-6
-    scan_layers: bool = True
-
-    def __post_init__(self) -> None:
-        def require(ok: bool, message: str) -> None:
-            if not ok:
-                raise ValueError(message)
-
-        require(
-            0 <= self.num_dense_layers <= self.num_layers,
-            f"num_dense_layers {self.num_dense_layers} must lie in [0, num_layers={self.num_layers}]",
-        )
-        require(
-            self.num_experts % self.num_groups == 0,
-            f"num_experts {self.num_experts} is not a multiple of num_groups {self.num_groups}",
-        )
-        require(
-            self.num_experts // self.num_groups >= 2,
-            f"each of the {self.num_groups} groups needs at least 2 experts (group score = its top-2 sum)",
-        )
-        require(
-            1 <= self.groups_per_token <= self.num_groups,
-            f"groups_per_token {self.groups_per_token} must lie in [1, num_groups={self.num_groups}]",
-        )
-        kept = self.groups_per_token * self.num_experts // self.num_groups
-        require(
-            1 <= self.experts_per_token <= kept,
-            f"experts_per_token {self.experts_per_token} must lie in [1, {kept}] (experts in the kept groups)",
-        )
-        require(self.qk_rope_dim % 2 == 0, f"qk_rope_dim {self.qk_rope_dim} must be even for rotary embeddings")
-        require(self.mtp_depth >= 0, f"mtp_depth must be >= 0, got {self.mtp_depth}")
-        require(
-            self.moe_matmul in ("auto", "megablox", "ragged_dot", "tiled"),
-            f"moe_matmul is {self.moe_matmul!r}; use auto, megablox, ragged_dot or tiled",
-        )
-        require(self.moe_tile_rows >= 1, f"moe_tile_rows must be >= 1, got {self.moe_tile_rows}")
-        require(
-            self.moe_tag_capacity_factor is None or self.moe_tag_capacity_factor > 0,
-            f"moe_tag_capacity_factor must be positive or null (tag every row), got {self.moe_tag_capacity_factor}",
-        )
-        require(
-            self.capacity_factor is None or self.capacity_factor > 0,
-            f"capacity_factor must be positive or null (dropless), got {self.capacity_factor}",
-        )
-
-    def mesh_dims(self) -> list[tuple[str, int, str]]:
-        """(config field, size, mesh axis) of every dimension the sharding rules split."""
-        return [
-            ("model.num_heads", self.num_heads, "tensor"),
-            ("model.dense_mlp_dim", self.dense_mlp_dim, "tensor"),
-            ("model.moe_mlp_dim", self.moe_mlp_dim, "tensor"),
-            ("model.vocab_size", self.vocab_size, "tensor"),
-            ("model.num_experts", self.num_experts, "expert"),
-            ("model.dim", self.dim, "fsdp"),
-            ("model.q_lora_rank", self.q_lora_rank, "fsdp"),
-            ("model.kv_lora_rank", self.kv_lora_rank, "fsdp"),
-        ]
-
-    def attention(self, key: PRNGKeyArray) -> MultiHeadLatentAttention:
-        return MultiHeadLatentAttention(
-            self.dim,
-            self.num_heads,
-            self.q_lora_rank,
-            self.kv_lora_rank,
-            self.qk_nope_dim,
-            self.qk_rope_dim,
-            self.v_dim,
-            self.rope_theta,
-            self.yarn,
-            self.norm_eps,
-            key=key,
-        )
-
-    def moe_matmul_here(self) -> str:
-        """`moe_matmul` with "auto" resolved for this process's backend (the planner resolves it
-        for its target first: `ferry.plan.planner.for_target`)."""
-        if self.moe_matmul != "auto":
-            return self.moe_matmul
-        return "megablox" if jax.default_backend() == "tpu" else "tiled"
-
-    def moe_tile_rows_or_none(self) -> int | None:
-        """Tile rows for the tiled grouped matmul, or None for a grouped kernel."""
-        return self.moe_tile_rows if self.moe_matmul_here() == "tiled" else None
-
-    def moe(self, key: PRNGKeyArray) -> DeepSeekMoE:
-        return DeepSeekMoE(
-            self.dim,
-            self.moe_mlp_dim,
-            self.num_experts,
-            self.num_shared_experts,
-            self.num_groups,
-            self.groups_per_token,
-            self.experts_per_token,
-            self.routed_scaling,
-            self.capacity_factor,
-            self.moe_tile_rows_or_none(),
-            self.moe_tag_capacity_factor,
-            "ragged_dot" if self.moe_matmul_here() == "tiled" else self.moe_matmul_here(),
-            key=key,
-        )
 
 
 def dense_layer(config: DeepSeekV3Config, *, key: PRNGKeyArray) -> DecoderBlock:
@@ -174,10 +31,28 @@ def dense_layer(config: DeepSeekV3Config, *, key: PRNGKeyArray) -> DecoderBlock:
     return DecoderBlock(config.attention(k_attention), mlp, config.dim, config.norm_eps)
 
 
-def moe_layer(config: DeepSeekV3Config, *, key: PRNGKeyArray) -> DecoderBlock:
-    """MLA + DeepSeekMoE (routed experts plus the shared expert); returns (h, MoEStats)."""
-    k_attention, k_moe = jax.random.split(key)
-    return DecoderBlock(config.attention(k_attention), config.moe(k_moe), config.dim, config.norm_eps)
+class MoEDecoderBlock(AbstractDecoderBlock):
+    """MLA + DeepSeekMoE (routed experts plus the shared expert), reporting the MoE's stats."""
+
+    attention_norm: RMSNorm
+    attention: MultiHeadLatentAttention
+    mlp_norm: RMSNorm
+    mlp: DeepSeekMoE
+
+    def __init__(self, config: DeepSeekV3Config, *, key: PRNGKeyArray):
+        k_attention, k_moe = jax.random.split(key)
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = config.attention(k_attention)
+        self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
+        self.mlp = config.moe(k_moe)
+
+    def feed_forward(self, x: Float[Array, "batch seq dim"]) -> tuple[Float[Array, "batch seq dim"], MoEStats]:
+        return self.mlp(x)
+
+
+def moe_layer(config: DeepSeekV3Config, *, key: PRNGKeyArray) -> MoEDecoderBlock:
+    """DeepSeek-V3's layers after the dense ones (and each MTP depth's block)."""
+    return MoEDecoderBlock(config, key=key)
 
 
 class MultiTokenPrediction(eqx.Module):
@@ -188,14 +63,14 @@ class MultiTokenPrediction(eqx.Module):
     embedding_norm: RMSNorm
     hidden_norm: RMSNorm
     projection: Linear
-    block: DecoderBlock
+    block: MoEDecoderBlock
     final_norm: RMSNorm
 
     def __init__(self, config: DeepSeekV3Config, *, key: PRNGKeyArray):
         k_projection, k_block = jax.random.split(key)
         self.embedding_norm = RMSNorm(config.dim, config.norm_eps)
         self.hidden_norm = RMSNorm(config.dim, config.norm_eps)
-        self.projection = Linear(2 * config.dim, config.dim, key=k_projection)
+        self.projection = Linear(2 * config.dim, config.dim, axes=(None, "embed"), key=k_projection)
         self.block = moe_layer(config, key=k_block)
         self.final_norm = RMSNorm(config.dim, config.norm_eps)
 
@@ -212,7 +87,7 @@ def _update_bias(moe: DeepSeekMoE, load: Float[Array, "... experts"], rate: floa
     return eqx.tree_at(lambda m: m.correction_bias, moe, moe.correction_bias + rate * jnp.sign(mean - load))
 
 
-class DeepSeekV3(eqx.Module):
+class DeepSeekV3(AbstractLanguageModel):
     embed: Embedding
     dense_layers: LayerStack | None
     moe_layers: LayerStack | None
@@ -244,16 +119,13 @@ class DeepSeekV3(eqx.Module):
             else None
         )
         self.final_norm = RMSNorm(config.dim, config.norm_eps)
-        self.head = Linear(config.dim, config.vocab_size, key=k_head)
+        self.head = Linear(config.dim, config.vocab_size, axes=("embed", "vocab"), key=k_head)
         self.mtp = (
             tuple(MultiTokenPrediction(config, key=k) for k in jax.random.split(k_mtp, config.mtp_depth))
             if config.mtp_depth
             else ()
         )
         self.config = config
-
-    def _stacks(self) -> list[LayerStack]:
-        return [s for s in (self.dense_layers, self.moe_layers) if s is not None]
 
     def layer_kinds(self) -> list[LayerKind]:
         config, kinds = self.config, []
@@ -269,11 +141,6 @@ class DeepSeekV3(eqx.Module):
             run_mtp = lambda m, x, i=depth - 1: m.mtp[i].block(x)  # noqa: E731
             kinds.append(LayerKind(f"mtp_{depth}", 1, run_mtp, seq_shrink=depth, make=make_moe))  # its block
         return kinds
-
-    def tagged_names(self) -> frozenset[str]:
-        """Every activation name a decoder layer of this model (dense, MoE or MTP) tags."""
-        example = jax.ShapeDtypeStruct((1, 2, self.config.dim), self.embed.weight.dtype)
-        return frozenset().union(*(stack.tagged_names(example) for stack in self._stacks()))
 
     def hidden(
         self,
@@ -318,17 +185,15 @@ class DeepSeekV3(eqx.Module):
         seq = batch.shape[1] - 1
         losses, stats = [], []
         for depth, module in enumerate(self.mtp, start=1):
-            block = offloaded(
-                lambda layer, x, *e: layer(x, *e), policy, check_names=False, name=f"mtp_{depth}"
-            )
+            block = offloaded(lambda layer, x, *e: layer(x, *e), policy, check_names=False, name=f"mtp_{depth}")
             extra = () if segments is None else (tuple(a[:, depth:seq] for a in segments),)
             embedded = module.embedding_norm(self.embed(batch[:, depth:seq]))
             joined = jnp.concatenate([embedded, module.hidden_norm(h[:, : seq - depth])], axis=-1)
-            out, block_stats = block(module.block, module.projection(joined), *extra)
-            h = module.final_norm(out)
+            out = block(module.block, module.projection(joined), *extra)
+            h = module.final_norm(out.hidden)
             weights = loss_weights(batch[:, depth:seq], documents)
             losses.append(next_token_loss(self.head(h), batch[:, depth + 1 :], weights=weights)[1])
-            stats.append(block_stats)
+            stats.append(out.stats)
         return jnp.stack(losses), stack_trees(stats)
 
     def training_loss(

@@ -16,11 +16,11 @@ from typing import Any
 from ferry.hf.hf_config import copied_from_hf, copied_to_hf, refuse_unless, required, rope_settings
 from ferry.hf.layout import TensorMap, single, stacked
 from ferry.hf.safetensors_io import CheckpointError
-from ferry.models.deepseek_v3 import DeepSeekV3Config
+from ferry.models.deepseek_v3.config import DeepSeekV3Config
 from ferry.nn.rope import YarnScaling, yarn_mscale
 
 MODEL_TYPE = "deepseek_v3"
-CONFIG_CLASS = DeepSeekV3Config
+ARCHITECTURE = "DeepseekV3ForCausalLM"
 FAMILY = "DeepSeek-V3"
 
 CONFIG_KEYS = {
@@ -160,7 +160,7 @@ def config_from_hf(hf: Mapping[str, Any], mtp_layers: int = 0) -> DeepSeekV3Conf
 def config_to_hf(config: DeepSeekV3Config) -> dict[str, Any]:
     """The architecture keys of config.json for `config`, in the published checkpoint's spelling."""
     return {
-        "architectures": ["DeepseekV3ForCausalLM"],
+        "architectures": [ARCHITECTURE],
         "model_type": MODEL_TYPE,
         **copied_to_hf(config, CONFIG_KEYS, COPIED),
         "moe_layer_freq": 1,
@@ -276,9 +276,10 @@ def layer_index(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def mtp_layers(names: set[str], num_layers: int) -> int:
-    """How many MTP layers a checkpoint holds: layers num_layers, num_layers + 1, ... (save_pretrained
-    of `DeepseekV3ForCausalLM` writes none; DeepSeek's published weights hold one)."""
+def mtp_layers(names: set[str], hf: Mapping[str, Any]) -> int:
+    """How many MTP layers a checkpoint holds: layers num_hidden_layers, num_hidden_layers + 1, ...
+    (save_pretrained of `DeepseekV3ForCausalLM` writes none; DeepSeek's published weights hold one)."""
+    num_layers = hf.get("num_hidden_layers", 0)
     present = {index for name in names if (index := layer_index(name)) is not None and index >= num_layers}
     count = 0
     while num_layers + count in present:

@@ -1,0 +1,95 @@
+"""The contract every model family keeps: an abstract config and an abstract language model.
+
+Equinox's abstract/final pattern: these classes declare, with `AbstractVar` and abstract methods,
+everything the trainer, the planner, the FLOPs count, the Hugging Face mapping and the mesh checks
+read of a model; a family's config and model are final classes that implement all of it, so a
+family missing a piece cannot be instantiated, and nothing outside a family asks which family it
+holds (no `isinstance` chains, no `getattr(config, name, default)`).
+"""
+
+import abc
+
+import equinox as eqx
+import jax
+from equinox import AbstractVar
+from jaxtyping import Array, Float, Int
+
+from ferry.data.segments import DocumentMask
+from ferry.nn.attention import Segments
+from ferry.offload import SAVE_ALL, Policy, tagged_names
+from ferry.schedule import LayerKind
+
+MeshDim = tuple[str, int, str]
+"""(config field, its size, the mesh axis the sharding rules split it over)."""
+
+
+class AbstractModelConfig(eqx.Module):
+    """A model family's architecture and its model-side training settings (frozen; built from
+    the Hydra `model` node by `ferry.config.from_dict`)."""
+
+    vocab_size: AbstractVar[int]
+    dim: AbstractVar[int]  # the residual stream's width: every decoder layer's input
+    num_layers: AbstractVar[int]
+    mtp_depth: AbstractVar[int]  # multi-token prediction depths (0 for a family without them)
+    scan_layers: AbstractVar[bool]
+
+    @abc.abstractmethod
+    def mesh_dims(self) -> list[MeshDim]:
+        """Every dimension the sharding rules split, so a mesh that does not divide one is
+        refused before anything is built."""
+
+    @abc.abstractmethod
+    def forward_flops(self, batch: int, seq: int) -> tuple[int, float]:
+        """(weight, attention) FLOPs of one forward pass over `batch` x `seq` tokens, by MaxText's
+        convention (`ferry.train.flops`)."""
+
+    @abc.abstractmethod
+    def for_platform(self, platform: str) -> "AbstractModelConfig":
+        """The config as it runs on `platform` ("cpu", "gpu", "tpu"), its choices left to the
+        backend (e.g. the MoE's grouped matmul) made; the planner asks for its target's."""
+
+    @abc.abstractmethod
+    def without_mtp(self) -> "AbstractModelConfig":
+        """The same model without multi-token prediction (to report its size both ways)."""
+
+
+class AbstractLanguageModel(eqx.Module):
+    """A decoder-only language model as ferry trains it: logits, the training loss with its
+    statistics, the update of state kept outside the gradient, and its kinds of decoder layers
+    (which the offload schedule, the planner and the policy self-check run one at a time)."""
+
+    config: AbstractVar[AbstractModelConfig]
+
+    @abc.abstractmethod
+    def __call__(
+        self, tokens: Int[Array, "batch seq"], policy: Policy = SAVE_ALL, segments: Segments | None = None
+    ) -> Float[Array, "batch seq vocab"]:
+        """Logits; `segments` (packed documents' segment ids and positions) keep attention inside
+        each document."""
+
+    @abc.abstractmethod
+    def training_loss(
+        self,
+        batch: Int[Array, "batch seq_plus_one"],
+        policy: Policy,
+        z_loss_weight: float = 0.0,
+        documents: DocumentMask | None = None,
+    ) -> tuple[Float[Array, ""], dict[str, Array]]:
+        """The loss to differentiate for next-token prediction of batch[:, 1:] from batch[:, :-1],
+        and the statistics to log (`loss`: the main cross-entropy)."""
+
+    @abc.abstractmethod
+    def after_step(self, stats: dict[str, Array]) -> "AbstractLanguageModel":
+        """The model after an optimizer step with these statistics (state updated outside the
+        gradient, such as router biases; `self` when there is none)."""
+
+    @abc.abstractmethod
+    def layer_kinds(self) -> list[LayerKind]:
+        """Each kind of decoder layer: how many, how to run one, how to build one."""
+
+    def tagged_names(self) -> frozenset[str]:
+        """Every activation name a decoder layer of this model tags (found abstractly; the model
+        may be abstract)."""
+        example = jax.ShapeDtypeStruct((1, 2, self.config.dim), jax.numpy.float32)
+        names = [tagged_names(kind.run, self, example) for kind in self.layer_kinds()]
+        return frozenset().union(*names)

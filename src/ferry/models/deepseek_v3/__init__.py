@@ -1,0 +1,28 @@
+"""The DeepSeek-V3 family: `config` (its architecture and MoE settings), `model` (the Equinox
+model, its MoE block and multi-token prediction), `hf` (its Hugging Face `DeepseekV3ForCausalLM`
+mapping)."""
+
+from ferry.models.deepseek_v3 import hf
+from ferry.models.deepseek_v3.config import DeepSeekV3Config
+from ferry.models.deepseek_v3.model import (
+    DeepSeekV3,
+    MoEDecoderBlock,
+    MultiTokenPrediction,
+    _update_bias,
+    dense_layer,
+    moe_layer,
+)
+from ferry.models.family import Family
+
+FAMILY = Family("deepseek_v3", DeepSeekV3Config, DeepSeekV3, tiny_model="deepseek_v3_tiny", hf=hf)
+
+__all__ = [
+    "FAMILY",
+    "DeepSeekV3",
+    "DeepSeekV3Config",
+    "MoEDecoderBlock",
+    "MultiTokenPrediction",
+    "_update_bias",
+    "dense_layer",
+    "moe_layer",
+]

@@ -1,0 +1,54 @@
+"""Llama 3.1's architecture: dimensions, RoPE with llama3 scaling, RMSNorm's epsilon."""
+
+from ferry.models.base import AbstractModelConfig, MeshDim
+from ferry.models.flops import grouped_query_attention_flops, swiglu_flops
+from ferry.nn.rope import Llama3RopeScaling
+
+
+class LlamaConfig(AbstractModelConfig):
+    vocab_size: int
+    dim: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    rope_theta: float = 500000.0
+    rope_scaling: Llama3RopeScaling | None = Llama3RopeScaling()
+    norm_eps: float = 1e-5
+    scan_layers: bool = True
+
+    def __check_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+
+    @property
+    def mtp_depth(self) -> int:
+        """Llama predicts the next token only."""
+        return 0
+
+    def mesh_dims(self) -> list[MeshDim]:
+        return [
+            ("model.num_heads", self.num_heads, "tensor"),
+            ("model.num_kv_heads", self.num_kv_heads, "tensor"),
+            ("model.mlp_dim", self.mlp_dim, "tensor"),
+            ("model.vocab_size", self.vocab_size, "tensor"),
+            ("model.dim", self.dim, "fsdp"),
+        ]
+
+    def forward_flops(self, batch: int, seq: int) -> tuple[int, float]:
+        projections, attention = grouped_query_attention_flops(
+            batch, seq, self.dim, self.num_heads, self.num_kv_heads, self.head_dim
+        )
+        per_layer = projections + swiglu_flops(batch * seq, self.dim, self.mlp_dim)
+        head = 2 * batch * seq * self.dim * self.vocab_size
+        return per_layer * self.num_layers + head, attention * self.num_layers
+
+    def for_platform(self, platform: str) -> "LlamaConfig":
+        """Llama leaves nothing to the backend."""
+        return self
+
+    def without_mtp(self) -> "LlamaConfig":
+        return self

@@ -1,0 +1,100 @@
+"""The model-family contract: every registered family implements the abstract config and model
+and a Hugging Face mapping; parameters are sharded by the logical axes their layers declare where
+they create them, and an array no layer declares is refused naming it."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax.sharding import AbstractMesh, AxisType, PartitionSpec
+
+from ferry.models.base import AbstractLanguageModel, AbstractModelConfig
+from ferry.models.family import HFMapping
+from ferry.models.registry import FAMILIES, abstract_model, family_of, hf_family
+from ferry.nn.linear import Linear
+from ferry.sharding import MESH_AXES, MeshError, tree_shardings
+from ferry.train.flops import training_flops
+from ferry.train.step import init_state
+from tests.conftest import CONFIGS, load_model_config
+
+MESH = AbstractMesh((1, 2, 2, 2), MESH_AXES, axis_types=(AxisType.Auto,) * 4)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_every_family_keeps_the_contract(name):
+    """Its config, model and hf mapping are the contract's; its tiny config builds its model, whose
+    layers tag names, whose FLOPs are counted and whose every array has declared axes."""
+    family = FAMILIES[name]
+    assert issubclass(family.config, AbstractModelConfig) and issubclass(family.model, AbstractLanguageModel)
+    assert isinstance(family.hf, HFMapping) and hf_family(family.hf.MODEL_TYPE) is family
+    assert (CONFIGS / "model" / f"{family.tiny_model}.yaml").is_file()
+    config = load_model_config(family.tiny_model)
+    assert family_of(config) is family and config.for_platform("cpu").mtp_depth == config.mtp_depth
+    model = abstract_model(config)
+    assert isinstance(model, family.model) and model.tagged_names() >= {"decoder_layer_input", "out_proj"}
+    assert training_flops(config, 2, 32).total > 0
+    tree_shardings(model, MESH)  # refuses any array without axes
+
+
+def test_a_family_missing_part_of_the_contract_cannot_be_built():
+    class NoFlops(AbstractModelConfig):
+        vocab_size: int = 8
+        dim: int = 4
+        num_layers: int = 1
+        mtp_depth: int = 0
+        scan_layers: bool = True
+
+        def mesh_dims(self):
+            return []
+
+        def for_platform(self, platform):
+            return self
+
+        def without_mtp(self):
+            return self
+
+    with pytest.raises(TypeError, match="forward_flops"):
+        NoFlops()
+
+
+def test_backend_choices_are_made_per_platform():
+    config = load_model_config("deepseek_v3_tiny", moe_matmul="auto")
+    assert config.for_platform("tpu").moe_matmul == "megablox"
+    assert config.for_platform("gpu").moe_matmul == "tiled"
+    assert load_model_config("deepseek_v3_tiny", moe_matmul="ragged_dot").for_platform("tpu").moe_matmul == "ragged_dot"
+    llama = load_model_config("llama_tiny")
+    assert llama.for_platform("tpu") is llama and llama.without_mtp() is llama
+
+
+def test_the_train_state_is_sharded_by_the_axes_layers_declare():
+    """Linear weights by the axes they were built with (a stack's layer axis unnamed), the
+    embedding over fsdp, norms whole; AdamW's moments exactly like their parameters."""
+    model = abstract_model(load_model_config("llama_tiny"))
+    state = eqx.filter_eval_shape(lambda m: init_state(m, optax.adamw(1e-3)), model)
+    shardings = tree_shardings(state, MESH)
+    specs = shardings.model
+    assert specs.layers.layers.attention.query.weight.spec == PartitionSpec(None, "fsdp", "tensor")
+    assert specs.layers.layers.attention.out.weight.spec == PartitionSpec(None, "tensor", "fsdp")
+    assert specs.layers.layers.mlp.wo.weight.spec == PartitionSpec(None, "tensor", "fsdp")
+    assert specs.embed.weight.spec == PartitionSpec(None, "fsdp")
+    assert specs.head.weight.spec == PartitionSpec("fsdp", "tensor")
+    assert specs.final_norm.weight.spec == PartitionSpec(None)
+    adam = shardings.opt_state[0]
+    assert jax.tree.leaves(adam.mu) == jax.tree.leaves(specs) == jax.tree.leaves(adam.nu)
+
+
+def test_an_array_no_layer_declares_is_refused_naming_it():
+    class Scaled(eqx.Module):  # not an AbstractSharded layer
+        scale: jax.Array
+
+    class Holder(eqx.Module):
+        proj: Linear
+        gain: Scaled
+
+    model = Holder(Linear(4, 8, axes=("embed", "mlp"), key=jax.random.key(0)), Scaled(jnp.ones((8,))))
+    with pytest.raises(MeshError, match=r"parameter .gain.scale of shape \(8,\) has no logical axes"):
+        tree_shardings(model, MESH)
+    with pytest.raises(ValueError, match="2 dimensions"):
+        Linear(4, 8, axes=("embed",), key=jax.random.key(0))
+    assert tree_shardings(model.proj, MESH).weight.spec == PartitionSpec("fsdp", "tensor")
