@@ -1,9 +1,13 @@
 """AdamW with linear warmup, cosine decay and global-norm clipping (optax)."""
 
+from typing import Any
+
 import jax
+import jax.numpy as jnp
 import optax
 
 from ferry.train.config import TrainConfig
+from ferry.train.state_memory import StatePlacement, StreamedUpdate, float_params, state_map
 
 
 def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
@@ -21,15 +25,35 @@ def _decay_mask(params: optax.Params) -> optax.Params:
     return jax.tree.map(lambda p: p.ndim >= 2 and p.shape[-1] > 1 and p.shape[-2] > 1, params)
 
 
-def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
-    return optax.chain(
-        optax.clip_by_global_norm(config.grad_clip_norm),
-        optax.adamw(
-            learning_rate_schedule(config),
-            b1=config.adam_b1,
-            b2=config.adam_b2,
-            eps=config.adam_eps,
-            weight_decay=config.weight_decay,
-            mask=_decay_mask,
-        ),
+def gradient_clip(config: TrainConfig) -> optax.GradientTransformation:
+    return optax.clip_by_global_norm(config.grad_clip_norm)
+
+
+def adamw(config: TrainConfig, mask: Any = _decay_mask) -> optax.GradientTransformation:
+    """AdamW alone; `mask` (which leaves are decayed) a function of the parameters or a tree."""
+    return optax.adamw(
+        learning_rate_schedule(config),
+        b1=config.adam_b1,
+        b2=config.adam_b2,
+        eps=config.adam_eps,
+        weight_decay=config.weight_decay,
+        mask=mask,
     )
+
+
+def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
+    """Clipping, then AdamW: the state is the pair of their states."""
+    return optax.chain(gradient_clip(config), adamw(config))
+
+
+def streamed_update(
+    config: TrainConfig, model: Any, placement: StatePlacement, param_sharding: Any
+) -> StreamedUpdate | None:
+    """The update that streams a partly host-resident state through HBM (None when it all lives
+    on the device). The decay mask is fixed from the whole parameters, as `make_optimizer`'s."""
+    if not placement.streams:
+        return None
+    params = float_params(model)
+    smap = state_map(model, placement)
+    decayed = adamw(config, mask=_decay_mask(params))
+    return StreamedUpdate(config.grad_clip_norm, decayed, smap, jnp.dtype(config.compute_dtype), param_sharding)

@@ -13,6 +13,7 @@ from jaxtyping import Array, Float, Int
 from ferry.data.segments import DocumentMask
 from ferry.offload import SAVE_ALL, Policy
 from ferry.precision import cast_floating
+from ferry.train.state_memory import DEVICE_STATE, HOST, StatePlacement, StreamedUpdate, float_params, state_map
 
 
 class TrainState(eqx.Module):
@@ -23,11 +24,25 @@ class TrainState(eqx.Module):
     opt_state: optax.OptState
     step: Int[Array, ""]
     nonfinite_steps: Int[Array, ""]
+    compute: Any = None  # compute-dtype copies of the master weights that live on host (else None)
 
 
-def init_state(model: eqx.Module, optimizer: optax.GradientTransformation) -> TrainState:
-    opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
-    return TrainState(model, opt_state, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+def init_state(
+    model: eqx.Module,
+    optimizer: optax.GradientTransformation,
+    placement: StatePlacement = DEVICE_STATE,
+    compute_dtype: str = "bfloat16",
+) -> TrainState:
+    """A fresh state; with the master weights on host (`placement.params`) also their
+    compute-dtype copies, which the forward pass reads."""
+    opt_state = optimizer.init(float_params(model))
+    compute = None
+    if placement.params == HOST:
+        host = state_map(model, placement).host_params
+        leaves, treedef = jax.tree.flatten(float_params(model))
+        copies = [x.astype(compute_dtype) if h else None for x, h in zip(leaves, host, strict=True)]
+        compute = jax.tree.unflatten(treedef, copies)
+    return TrainState(model, opt_state, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32), compute)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +74,7 @@ def accumulated_loss_and_grad(
     """Loss, statistics and gradients of the whole batch, computed `micro_steps` rows-slices at a
     time with `lax.scan` (gradient accumulation); all are means over the micro batches, which equal
     the whole batch's means because the slices are equal."""
-    value_and_grad = eqx.filter_value_and_grad(batch_loss, has_aux=True)
+    value_and_grad = _float32_gradients(eqx.filter_value_and_grad(batch_loss, has_aux=True))
     if micro_steps == 1:
         return value_and_grad(model, batch, settings)
     micro_batches = batch.reshape(micro_steps, batch.shape[0] // micro_steps, batch.shape[1])
@@ -74,6 +89,36 @@ def accumulated_loss_and_grad(
     return jax.tree.map(lambda x: x / micro_steps, total)
 
 
+def _float32_gradients(value_and_grad: Callable[..., Any]) -> Callable[..., Any]:
+    """Gradients in float32 (accumulated in it) also for weights the model reads as their
+    compute-dtype copies (master weights on host); a no-op for float32 leaves."""
+
+    def call(*args: Any) -> Any:
+        value, grads = value_and_grad(*args)
+        return value, jax.tree.map(lambda g: g.astype(jnp.float32) if eqx.is_inexact_array(g) else g, grads)
+
+    return call
+
+
+def _is_host(x: Any) -> bool:
+    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+
+
+def _after_step(model: eqx.Module, stats: dict[str, Array]) -> eqx.Module:
+    """The model's update outside the gradient (router biases), which must leave host-resident
+    weights alone: computing on them would need the GPU to compute in host memory."""
+    after = model.after_step(stats)
+    before_leaves, after_leaves = jax.tree.leaves(float_params(model)), jax.tree.leaves(float_params(after))
+    pairs = enumerate(zip(before_leaves, after_leaves, strict=True))
+    changed = [i for i, (a, b) in pairs if a is not b and _is_host(a)]
+    if changed:
+        raise TypeError(
+            f"{type(model).__name__}.after_step changes parameter leaves {changed}, which live on host with "
+            "offload.params=host; only vectors (which stay in HBM) may be updated outside the gradient"
+        )
+    return after
+
+
 def make_train_step(
     optimizer: optax.GradientTransformation,
     settings: LossSettings,
@@ -81,12 +126,13 @@ def make_train_step(
     micro_steps: int = 1,
     state_sharding: Any = None,
     on_nonfinite: str = "stop",
+    stream: StreamedUpdate | None = None,
 ) -> Callable[[TrainState, Int[Array, "batch seq_plus_one"]], tuple[TrainState, dict[str, Array]]]:
     """The one jitted step, accumulating gradients over `micro_steps` micro batches. Its arguments
     are donated: parameters and optimizer moments are updated in place, and the batch buffer is
     consumed (place a fresh batch every step). `state_sharding` (the shardings of the state's
     arrays) pins the new state to the old one's layout, so the step compiles once."""
-    body = train_step_body(optimizer, settings, learning_rate, micro_steps, state_sharding, on_nonfinite)
+    body = train_step_body(optimizer, settings, learning_rate, micro_steps, state_sharding, on_nonfinite, stream)
     return eqx.filter_jit(donate="all")(body)
 
 
@@ -97,6 +143,7 @@ def train_step_body(
     micro_steps: int = 1,
     state_sharding: Any = None,
     on_nonfinite: str = "stop",
+    stream: StreamedUpdate | None = None,
 ) -> Callable[[TrainState, Int[Array, "batch seq_plus_one"]], tuple[TrainState, dict[str, Array]]]:
     """The train step before jit: what `make_train_step` compiles, and what the planner lowers
     with abstract inputs.
@@ -104,13 +151,15 @@ def train_step_body(
     A step whose loss or gradient norm is not finite applies no update (the new state is the old
     one, selected on device: no host sync). With `on_nonfinite="stop"` every later step applies
     none either and the step counter stays, so the state stays the last good one until the loop,
-    which reads `nonfinite` a step later, checkpoints it; with "skip" training goes on."""
+    which reads `nonfinite` a step later, checkpoints it; with "skip" training goes on.
+
+    With `stream` (part of the state on host, `ferry.train.state_memory`) the forward pass reads
+    the compute copies of the host-resident weights, and the update streams the state through HBM
+    a layer at a time, selecting each leaf there."""
 
     def train_step(state: TrainState, batch: Int[Array, "batch seq_plus_one"]) -> tuple[TrainState, dict[str, Array]]:
-        (loss, stats), grads = accumulated_loss_and_grad(state.model, batch, settings, micro_steps)
-        params = eqx.filter(state.model, eqx.is_inexact_array)
-        updates, opt_state = optimizer.update(grads, state.opt_state, params)
-        model = eqx.apply_updates(state.model, updates).after_step(stats)  # e.g. router biases
+        model_in = state.model if state.compute is None else eqx.combine(state.compute, state.model)
+        (loss, stats), grads = accumulated_loss_and_grad(model_in, batch, settings, micro_steps)
         metrics = {name: value for name, value in stats.items() if value.ndim == 0}
         metrics |= {
             "total_loss": loss,
@@ -119,20 +168,34 @@ def train_step_body(
         }
         finite = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"])
         apply = finite if on_nonfinite == "skip" else finite & (state.nonfinite_steps == 0)
+        params = float_params(state.model)
+        compute = None
+        if stream is None:
+            updates, opt_state = optimizer.update(grads, state.opt_state, params)
+            model = eqx.apply_updates(state.model, updates)
+        else:
+            clip_state, adam_state = state.opt_state  # make_optimizer's chain: clipping, then AdamW
+            new_params, adam_state, compute = stream(params, adam_state, grads, apply)
+            opt_state = (clip_state, adam_state)
+            model = eqx.combine(new_params, state.model)
+        model = _after_step(model, stats)  # e.g. router biases
         metrics["nonfinite"] = ~finite
         nonfinite_steps = state.nonfinite_steps + (~finite).astype(jnp.int32)
         metrics["nonfinite_steps"] = nonfinite_steps
         step = state.step + (1 if on_nonfinite == "skip" else apply.astype(jnp.int32))
-        updated = jax.tree.map(
-            lambda new, old: jnp.where(apply, new, old),
+        updated = jax.tree.map(  # host leaves were selected in HBM by the stream
+            lambda new, old: new if _is_host(new) else jnp.where(apply, new, old),
             eqx.filter((model, opt_state), eqx.is_array),
             eqx.filter((state.model, state.opt_state), eqx.is_array),
         )
         model, opt_state = eqx.combine(updated, eqx.filter((model, opt_state), eqx.is_array, inverse=True))
-        new_state = TrainState(model, opt_state, step, nonfinite_steps)
+        new_state = TrainState(model, opt_state, step, nonfinite_steps, compute)
         if state_sharding is not None:
             arrays, static = eqx.partition(new_state, eqx.is_array)
-            new_state = eqx.combine(jax.lax.with_sharding_constraint(arrays, state_sharding), static)
+            arrays = jax.tree.map(
+                lambda x, sh: x if _is_host(x) else jax.lax.with_sharding_constraint(x, sh), arrays, state_sharding
+            )
+            new_state = eqx.combine(arrays, static)
         return new_state, metrics
 
     return train_step

@@ -1,0 +1,237 @@
+"""The train state in explicit memory kinds.
+
+`offload.optimizer=host` keeps AdamW's moments, and `offload.params=host` the float32 master
+weights, in pinned host memory (MaxText's `optimizer_memory_host_offload` and
+`parameter_memory_host_offload`). The forward and backward passes never read either: they read
+a compute-dtype copy of the weights that stays in HBM. The update streams the host-resident
+state through HBM one unit at a time (a `lax.scan` over each layer stack's layer axis; the
+unstacked parameters as one unit): bring layer k's master weights and moments to the device,
+apply AdamW, send them back, refresh layer k's compute copy. HBM holds one layer's state at once.
+
+Which leaves move: the matrices (a layer's weights with two or more axes). Vectors (norm scales,
+router biases) are a rounding error of the state and stay in HBM, where `after_step` may update
+them (a host leaf `after_step` changed would be computed on in host memory, which the GPU cannot
+do; that is refused when the step is traced).
+
+Everything here is elementwise per parameter except gradient clipping, which needs the global
+norm and so runs first, on the whole gradient in HBM; the result is the same bits as the
+device-resident update (tested on CPU).
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ferry.config import ConfigError
+from ferry.nn.stack import LayerStack
+from ferry.offload import has_memory_kinds
+from ferry.sharding import context_mesh
+
+DEVICE, HOST = "device", "host"
+PLACES = (DEVICE, HOST)
+
+
+@dataclasses.dataclass(frozen=True)
+class StatePlacement:
+    """Where the optimizer's moments and the float32 master weights live: device | host."""
+
+    optimizer: str = DEVICE
+    params: str = DEVICE
+
+    def __post_init__(self) -> None:
+        for key in ("optimizer", "params"):
+            if getattr(self, key) not in PLACES:
+                raise ConfigError(f"offload.{key} is {getattr(self, key)!r}; use device or host")
+
+    @property
+    def streams(self) -> bool:
+        """Does any part of the state live on host (and the update stream it)?"""
+        return HOST in (self.optimizer, self.params)
+
+    def describe(self) -> str:
+        return f"optimizer moments on {self.optimizer}, master weights on {self.params}"
+
+
+DEVICE_STATE = StatePlacement()  # everything in HBM
+
+
+@dataclasses.dataclass(frozen=True)
+class StateMap:
+    """Per parameter leaf (in `jax.tree.leaves` order of the float parameters): the unit its
+    update streams in (1, 2, ...: the layer stacks, whose host-resident leaves carry a leading
+    layer axis and stream a layer at a time; 0: everything else, updated whole), and whether its
+    master weight and its moments live on host."""
+
+    units: tuple[int, ...]
+    host_params: tuple[bool, ...]
+    host_moments: tuple[bool, ...]
+
+    @property
+    def any_host(self) -> bool:
+        return any(self.host_params) or any(self.host_moments)
+
+    def leaves_of(self, unit: int) -> list[int]:
+        return [i for i, u in enumerate(self.units) if u == unit]
+
+
+def _is_float(x: Any) -> bool:
+    abstract = isinstance(x, jax.ShapeDtypeStruct) and jnp.issubdtype(x.dtype, jnp.inexact)
+    return abstract or eqx.is_inexact_array(x)
+
+
+def float_params(model: Any) -> Any:
+    """The float parameters (what AdamW updates) of a model, concrete or abstract."""
+    return eqx.filter(model, _is_float)
+
+
+def state_map(model: Any, placement: StatePlacement) -> StateMap:
+    """Which unit each parameter streams in and where it lives (from shapes alone)."""
+    stacks: list[LayerStack] = []
+
+    def label(node: Any) -> Any:
+        if isinstance(node, LayerStack):
+            stacks.append(node)
+            return jax.tree.map(lambda _: len(stacks), node)
+        return 0
+
+    params = float_params(model)
+    units = tuple(jax.tree.leaves(jax.tree.map(label, params, is_leaf=lambda n: isinstance(n, LayerStack))))
+    shapes = [leaf.shape for leaf in jax.tree.leaves(params)]
+    matrix = tuple(len(shape) - (unit > 0) >= 2 for shape, unit in zip(shapes, units, strict=True))
+    host_params = tuple(m and placement.params == HOST for m in matrix)
+    host_moments = tuple(m and placement.optimizer == HOST for m in matrix)
+    # what stays in HBM is updated whole (unit 0), as the device-resident step does
+    units = tuple(u if p or m else 0 for u, p, m in zip(units, host_params, host_moments, strict=True))
+    return StateMap(units, host_params, host_moments)
+
+
+def _moments(adam_state: Any) -> tuple[Any, Any]:
+    return optax.tree_utils.tree_get(adam_state, "mu"), optax.tree_utils.tree_get(adam_state, "nu")
+
+
+def state_host_mask(state_params: Any, opt_state: Any, smap: StateMap) -> tuple[Any, Any]:
+    """Trees shaped like the master parameters and the optimizer state: True where a leaf lives on
+    host (the moments are found inside the optimizer state by their names, `mu` and `nu`)."""
+    treedef = jax.tree.structure(state_params)
+    params_mask = jax.tree.unflatten(treedef, list(smap.host_params))
+    moments_mask = jax.tree.unflatten(treedef, list(smap.host_moments))
+    false_state = jax.tree.map(lambda _: False, opt_state)
+    state_mask = optax.tree_utils.tree_set(false_state, mu=moments_mask, nu=moments_mask)
+    return params_mask, state_mask
+
+
+def with_memory_kinds(shardings: Any, host: Any) -> Any:
+    """`shardings` with the leaves marked in `host` moved to pinned host memory."""
+    return jax.tree.map(lambda sh, h: sh.with_memory_kind("pinned_host") if h else sh, shardings, host)
+
+
+def _put(x: jax.Array, kind: str, sharding: NamedSharding) -> jax.Array:
+    """`x` (a layer's slice when `sharding` is its stack's) to `kind` memory in its spec, on the
+    context mesh."""
+    mesh = context_mesh()
+    spec = sharding.spec
+    if x.ndim < len(spec):  # a slice of a stack: the spec of its per-layer axes
+        spec = PartitionSpec(*spec[len(spec) - x.ndim :])
+    if not isinstance(mesh, Mesh) or not has_memory_kinds(mesh):  # compile-only devices: the memory space instead
+        return jax.device_put(x, jax.memory.Space.Host if kind == "pinned_host" else jax.memory.Space.Device)
+    return jax.device_put(x, NamedSharding(mesh, spec, memory_kind=kind))
+
+
+def _clip(g: jax.Array, g_norm: jax.Array, max_norm: float) -> jax.Array:
+    """`optax.clip_by_global_norm` on one slice, given the whole gradient's norm (the same
+    expression, so the same bits)."""
+    return jax.lax.select(g_norm < max_norm, g, (g / g_norm.astype(g.dtype)) * max_norm)
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamedUpdate:
+    """AdamW applied unit by unit to a state part of which lives on host.
+
+    `adamw` is the elementwise part of the optimizer (its weight-decay mask a fixed tree, so a
+    layer's slice is decayed as its whole stack is); clipping by the global norm runs before it on
+    each slice, with the norm of the whole gradient. Returns the new
+    master parameters, the new AdamW state and the compute copies of the host-resident weights,
+    each leaf already selected by `apply` (a step with a non-finite loss changes nothing)."""
+
+    max_norm: float  # global-norm gradient clipping, applied per slice with the whole gradient's norm
+    adamw: optax.GradientTransformation
+    smap: StateMap
+    compute_dtype: Any
+    param_sharding: Any  # NamedSharding per master leaf (for the host <-> device copies' specs)
+    moves: bool = True  # False: the same arithmetic with every leaf left where it is (a reference)
+
+    def __call__(self, params: Any, adam_state: Any, grads: Any, apply: jax.Array) -> tuple[Any, Any, Any]:
+        treedef = jax.tree.structure(params)
+        mu, nu = _moments(adam_state)
+        columns = [jax.tree.leaves(t) for t in (params, grads, mu, nu)]
+        shardings = jax.tree.leaves(self.param_sharding)
+        new = [[None] * len(columns[0]) for _ in range(4)]  # params, mu, nu, compute copies
+        g_norm = optax.tree.norm(grads)
+        new_state = adam_state
+        for unit in [0, *sorted(set(self.smap.units) - {0})]:  # unit 0 (maybe empty) yields the counts
+            index = self.smap.leaves_of(unit)
+            inputs = [[column[i] for i in index] for column in columns]
+            update = self._unit_update(treedef, index, adam_state, apply, g_norm, [shardings[i] for i in index])
+            if unit == 0:
+                outputs, new_state = update(inputs)
+            else:
+                outputs = jax.lax.scan(lambda _, xs, update=update: (None, update(xs)[0]), None, inputs)[1]
+            for column, values in zip(new, outputs, strict=True):
+                for i, value in zip(index, values, strict=True):
+                    column[i] = value
+        new_params, new_mu, new_nu, compute = (jax.tree.unflatten(treedef, column) for column in new)
+        compute = compute if any(self.smap.host_params) else None
+        return new_params, optax.tree_utils.tree_set(new_state, mu=new_mu, nu=new_nu), compute
+
+    def _unit_update(
+        self,
+        treedef: Any,
+        index: list[int],
+        adam_state: Any,
+        apply: jax.Array,
+        g_norm: jax.Array,
+        shardings: list[NamedSharding],
+    ) -> Callable[[list[list[jax.Array]]], tuple[list[list[Any]], Any]]:
+        """The update of one unit's leaves (for a stack: one layer's slices), the other leaves of
+        the tree standing in as empty arrays so optax sees the whole structure."""
+        count = treedef.num_leaves
+        host_p = [self.smap.host_params[i] for i in index]
+        host_m = [self.smap.host_moments[i] for i in index]
+
+        def whole(values: list[jax.Array]) -> Any:
+            leaves = [jnp.zeros((0,), jnp.float32)] * count
+            for i, value in zip(index, values, strict=True):
+                leaves[i] = value
+            return jax.tree.unflatten(treedef, leaves)
+
+        def update(inputs: list[list[jax.Array]]) -> tuple[list[list[Any]], Any]:
+            p, g, m, v = inputs
+            fetch = lambda xs, hs: [  # noqa: E731
+                _put(x, "device", sh) if h and self.moves else x
+                for x, h, sh in zip(xs, hs, shardings, strict=True)
+            ]
+            p, m, v = fetch(p, host_p), fetch(m, host_m), fetch(v, host_m)
+            g = [_clip(x, g_norm, self.max_norm) for x in g]  # in the body: the bits of optax's fused clip
+            params, grads = whole(p), whole(g)
+            state = optax.tree_utils.tree_set(adam_state, mu=whole(m), nu=whole(v))
+            updates, new_state = self.adamw.update(grads, state, params)
+            new_p = [jax.tree.leaves(optax.apply_updates(params, updates))[i] for i in index]
+            new_mu, new_nu = ([jax.tree.leaves(t)[i] for i in index] for t in _moments(new_state))
+            keep = lambda new, old: jnp.where(apply, new, old)  # noqa: E731
+            new_p = [keep(a, b) for a, b in zip(new_p, p, strict=True)]
+            new_mu = [keep(a, b) for a, b in zip(new_mu, m, strict=True)]
+            new_nu = [keep(a, b) for a, b in zip(new_nu, v, strict=True)]
+            compute = [x.astype(self.compute_dtype) if h else None for x, h in zip(new_p, host_p, strict=True)]
+            back = lambda xs, hs: [  # noqa: E731
+                _put(x, "pinned_host", sh) if h and self.moves else x
+                for x, h, sh in zip(xs, hs, shardings, strict=True)
+            ]
+            return [back(new_p, host_p), back(new_mu, host_m), back(new_nu, host_m), compute], new_state
+
+        return update
