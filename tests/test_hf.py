@@ -393,7 +393,7 @@ def edited_checkpoint(source, destination, **changes):
         ({"norm_topk_prob": False}, "config.json has norm_topk_prob=False; ferry's DeepSeek-V3 implements only"),
         ({"rope_interleave": False}, "rope_interleave=False"),
         ({"hidden_size": 128}, "model.embed_tokens.weight has shape [256, 64], the config needs [256, 128]"),
-        ({"model_type": "mistral"}, "model_type 'mistral'; ferry imports ['deepseek_v3', 'llama']"),
+        ({"model_type": "mistral"}, "model_type 'mistral'; ferry imports ['deepseek_v3', 'llama', 'qwen3']"),
     ],
 )
 def test_checkpoints_ferry_cannot_represent_are_refused(hf_deepseek, tmp_path, changes, message):

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from ferry.config import ConfigError, from_dict
-from ferry.models import deepseek_v3, llama
+from ferry.models import deepseek_v3, llama, qwen3
 from ferry.models.base import AbstractLanguageModel, AbstractModelConfig
 from ferry.models.family import Family
 
@@ -19,6 +19,7 @@ FAMILIES: dict[str, Family] = {
     for family in (
         llama.FAMILY,
         deepseek_v3.FAMILY,
+        qwen3.FAMILY,
     )
 }
 

@@ -1,0 +1,56 @@
+"""Qwen3's dense architecture: Llama's layout with an RMSNorm on every query and key head, no
+biases, plain RoPE (theta 1e6) and, in its small models, the output head tied to the embedding."""
+
+from ferry.models.base import AbstractModelConfig, MeshDim
+from ferry.models.flops import grouped_query_attention_flops, swiglu_flops
+
+
+class Qwen3Config(AbstractModelConfig):
+    vocab_size: int
+    dim: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int  # Qwen3 sets it apart from dim / num_heads (128 in every size)
+    mlp_dim: int
+    rope_theta: float = 1000000.0
+    norm_eps: float = 1e-6  # every RMSNorm's, the per-head query and key norms' too
+    tie_embeddings: bool = False  # the head reads the embedding table (Qwen3 0.6B, 1.7B, 4B)
+    scan_layers: bool = True
+
+    def __check_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+
+    @property
+    def mtp_depth(self) -> int:
+        """Qwen3 predicts the next token only."""
+        return 0
+
+    def mesh_dims(self) -> list[MeshDim]:
+        return [
+            ("model.num_heads", self.num_heads, "tensor"),
+            ("model.num_kv_heads", self.num_kv_heads, "tensor"),
+            ("model.mlp_dim", self.mlp_dim, "tensor"),
+            ("model.vocab_size", self.vocab_size, "tensor"),
+            ("model.dim", self.dim, "fsdp"),
+        ]
+
+    def forward_flops(self, batch: int, seq: int) -> tuple[int, float]:
+        """Llama's count: the query and key norms are elementwise work; a tied head is still a
+        matmul with a weight."""
+        projections, attention = grouped_query_attention_flops(
+            batch, seq, self.dim, self.num_heads, self.num_kv_heads, self.head_dim
+        )
+        per_layer = projections + swiglu_flops(batch * seq, self.dim, self.mlp_dim)
+        head = 2 * batch * seq * self.dim * self.vocab_size
+        return per_layer * self.num_layers + head, attention * self.num_layers
+
+    def for_platform(self, platform: str) -> "Qwen3Config":
+        """Qwen3 leaves nothing to the backend."""
+        return self
+
+    def without_mtp(self) -> "Qwen3Config":
+        return self
