@@ -23,9 +23,6 @@ FAMILIES: dict[str, Family] = {
     )
 }
 
-# the small CPU model of each family's config class (a view of FAMILIES)
-TINY_MODELS: dict[type, str] = {family.config: family.tiny_model for family in FAMILIES.values()}
-
 
 def family_of(config: AbstractModelConfig) -> Family:
     """The family whose config `config` is."""

@@ -28,7 +28,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from omegaconf import OmegaConf
 from rich.console import Console
 
-from ferry.models.registry import TINY_MODELS, abstract_model, model_config
+from ferry.models.registry import abstract_model, family_of, model_config
 from ferry.nn.stack import LayerStack
 from ferry.offload import Policy, PolicyError
 from ferry.sharding import MESH_AXES
@@ -137,7 +137,7 @@ def check_model_config(config: Any, budget_bytes: int = BUDGET_BYTES) -> tuple[A
     largest = max(_stack_bytes(kind.make) for kind in model.layer_kinds())
     if largest <= budget_bytes:
         return config, False
-    tiny = model_config(OmegaConf.to_container(OmegaConf.load(_CONFIGS / f"{TINY_MODELS[type(config)]}.yaml")))
+    tiny = model_config(OmegaConf.to_container(OmegaConf.load(_CONFIGS / f"{family_of(config).tiny_model}.yaml")))
     sizes = {
         f.name: getattr(tiny, f.name)
         for f in dataclasses.fields(config)

@@ -21,7 +21,7 @@ from ferry.errors import DataError, FerryError, JsonFileError
 from ferry.hf import CheckpointError as HFCheckpointError
 from ferry.hf import check_checkpoint
 from ferry.memory import check_fits
-from ferry.models.registry import TINY_MODELS, abstract_model, count_parameters, size_summary
+from ferry.models.registry import abstract_model, count_parameters, family_of, size_summary
 from ferry.offload import Policy
 from ferry.schedule import TransferSchedule, model_schedule
 from ferry.sharding import make_mesh, parameters_per_device
@@ -111,7 +111,7 @@ def check_model_fits(config: FerryConfig, model: eqx.Module, num_parameters: int
         config.model_name,
         parameters_per_device(model, mesh),  # also refuses any parameter dimension its axes do not divide
         size_summary(config.model, num_parameters),
-        f"Use model={TINY_MODELS[type(config.model)]} on this machine, or shard it (mesh.fsdp) over devices "
+        f"Use model={family_of(config.model).tiny_model} on this machine, or shard it (mesh.fsdp) over devices "
         "whose memory holds it.",
     )
 
