@@ -228,50 +228,10 @@ def _locked(directory: Path, console: Console | None) -> Iterator[None]:
 def _units_done(directory: Path, digest: str, itemsize: int) -> Manifest | dict[int, UnitResult]:
     """The complete manifest when there is nothing to do, else the units already written whole.
     A directory holding another corpus, or files of its own, is refused."""
-    other = (
-        "{what} other data.* keys, source files or tokenizer; prepare into a new data.prepared "
-        f"directory, or delete {directory} to prepare this one there"
-    )
     if (directory / MANIFEST).exists():
-        manifest = read_manifest(directory)
-        if manifest.source_hash != digest:
-            raise PreparedDataError(f"{directory} already holds " + other.format(what="a corpus prepared from"))
-        bad_units = {shard.unit for shard, _ in damaged_shards(directory, manifest)}
-        if not bad_units:
-            return manifest
-        results: dict[int, dict[str, Shard | None]] = {}
-        counts: dict[int, list[int]] = {}
-        for split in SPLITS:
-            for shard in manifest.shards[split]:
-                results.setdefault(shard.unit, {s: None for s in SPLITS})[split] = shard
-                counts.setdefault(shard.unit, [0, 0])
-                counts[shard.unit][0] += shard.documents
-                counts[shard.unit][1] += shard.tokens
-        return {
-            unit: UnitResult(unit, counts[unit][0], counts[unit][1], shards)
-            for unit, shards in results.items()
-            if unit not in bad_units
-        }
-    state_path = directory / PROGRESS / "state.json"
-    if state_path.exists():
-        try:
-            state = json.loads(state_path.read_text())
-        except json.JSONDecodeError:
-            state = {}
-        if state.get("source_hash") != digest:
-            raise PreparedDataError(
-                f"{directory} holds an unfinished preparation " + other.format(what="a corpus from")
-            )
-        done = {}
-        journal = directory / PROGRESS / "units.jsonl"
-        for line in journal.read_text().splitlines() if journal.exists() else []:
-            try:
-                result = UnitResult.from_json(json.loads(line))
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue  # a line torn by the interruption: that unit is tokenized again
-            if all(_whole(directory, shard, itemsize) for shard in result.shards.values() if shard is not None):
-                done[result.unit] = result
-        return done
+        return _units_of_manifest(directory, digest)
+    if (directory / PROGRESS / "state.json").exists():
+        return _units_of_journal(directory, digest, itemsize)
     leftovers = sorted(p.name for p in directory.iterdir() if p.name not in (".lock", PROGRESS))  # ours, empty
     if leftovers:
         raise PreparedDataError(
@@ -279,6 +239,57 @@ def _units_done(directory: Path, digest: str, itemsize: int) -> Manifest | dict[
             "name an empty or new directory in data.prepared"
         )
     return {}
+
+
+def _other_corpus(directory: Path, what: str) -> PreparedDataError:
+    return PreparedDataError(
+        f"{directory} {what} other data.* keys, source files or tokenizer; prepare into a new "
+        f"data.prepared directory, or delete {directory} to prepare this one there"
+    )
+
+
+def _units_of_manifest(directory: Path, digest: str) -> Manifest | dict[int, UnitResult]:
+    """A finished preparation's manifest, or, when shards were lost or damaged since, its other
+    units (the lost ones are tokenized again)."""
+    manifest = read_manifest(directory)
+    if manifest.source_hash != digest:
+        raise _other_corpus(directory, "already holds a corpus prepared from")
+    bad_units = {shard.unit for shard, _ in damaged_shards(directory, manifest)}
+    if not bad_units:
+        return manifest
+    results: dict[int, dict[str, Shard | None]] = {}
+    counts: dict[int, list[int]] = {}
+    for split in SPLITS:
+        for shard in manifest.shards[split]:
+            results.setdefault(shard.unit, {s: None for s in SPLITS})[split] = shard
+            counts.setdefault(shard.unit, [0, 0])
+            counts[shard.unit][0] += shard.documents
+            counts[shard.unit][1] += shard.tokens
+    return {
+        unit: UnitResult(unit, counts[unit][0], counts[unit][1], shards)
+        for unit, shards in results.items()
+        if unit not in bad_units
+    }
+
+
+def _units_of_journal(directory: Path, digest: str, itemsize: int) -> dict[int, UnitResult]:
+    """An interrupted preparation's units whose shards were written whole."""
+    try:
+        state = json.loads((directory / PROGRESS / "state.json").read_text())
+    except json.JSONDecodeError:
+        state = {}
+    if state.get("source_hash") != digest:
+        raise _other_corpus(directory, "holds an unfinished preparation of a corpus from")
+    done = {}
+    journal = directory / PROGRESS / "units.jsonl"
+    for line in journal.read_text().splitlines() if journal.exists() else []:
+        try:
+            result = UnitResult.from_json(json.loads(line))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a line torn by the interruption: that unit is tokenized again
+        if all(_whole(directory, shard, itemsize) for shard in result.shards.values() if shard is not None):
+            done[result.unit] = result
+    return done
 
 
 def _whole(directory: Path, shard: Shard, itemsize: int) -> bool:
@@ -299,68 +310,87 @@ def _tokenize(
     split = TextSplit.of(config.separator, config.document_bytes)
     stream = units_of(documents(config.source, config.path, config.field, config.pattern, split), config.shard_bytes)
     workers = config.workers or available_cores()
-    written: list[int] = []
-    journal = (directory / PROGRESS / "units.jsonl").open("a")
-    status = Progress(
-        SpinnerColumn(),
-        TextColumn("tokenizing {task.description}"),
-        TextColumn("{task.fields[units]} units, {task.fields[documents]:,} documents, {task.fields[tokens]:,} tokens"),
-        TextColumn("{task.fields[rate]}"),
-        TimeElapsedColumn(),
-        console=console,
-        disable=console is None,
-    )
-    where = config.path or "the Python standard library"
-    task = status.add_task(f"{config.source} {where}", total=None, units=0, documents=0, tokens=0, rate="")
-    new_tokens = 0
-
-    def record(result: UnitResult) -> None:
-        nonlocal new_tokens
-        done[result.unit] = result
-        written.append(result.unit)
-        journal.write(json.dumps(result.to_json()) + "\n")
-        journal.flush()
-        new_tokens += result.tokens
-        elapsed = max(time.perf_counter() - started, 1e-9)
-        documents = sum(r.documents for r in done.values())
-        tokens = sum(r.tokens for r in done.values())
-        rate = f"{new_tokens / elapsed:,.0f} tokens/s"
-        status.update(task, units=len(done), documents=documents, tokens=tokens, rate=rate)
-
-    def task_of(unit: int, keys: list[str], texts: list[bytes]) -> UnitTask:
-        return UnitTask(
-            str(directory), unit, keys, texts, config.tokenizer, config.eos_token, config.eval_fraction, dtype
-        )
-
     numbered = enumerate(stream)
     first = next(numbered, None)
     second = next(numbered, None)
-    with status, contextlib.closing(journal):
+    tasks = (
+        UnitTask(str(directory), unit, keys, texts, config.tokenizer, config.eos_token, config.eval_fraction, dtype)
+        for unit, (keys, texts) in _chain(first, second, numbered)
+        if unit not in done
+    )
+    description = f"{config.source} {config.path or 'the Python standard library'}"
+    with _UnitRecorder(directory, done, console, started, description) as recorder:
         if second is None or workers == 1:  # one unit (or one worker): no processes to start
-            for unit, (keys, texts) in _chain(first, second, numbered):
-                if unit not in done:
-                    record(tokenize_unit(task_of(unit, keys, texts)))
-            return written
-        context = multiprocessing.get_context("spawn")  # never fork a process that may run JAX threads
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-            pending: set[concurrent.futures.Future] = set()
-            try:
-                for unit, (keys, texts) in _chain(first, second, numbered):
-                    if unit in done:
-                        continue
-                    if len(pending) >= 2 * workers:  # the text held in memory stays bounded
-                        finished, pending = concurrent.futures.wait(
-                            pending, return_when=concurrent.futures.FIRST_COMPLETED
-                        )
-                        for future in finished:
-                            record(future.result())
-                    pending.add(pool.submit(tokenize_unit, task_of(unit, keys, texts)))
-                for future in concurrent.futures.as_completed(pending):
-                    record(future.result())
-            except BaseException:
-                pool.shutdown(wait=True, cancel_futures=True)
-                raise
-    return written
+            for task in tasks:
+                recorder.record(tokenize_unit(task))
+        else:
+            _tokenize_in_processes(tasks, workers, recorder.record)
+    return recorder.written
+
+
+def _tokenize_in_processes(tasks: Iterator[UnitTask], workers: int, record: Any) -> None:
+    """`tokenize_unit` of each task in a pool of `workers` processes, each result `record`ed as it
+    comes; at most 2 x workers units' text is held in memory at once."""
+    context = multiprocessing.get_context("spawn")  # never fork a process that may run JAX threads
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        pending: set[concurrent.futures.Future] = set()
+        try:
+            for task in tasks:
+                if len(pending) >= 2 * workers:  # the text held in memory stays bounded
+                    finished, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+                    for future in finished:
+                        record(future.result())
+                pending.add(pool.submit(tokenize_unit, task))
+            for future in concurrent.futures.as_completed(pending):
+                record(future.result())
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+
+
+class _UnitRecorder:
+    """Records each tokenized unit: in `done`, in the journal (`units.jsonl`, flushed at once, so
+    an interrupted preparation resumes after it) and on the status line."""
+
+    def __init__(
+        self, directory: Path, done: dict[int, UnitResult], console: Console | None, started: float, what: str
+    ):
+        self.done, self.started, self.written, self.new_tokens = done, started, [], 0
+        self.journal = (directory / PROGRESS / "units.jsonl").open("a")
+        self.status = Progress(
+            SpinnerColumn(),
+            TextColumn("tokenizing {task.description}"),
+            TextColumn(
+                "{task.fields[units]} units, {task.fields[documents]:,} documents, {task.fields[tokens]:,} tokens"
+            ),
+            TextColumn("{task.fields[rate]}"),
+            TimeElapsedColumn(),
+            console=console,
+            disable=console is None,
+        )
+        self.task = self.status.add_task(what, total=None, units=0, documents=0, tokens=0, rate="")
+
+    def __enter__(self) -> "_UnitRecorder":
+        self.status.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.journal.close()
+        finally:
+            self.status.__exit__(*exc)
+
+    def record(self, result: UnitResult) -> None:
+        self.done[result.unit] = result
+        self.written.append(result.unit)
+        self.journal.write(json.dumps(result.to_json()) + "\n")
+        self.journal.flush()
+        self.new_tokens += result.tokens
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        documents = sum(r.documents for r in self.done.values())
+        tokens = sum(r.tokens for r in self.done.values())
+        rate = f"{self.new_tokens / elapsed:,.0f} tokens/s"
+        self.status.update(self.task, units=len(self.done), documents=documents, tokens=tokens, rate=rate)
 
 
 def _chain(*heads_and_rest: Any) -> Iterator[Any]:
