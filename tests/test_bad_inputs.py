@@ -2,14 +2,14 @@
 key (or file) at fault, no traceback, and nothing changed in the run directory it pointed at.
 
 The table points every command at a real, finished run (`finished_run` in conftest: its
-checkpoints, metrics and lock file), so a refusal that touched it would show. The commands share one launcher process (see
-`tests/launcher_cases.py`); those that need a backend of their own run as separate processes.
+checkpoints, metrics and lock file), so a refusal that touched it would show. The commands share one launcher
+process (see `tests/launcher_cases.py`); those that need a backend of their own run as separate processes.
 """
 
 import hashlib
 import json
-import socket
 import os
+import socket
 import subprocess
 import sys
 

@@ -101,7 +101,8 @@ def test_a_checkpoint_changed_in_place_is_refused_and_nothing_is_rotated_away(tw
     data[middle : middle + 5120] = np.random.default_rng(0).integers(0, 256, 5120, dtype=np.uint8).tobytes()
     largest.write_bytes(bytes(data))
     before = tree_digest(run_dir)
-    with pytest.raises(RunCheckpointError, match=r"step 4 .* (fails its checksums|cannot be read).* resume from step 2"):
+    refusal = r"step 4 .* (fails its checksums|cannot be read).* resume from step 2"
+    with pytest.raises(RunCheckpointError, match=refusal):
         run_in_process(run_dir, "train.steps=8", "checkpoint.keep=1")
     assert tree_digest(run_dir) == before  # nothing written, nothing rotated away
     shutil.move(run_dir / "checkpoints" / "4", tmp_path / "damaged_4")
