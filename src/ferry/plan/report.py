@@ -3,7 +3,9 @@ side, as tables (memory, then the host copies of each offloading preset) and as 
 
 import dataclasses
 import json
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -19,6 +21,7 @@ from ferry.plan.extrapolate import (
     ExtrapolationError,
     extrapolated_plan,
     group_depths,
+    probe_depths,
     should_extrapolate,
     with_depths,
 )
@@ -108,7 +111,11 @@ def run_plan(
             console.print(f"not extrapolated: {error}; compiling the whole model", highlight=False)
             return compile_at(policy, name)
 
-    plans = [compile_policy(policy, name) for name, policy in policies.items()]
+    # XLA compiles one program on one core: the presets compile side by side, a core per compile
+    per_plan = 1 + len(probe_depths(group_depths(config.model))[1]) if extrapolate else 1
+    workers = max(1, min(len(policies), (os.cpu_count() or 1) // per_plan))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        plans = list(pool.map(lambda item: compile_policy(item[1], item[0]), policies.items()))
     model_config = for_target(config.model, target)
     model, groups = abstract_model(model_config), layer_group_traces(config, model_config)
     micro_steps = config.train.micro_steps(config.mesh.data_parallel)
