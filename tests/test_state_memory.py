@@ -2,25 +2,32 @@
 pinned host memory, streamed through HBM a layer at a time, train bit for bit as on the device."""
 
 import dataclasses
+import io
+import json
+import math
 
 import equinox as eqx
 import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from rich.console import Console
 
 from ferry.models.registry import build_model
 from ferry.train.config import TrainConfig
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer, streamed_update
+from ferry.train.prepare import prepare
+from ferry.train.run import train as train_run
 from ferry.train.state_memory import (
     StatePlacement,
     StreamedUpdate,
     state_host_mask,
     state_map,
+    state_on_host,
     with_memory_kinds,
 )
 from ferry.train.step import LossSettings, init_state, make_train_step, train_step_body
-from tests.conftest import load_model_config, needs_cuda_plugin, preset_policy
+from tests.conftest import compose_config, load_model_config, needs_cuda_plugin, needs_libtpu, preset_policy
 
 PLACEMENTS = [StatePlacement("host", "device"), StatePlacement("device", "host"), StatePlacement("host", "host")]
 
@@ -78,58 +85,143 @@ def test_host_resident_state_trains_bit_for_bit_as_in_hbm(placement):
     assert "pinned_host" in kinds
 
 
-def compiled_memory(model_name: str, placement: StatePlacement):
-    """The train step of `model_name` compiled for an H200 (deviceless) with the state placed."""
+def compiled_state_step(target_name: str, model_name: str, placement: StatePlacement) -> dict:
+    """The train step of `model_name` compiled for `target_name` without its hardware (4 chips of
+    a v5p slice with FSDP, one H200), the state placed by `placement`: its memory, how many of
+    its inputs and outputs live in pinned host (S(5) in the entry layout), and per device the
+    moved bytes, the compute copies' bytes and the largest unit's host-resident state."""
     from ferry.plan.planner import compile_only_mesh
     from ferry.plan.targets import TARGETS
     from ferry.sharding import MeshConfig, tree_shardings
 
+    target = TARGETS[target_name]
     config = load_model_config(model_name)
-    train = TrainConfig(steps=10, warmup_steps=1, global_batch_size=2, seq_len=32)
+    train = TrainConfig(steps=10, warmup_steps=1, global_batch_size=4, seq_len=32)
     optimizer = make_optimizer(train)
-    mesh = compile_only_mesh(TARGETS["h200"], MeshConfig())
+    mesh = compile_only_mesh(target, MeshConfig(fsdp=4) if target.platform == "tpu" else MeshConfig())
     model = eqx.filter_eval_shape(build_model, config, jax.random.key(0))
     shapes, static = eqx.partition(
         eqx.filter_eval_shape(init_state, model, optimizer, placement, train.compute_dtype),
         lambda x: isinstance(x, jax.ShapeDtypeStruct),
     )
+    smap = state_map(model, placement)
     shardings = tree_shardings(shapes, mesh)
+    host = state_on_host(shapes, smap)
     if placement.streams:
-        params_host, state_host = state_host_mask(shapes.model, shapes.opt_state, state_map(model, placement))
-        nowhere = jax.tree.map(lambda _: False, shapes)
-        host = eqx.tree_at(lambda s: (s.model, s.opt_state), nowhere, (params_host, state_host))
         shardings = with_memory_kinds(shardings, host)
     settings = LossSettings(preset_policy("save_all", model), train.compute_dtype)
     stream = streamed_update(train, model, placement, shardings.model)
     body = train_step_body(optimizer, settings, learning_rate_schedule(train), 1, shardings, stream=stream)
     args = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
-    batch = jax.ShapeDtypeStruct((2, 33), np.int32, sharding=NamedSharding(mesh, PartitionSpec()))
+    batch = jax.ShapeDtypeStruct((4, 33), np.int32, sharding=NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
     step = lambda arrays, tokens: body(eqx.combine(arrays, static), tokens)  # noqa: E731
     with jax.set_mesh(mesh):
-        compiled = jax.jit(step, donate_argnums=0).lower(args, batch).compile(TARGETS["h200"].compile_options({}))
-    nbytes = lambda tree: sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
-    smap = state_map(model, placement)
-    moved = compute_copies = largest_unit = 0
-    if placement.streams:
-        on_host = eqx.filter(shapes, host)
-        moved, compute_copies = nbytes(on_host), nbytes(shapes.compute)
-        params = jax.tree.leaves(shapes.model)
-        for unit in set(smap.units):
-            index = [i for i in smap.leaves_of(unit) if smap.host_params[i] or smap.host_moments[i]]
-            layers = params[index[0]].shape[0] if unit and index else 1
-            state = sum(nbytes(params[i]) * (smap.host_params[i] + 2 * smap.host_moments[i]) for i in index)
-            largest_unit = max(largest_unit, state // layers)
-    return compiled.memory_analysis(), moved, compute_copies, largest_unit
+        compiled = jax.jit(step, donate_argnums=0).lower(args, batch).compile(target.compile_options({}))
+    layout = compiled.as_text().split("entry_computation_layout={")[1].split("}, allow_spmd")[0]
+    inputs, outputs = layout.split(")->(")
+
+    def per_device(leaves: list, factor: list | None = None) -> int:
+        sizes = [math.prod(sh.shard_shape(x.shape)) * x.dtype.itemsize for x, sh in leaves]
+        return sum(size * (1 if factor is None else f) for size, f in zip(sizes, factor or sizes, strict=True))
+
+    pairs = list(zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), strict=True))
+    moved = per_device([p for p, h in zip(pairs, jax.tree.leaves(host), strict=True) if h])
+    compute_copies = per_device(
+        list(zip(jax.tree.leaves(shapes.compute), jax.tree.leaves(shardings.compute), strict=True))
+    )
+    params = list(zip(jax.tree.leaves(shapes.model), jax.tree.leaves(shardings.model), strict=True))
+    largest_unit = 0
+    for unit in set(smap.units):
+        index = [i for i in smap.leaves_of(unit) if smap.host_params[i] or smap.host_moments[i]]
+        layers = params[index[0]][0].shape[0] if unit and index else 1
+        copies = [smap.host_params[i] + 2 * smap.host_moments[i] for i in index]
+        largest_unit = max(largest_unit, per_device([params[i] for i in index], copies) // layers)
+    return {
+        "memory": compiled.memory_analysis(),
+        "host_inputs": inputs.count("S(5)"),
+        "host_outputs": outputs.count("S(5)"),
+        "host_leaves": sum(jax.tree.leaves(host)),
+        "moved": moved,
+        "compute_copies": compute_copies,
+        "largest_unit": largest_unit,
+    }
+
+
+@needs_libtpu
+@pytest.mark.parametrize("model_name", ["llama_tiny", "deepseek_v3_tiny"])
+@pytest.mark.parametrize("placement", PLACEMENTS[::2], ids=lambda p: f"optimizer_{p.optimizer}-params_{p.params}")
+def test_on_v5p_the_moved_state_leaves_hbm_for_pinned_host(model_name, placement):
+    before = compiled_state_step("v5p", model_name, StatePlacement())["memory"]
+    plan = compiled_state_step("v5p", model_name, placement)
+    memory = plan["memory"]
+    assert plan["moved"] > 0
+    assert plan["host_inputs"] == plan["host_outputs"] == plan["host_leaves"]  # in the compiled entry layout
+    # what leaves HBM arrives in pinned host (in TPU tiles, padded), less the compute copies kept in HBM
+    assert memory.host_argument_size_in_bytes >= plan["moved"]
+    compute_copies = memory.host_argument_size_in_bytes - (
+        before.argument_size_in_bytes - memory.argument_size_in_bytes
+    )
+    assert (compute_copies == 0) == (placement.params == "device")
+    assert compute_copies <= memory.host_argument_size_in_bytes / 2  # bf16 copies of float32 weights, at most
 
 
 @needs_cuda_plugin
-@pytest.mark.parametrize("model_name", ["llama_tiny", "deepseek_v3_tiny"])
-@pytest.mark.parametrize("placement", PLACEMENTS[::2], ids=lambda p: f"optimizer_{p.optimizer}-params_{p.params}")
-def test_on_h200_the_moved_state_leaves_hbm_for_pinned_host(model_name, placement):
-    device, *_ = compiled_memory(model_name, StatePlacement())
-    memory, moved, compute_copies, largest_unit = compiled_memory(model_name, placement)
-    assert moved > 0
-    assert memory.host_argument_size_in_bytes == moved  # every moved leaf arrives in pinned host
-    assert device.argument_size_in_bytes - memory.argument_size_in_bytes == moved - compute_copies
-    # HBM holds one unit's state at a time: a layer of a stack, or the unstacked parameters
-    assert memory.temp_size_in_bytes - device.temp_size_in_bytes <= largest_unit
+def test_a_deviceless_h200_compile_keeps_the_state_inputs_in_hbm():
+    """Compile-only GPU devices expose no memories, so the host-resident inputs' memory kind is
+    dropped from the compiled entry layout (memory_analysis still counts them as host arguments);
+    the stream's outputs do land in pinned host. Hence the v5p test above is the evidence for the
+    inputs, and this one fails, to be updated, the day JAX keeps them."""
+    plan = compiled_state_step("h200", "llama_tiny", StatePlacement("host", "host"))
+    assert plan["host_outputs"] == plan["host_leaves"] > 0
+    assert plan["host_inputs"] == 0
+
+
+def run_with_state_on_host(run_dir, steps: int, *overrides: str) -> str:
+    out = io.StringIO()
+    config = compose_config(
+        f"train.steps={steps}",
+        "train.warmup_steps=1",
+        "train.log_every=1",
+        "train.eval_every=100",
+        "train.global_batch_size=4",
+        "train.seq_len=32",
+        "checkpoint.every=2",
+        "data=synthetic",
+        "data.synthetic_tokens=20000",
+        "offload.optimizer=host",
+        "offload.params=host",
+        f"run.dir={run_dir}",
+        *overrides,
+    )
+    train_run(prepare(config, Console(file=out, width=200)), "config: test\n", Console(file=out, width=200))
+    return out.getvalue()
+
+
+def test_a_run_with_its_state_on_host_checkpoints_and_resumes_exactly(tmp_path):
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    run_with_state_on_host(whole, 4)
+    run_with_state_on_host(resumed, 2)
+    output = run_with_state_on_host(resumed, 4)
+    assert "resuming from step 2" in output
+    assert "optimizer moments on host, master weights on host" in output
+    assert "AdamW moments" in output and "master weights" in output  # the schedule table's rows
+    streams = json.loads((resumed / "schedule.json").read_text())["train_state"]
+    assert {(s["group"], s["tensor"]) for s in streams} >= {("decoder", "AdamW moments"), ("decoder", "master weights")}
+    assert metric_losses(resumed) == metric_losses(whole)  # floats from JSON: bitwise
+
+
+def metric_losses(run_dir) -> list[float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
+
+
+def test_a_checksum_of_host_memory_equals_the_devices_one():
+    """Checkpoint checksums of host-resident leaves are computed a slice at a time on the device."""
+    from ferry.train.checkpoint import array_checksums
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    x = jax.random.normal(jax.random.key(1), (3, 5, 7))
+    on_device = jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
+    on_host = jax.device_put(x, NamedSharding(mesh, PartitionSpec(), memory_kind="pinned_host"))
+    assert array_checksums({"x": on_host}) == array_checksums({"x": on_device})
+    assert array_checksums({"x": on_host}) != array_checksums({"x": on_device.at[2, 4, 6].add(1.0)})

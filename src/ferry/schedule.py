@@ -61,6 +61,17 @@ class LayerGroup:
 
 
 @dataclasses.dataclass(frozen=True)
+class StateCopy:
+    """One stream of the update: a unit's host-resident master weights or moments, brought to
+    HBM and written back once per step, a layer at a time."""
+
+    group: str  # the layer stack ("other": the unstacked parameters, in one piece)
+    tensor: str  # "master weights" or "AdamW moments"
+    num_layers: int
+    bytes_per_layer: int  # per device, each way
+
+
+@dataclasses.dataclass(frozen=True)
 class TransferSchedule:
     """Residuals per micro step (what HBM holds at once); copies per optimizer step, which runs
     `micro_steps` micro batches."""
@@ -68,6 +79,7 @@ class TransferSchedule:
     policy_name: str
     groups: tuple[LayerGroup, ...]
     micro_steps: int = 1
+    state: tuple[StateCopy, ...] = ()  # the update's streams of a host-resident train state
 
     @property
     def residuals(self) -> tuple[Residual, ...]:
@@ -119,7 +131,14 @@ class TransferSchedule:
             "device_residual_bytes_per_step": self.device_bytes,
             "save_all_residual_bytes_per_step": self.save_all_bytes,
             "hbm_bytes_saved_vs_save_all": self.hbm_saved_bytes,
+            "train_state_pinned_host_bytes": self.state_host_bytes,
         }
+
+    @property
+    def state_host_bytes(self) -> int:
+        """Bytes of the train state each device keeps in pinned host; the update copies each to
+        HBM and back once per step."""
+        return sum(copy.num_layers * copy.bytes_per_layer for copy in self.state)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -128,6 +147,7 @@ class TransferSchedule:
                 {"name": g.name, "num_layers": g.num_layers, "residuals": [dataclasses.asdict(r) for r in g.residuals]}
                 for g in self.groups
             ],
+            "train_state": [dataclasses.asdict(copy) for copy in self.state],
             "totals_per_step": self.totals(),
         }
 
@@ -249,6 +269,11 @@ def schedule_table(schedule: TransferSchedule) -> Any:
             )
             label = ""
         table.add_section()
+    for copy in schedule.state:  # when the update runs: in, updated, back, a layer at a time
+        label = f"{copy.group} x{copy.num_layers}"
+        table.add_row(
+            label, copy.tensor, "", "float32", format_bytes(copy.bytes_per_layer), "host", "upd H2D", "upd D2H"
+        )
     t = schedule.totals()
     table.caption = (
         f"per step ({t['micro_steps']} micro x {t['num_layers']} layers): "
@@ -257,4 +282,6 @@ def schedule_table(schedule: TransferSchedule) -> Any:
         f"kept in HBM per micro step {format_bytes(t['device_residual_bytes_per_step'])}, "
         f"HBM saved vs save_all {format_bytes(t['hbm_bytes_saved_vs_save_all'])}"
     )
+    if schedule.state:
+        table.caption += f"; train state in pinned host {format_bytes(schedule.state_host_bytes)}, each way per step"
     return table

@@ -30,7 +30,7 @@ from ferry.sharding import MESH_AXES, MeshConfig, batch_sharded
 from ferry.train.config import FerryConfig
 from ferry.train.flops import training_flops
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer
-from ferry.train.state import state_layout
+from ferry.train.state import run_state_layout
 from ferry.train.step import LossSettings, train_step_body
 
 
@@ -131,7 +131,7 @@ def plan_memory(
     optimizer = make_optimizer(config.train)
     data_parallel = config.mesh.data_parallel
     model_config = for_target(config.model, target)
-    layout = state_layout(model_config, optimizer, mesh)
+    layout = run_state_layout(config, mesh, model_config)  # offload.optimizer/params: part maybe on host
     sharding = layout.sharding
     sharded = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), layout.shapes, sharding)
     batch = jax.ShapeDtypeStruct(
@@ -146,6 +146,7 @@ def plan_memory(
         learning_rate_schedule(config.train),
         config.train.micro_steps(data_parallel),
         sharding,
+        stream=layout.streamed_update(config.train),
     )
 
     def step(arrays: Any, tokens: jax.Array) -> Any:
@@ -157,7 +158,12 @@ def plan_memory(
         compiled = jax.jit(step, donate_argnums=0).lower(sharded, batch).compile(options)
     compile_seconds = time.perf_counter() - started
     memory = compiled.memory_analysis()
-    host = memory.host_temp_size_in_bytes + memory.host_argument_size_in_bytes + memory.host_output_size_in_bytes
+    host = (  # a host-resident state is an argument aliased to its output: counted once
+        memory.host_temp_size_in_bytes
+        + memory.host_argument_size_in_bytes
+        + memory.host_output_size_in_bytes
+        - memory.host_alias_size_in_bytes
+    )
     offloads = any(placement == "offload" for _, placement in policy.placements)
     if offloads and host == 0:
         raise PlanError(

@@ -46,7 +46,7 @@ def _mix(h: UInt32[Array, "*shape"]) -> UInt32[Array, "*shape"]:
     return h ^ (h >> 16)
 
 
-def _fingerprint(x: Array) -> UInt32[Array, "2"]:
+def _fingerprint(x: Array, offset: Any = 0) -> UInt32[Array, "2"]:
     """Two 32-bit sums of hashed (position, bits) pairs of `x`'s raw bits. Sums wrap exactly, so
     the result does not depend on how the array is sharded or which mesh restored it. Positions
     come from iotas in `x`'s own sharding (a reshape of a sharded array would need one chosen)."""
@@ -57,7 +57,7 @@ def _fingerprint(x: Array) -> UInt32[Array, "2"]:
     unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
     bits = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
     sharding = jax.typeof(bits).sharding
-    index, stride = jnp.zeros_like(bits), 1
+    index, stride = jnp.full_like(bits, offset), 1
     for axis in reversed(range(bits.ndim)):
         iota = jax.lax.broadcasted_iota(jnp.uint32, bits.shape, axis, out_sharding=sharding)
         index, stride = index + iota * jnp.uint32(stride % 2**32), stride * bits.shape[axis]
@@ -66,7 +66,24 @@ def _fingerprint(x: Array) -> UInt32[Array, "2"]:
     return jnp.stack([first, second])
 
 
-_fingerprints = jax.jit(lambda leaves: [_fingerprint(leaf) for leaf in leaves])
+def _host_fingerprint(x: jax.Array) -> jax.Array:
+    """`_fingerprint` of an array in pinned host memory (a train state kept on host), computed
+    on the device a slice of its leading axis at a time, so HBM holds one slice: the sums of
+    the slices' sums, their positions offset, are the whole array's."""
+
+    def add_slice(total: jax.Array, k: jax.Array) -> tuple[jax.Array, None]:
+        row = jax.device_put(jax.lax.dynamic_index_in_dim(x, k, keepdims=False), jax.memory.Space.Device)
+        offset = k.astype(jnp.uint32) * jnp.uint32(row.size % 2**32)
+        return total + _fingerprint(row, offset), None
+
+    return jax.lax.scan(add_slice, jnp.zeros(2, jnp.uint32), jnp.arange(x.shape[0]))[0]
+
+
+def _on_host(x: jax.Array) -> bool:
+    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+
+
+_fingerprints = jax.jit(lambda leaves: [(_host_fingerprint if _on_host(x) else _fingerprint)(x) for x in leaves])
 
 
 def array_checksums(arrays: Any) -> dict[str, list[int]]:

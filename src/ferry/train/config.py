@@ -13,6 +13,7 @@ from ferry.models.registry import model_config
 from ferry.offload import Policy
 from ferry.platform import PlatformConfig
 from ferry.sharding import MeshConfig, check_divisible
+from ferry.train.state_memory import StatePlacement
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +125,15 @@ class OffloadConfig:
     keep_all: bool = False
     default: str | None = None
     tensors: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    optimizer: str = "device"  # AdamW's moments: device | host (pinned host, streamed a layer at a time)
+    params: str = "device"  # the float32 master weights: device | host (a compute-dtype copy stays in HBM)
+
+    def __post_init__(self) -> None:
+        self.state_placement  # noqa: B018  (refuses a placement other than device or host)
+
+    @property
+    def state_placement(self) -> StatePlacement:
+        return StatePlacement(self.optimizer, self.params)
 
     def policy(self, tagged: frozenset[str] = frozenset()) -> Policy:
         """The policy for a model that tags `tagged` (needed only when `default` is set)."""

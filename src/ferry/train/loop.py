@@ -137,7 +137,9 @@ class TrainingLoop:
     def log_initial_evaluation(self) -> None:
         """A new run's step 0: the held-out loss of its initial state."""
         if self.eval_batches:
-            self.loggers.write({"step": 0, "eval_loss": evaluate(self.eval_step, self.state.model, self.eval_batches)})
+            self.loggers.write(
+                {"step": 0, "eval_loss": evaluate(self.eval_step, self.state.forward_model, self.eval_batches)}
+            )
 
     def run(self) -> None:
         with self.progress:
@@ -197,7 +199,7 @@ class TrainingLoop:
         self.clock.restart(step)  # evaluating is not step time
 
     def evaluate(self) -> dict[str, float]:
-        loss = evaluate(self.eval_step, self.state.model, self.eval_batches)
+        loss = evaluate(self.eval_step, self.state.forward_model, self.eval_batches)
         return {"eval_loss": loss, "eval_perplexity": float(np.exp(loss))}
 
     def save_untimed(self, step: int) -> None:

@@ -23,15 +23,15 @@ from ferry.hf import check_checkpoint
 from ferry.memory import check_fits
 from ferry.models.registry import abstract_model, count_parameters, family_of, size_summary
 from ferry.offload import Policy
-from ferry.schedule import TransferSchedule, model_schedule
+from ferry.schedule import TransferSchedule, format_bytes, model_schedule
 from ferry.sharding import make_mesh, parameters_per_device
 from ferry.train.checkpoint import model_identity
 from ferry.train.config import FerryConfig, check_mesh_shape
 from ferry.train.loggers import check_wandb
-from ferry.train.optimizer import make_optimizer
 from ferry.train.policy_check import check_before_training
 from ferry.train.run_dir import RunDirectory, run_directory
-from ferry.train.state import StateLayout, state_layout
+from ferry.train.state import StateLayout, run_state_layout
+from ferry.train.state_memory import state_copies
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +79,8 @@ def prepare(config: FerryConfig, console: Console) -> PreparedRun:
     check_wandb(config.log)
     tokenizer = checked_tokenizer(config)
     check_before_training(config, policy, console)  # train.check_policy: the policy's gradients on this machine
-    layout = state_layout(config.model, make_optimizer(config.train), mesh, config.train.seed)
+    layout = run_state_layout(config, mesh)
+    schedule = dataclasses.replace(schedule, state=state_copies(layout.model, layout.placement, layout.sharding.model))
     identity = model_identity(config.model_name, config.model, layout.shapes)
     directory = locked_directory(config, identity, console)  # locked from here: release on any refusal
     prepared = PreparedRun(config, None, schedule, policy, directory, mesh, identity, layout)
@@ -91,6 +92,7 @@ def prepare(config: FerryConfig, console: Console) -> PreparedRun:
         directory.release()
         raise
     announce(config, num_parameters, corpus, console)
+    announce_state(layout, console)
     return dataclasses.replace(prepared, corpus=corpus)
 
 
@@ -183,6 +185,16 @@ def announce(config: FerryConfig, num_parameters: int, corpus: Corpus, console: 
         f"{config.train.micro_steps(config.mesh.data_parallel)}",
         highlight=False,
     )
+
+
+def announce_state(layout: StateLayout, console: Console) -> None:
+    """Where the train state lives, when part of it is on host."""
+    if layout.placement.streams:
+        console.print(
+            f"train state: {layout.placement.describe()}: {format_bytes(layout.host_bytes())} in pinned host, "
+            "streamed through HBM a layer at a time by the update",
+            highlight=False,
+        )
 
 
 @contextlib.contextmanager

@@ -119,7 +119,9 @@ def compile_checked(
     config, tc = prepared.config, prepared.config.train
     micro_steps = tc.micro_steps(config.mesh.data_parallel)
     schedule = learning_rate_schedule(tc)
-    body = train_step_body(optimizer, settings, schedule, micro_steps, prepared.layout.sharding, tc.on_nonfinite)
+    layout = prepared.layout
+    stream = layout.streamed_update(tc)
+    body = train_step_body(optimizer, settings, schedule, micro_steps, layout.sharding, tc.on_nonfinite, stream)
     compiled, train_step = compile_step(body, prepared.layout, placement.spec())
     memory = CompiledMemory.of(compiled)
     if memory is not None:

@@ -19,6 +19,7 @@ device-resident update (tested on CPU).
 """
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ferry.config import ConfigError
 from ferry.nn.stack import LayerStack
 from ferry.offload import has_memory_kinds
+from ferry.schedule import StateCopy
 from ferry.sharding import context_mesh
 
 DEVICE, HOST = "device", "host"
@@ -71,6 +73,8 @@ class StateMap:
     units: tuple[int, ...]
     host_params: tuple[bool, ...]
     host_moments: tuple[bool, ...]
+    unit_names: tuple[str, ...] = ("other",)  # unit 0, then each stack's name
+    unit_layers: tuple[int, ...] = (1,)
 
     @property
     def any_host(self) -> bool:
@@ -108,7 +112,8 @@ def state_map(model: Any, placement: StatePlacement) -> StateMap:
     host_moments = tuple(m and placement.optimizer == HOST for m in matrix)
     # what stays in HBM is updated whole (unit 0), as the device-resident step does
     units = tuple(u if p or m else 0 for u, p, m in zip(units, host_params, host_moments, strict=True))
-    return StateMap(units, host_params, host_moments)
+    names = ("other", *(stack.name for stack in stacks))
+    return StateMap(units, host_params, host_moments, names, (1, *(stack.num_layers for stack in stacks)))
 
 
 def _moments(adam_state: Any) -> tuple[Any, Any]:
@@ -124,6 +129,19 @@ def state_host_mask(state_params: Any, opt_state: Any, smap: StateMap) -> tuple[
     false_state = jax.tree.map(lambda _: False, opt_state)
     state_mask = optax.tree_utils.tree_set(false_state, mu=moments_mask, nu=moments_mask)
     return params_mask, state_mask
+
+
+def state_on_host(state_arrays: Any, smap: StateMap) -> Any:
+    """A tree shaped like a train state's arrays (its `model` and `opt_state` fields mirroring
+    the model): True where the leaf lives on host."""
+    flags = iter(smap.host_params)
+    params_host = jax.tree.map(lambda x: _is_float(x) and next(flags), state_arrays.model)
+    float_host = jax.tree.unflatten(jax.tree.structure(float_params(state_arrays.model)), list(smap.host_moments))
+    nowhere = jax.tree.map(lambda _: False, state_arrays.opt_state)
+    opt_host = optax.tree_utils.tree_set(nowhere, mu=float_host, nu=float_host)
+    return eqx.tree_at(
+        lambda s: (s.model, s.opt_state), jax.tree.map(lambda _: False, state_arrays), (params_host, opt_host)
+    )
 
 
 def with_memory_kinds(shardings: Any, host: Any) -> Any:
@@ -213,8 +231,7 @@ class StreamedUpdate:
         def update(inputs: list[list[jax.Array]]) -> tuple[list[list[Any]], Any]:
             p, g, m, v = inputs
             fetch = lambda xs, hs: [  # noqa: E731
-                _put(x, "device", sh) if h and self.moves else x
-                for x, h, sh in zip(xs, hs, shardings, strict=True)
+                _put(x, "device", sh) if h and self.moves else x for x, h, sh in zip(xs, hs, shardings, strict=True)
             ]
             p, m, v = fetch(p, host_p), fetch(m, host_m), fetch(v, host_m)
             g = [_clip(x, g_norm, self.max_norm) for x in g]  # in the body: the bits of optax's fused clip
@@ -235,3 +252,23 @@ class StreamedUpdate:
             return [back(new_p, host_p), back(new_mu, host_m), back(new_nu, host_m), compute], new_state
 
         return update
+
+
+def state_copies(model: Any, placement: StatePlacement, param_sharding: Any) -> tuple[StateCopy, ...]:
+    """The update's host <-> HBM copies per unit, per device."""
+    if not placement.streams:
+        return ()
+    smap = state_map(model, placement)
+    shards = [
+        math.prod(sh.shard_shape(x.shape)) * x.dtype.itemsize
+        for x, sh in zip(jax.tree.leaves(float_params(model)), jax.tree.leaves(param_sharding), strict=True)
+    ]
+    copies = []
+    for unit, name in enumerate(smap.unit_names):
+        index = smap.leaves_of(unit)
+        layers = smap.unit_layers[unit]
+        for tensor, flags, count in (("master weights", smap.host_params, 1), ("AdamW moments", smap.host_moments, 2)):
+            total = sum(shards[i] * count for i in index if flags[i])
+            if total:
+                copies.append(StateCopy(name, tensor, layers, total // layers))
+    return tuple(copies)

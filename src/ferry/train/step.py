@@ -26,6 +26,12 @@ class TrainState(eqx.Module):
     nonfinite_steps: Int[Array, ""]
     compute: Any = None  # compute-dtype copies of the master weights that live on host (else None)
 
+    @property
+    def forward_model(self) -> eqx.Module:
+        """The model the forward pass reads: the master weights, or for those on host their
+        compute-dtype copies in HBM."""
+        return self.model if self.compute is None else eqx.combine(self.compute, self.model)
+
 
 def init_state(
     model: eqx.Module,
@@ -62,9 +68,7 @@ def batch_loss(
     cross-entropy), computed in the compute dtype."""
     compute_model = cast_floating(model, jnp.dtype(settings.compute_dtype))
     if settings.documents is not None:
-        return compute_model.training_loss(
-            batch, settings.policy, settings.z_loss_weight, documents=settings.documents
-        )
+        return compute_model.training_loss(batch, settings.policy, settings.z_loss_weight, documents=settings.documents)
     return compute_model.training_loss(batch, settings.policy, settings.z_loss_weight)
 
 
@@ -158,8 +162,7 @@ def train_step_body(
     a layer at a time, selecting each leaf there."""
 
     def train_step(state: TrainState, batch: Int[Array, "batch seq_plus_one"]) -> tuple[TrainState, dict[str, Array]]:
-        model_in = state.model if state.compute is None else eqx.combine(state.compute, state.model)
-        (loss, stats), grads = accumulated_loss_and_grad(model_in, batch, settings, micro_steps)
+        (loss, stats), grads = accumulated_loss_and_grad(state.forward_model, batch, settings, micro_steps)
         metrics = {name: value for name, value in stats.items() if value.ndim == 0}
         metrics |= {
             "total_loss": loss,
