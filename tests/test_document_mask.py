@@ -110,7 +110,7 @@ def test_models_keep_each_packed_document_to_itself(name):
     batch = jnp.concatenate([documents.reshape(2, 12), jnp.full((2, 1), 5)], axis=1)  # 13 = 12 inputs + 1
     inputs = batch[:, :-1]
 
-    packed = eqx.filter_jit(lambda m, t: m(t, SAVE_ALL, None, document_segments(t, EOD)))(model, inputs)
+    packed = eqx.filter_jit(lambda m, t: m(t, SAVE_ALL, document_segments(t, EOD)))(model, inputs)
     alone = eqx.filter_jit(lambda m, t: m(t))(model, documents.reshape(6, 4)).reshape(2, 12, vocab)
     np.testing.assert_allclose(packed, alone, rtol=1e-4, atol=1e-4)
 
