@@ -44,6 +44,8 @@ class HFMapping(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Family:
+    """One model family, as the registry lists it."""
+
     name: str  # `family:` in configs/model/*.yaml
     config: type[AbstractModelConfig]
     model: type[AbstractLanguageModel]

@@ -17,6 +17,8 @@ from ferry.nn.norm import RMSNorm
 
 
 class LayerOutput(eqx.Module):
+    """What a decoder layer returns: the next hidden state and the statistics it reports."""
+
     hidden: Float[Array, "batch seq dim"]
     stats: Any = None  # a pytree of arrays, or None when the layer reports none
 
