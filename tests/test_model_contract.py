@@ -34,6 +34,9 @@ def test_every_family_keeps_the_contract(name):
     model = abstract_model(config)
     assert isinstance(model, family.model) and model.tagged_names() >= {"decoder_layer_input", "out_proj"}
     assert training_flops(config, 2, 32).total > 0
+    kinds = {kind.name: kind.num_layers for kind in model.layer_kinds() if not kind.name.startswith("mtp_")}
+    assert config.stack_depths() == kinds  # the stacks the planner may compile shallower
+    assert config.with_stack_depths(dict.fromkeys(kinds, 3)).stack_depths() == dict.fromkeys(kinds, 3)
     tree_shardings(model, MESH)  # refuses any array without axes
 
 

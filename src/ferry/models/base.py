@@ -52,6 +52,15 @@ class AbstractModelConfig(eqx.Module):
     def without_mtp(self) -> "AbstractModelConfig":
         """The same model without multi-token prediction (to report its size both ways)."""
 
+    @abc.abstractmethod
+    def stack_depths(self) -> dict[str, int]:
+        """Each scanned stack of decoder layers (by its `LayerKind` name) and its depth."""
+
+    @abc.abstractmethod
+    def with_stack_depths(self, depths: dict[str, int]) -> "AbstractModelConfig":
+        """The same model with its stacks `depths` layers deep (the planner compiles shallow
+        copies to extrapolate a deep model)."""
+
 
 class AbstractLanguageModel(eqx.Module):
     """A decoder-only language model as ferry trains it: logits, the training loss with its

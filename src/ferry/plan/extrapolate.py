@@ -25,7 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ferry.models.registry import abstract_model
+from ferry.models.base import AbstractModelConfig
 from ferry.plan.estimate import CollectiveTraffic
 from ferry.plan.planner import MemoryPlan
 from ferry.plan.transfers import Transfer, TransferSummary
@@ -41,19 +41,16 @@ class ExtrapolationError(ValueError):
     the full compile."""
 
 
-def group_depths(model_config: Any) -> dict[str, int]:
-    """Each scanned layer group's depth (the groups `with_depths` can change)."""
-    kinds = {kind.name: kind.num_layers for kind in abstract_model(model_config).layer_kinds()}
-    return {name: depth for name, depth in kinds.items() if name in ("decoder", "dense", "moe")}
+def group_depths(model_config: AbstractModelConfig) -> dict[str, int]:
+    """Each scanned layer group's depth (the groups `with_depths` can change): the family's
+    stacks, as its config declares them."""
+    return model_config.stack_depths()
 
 
-def with_depths(model_config: Any, depths: dict[str, int]) -> Any:
-    """`model_config` with its scanned groups `depths` layers deep: a DeepSeek-V3 config's dense
-    and MoE layers, any other family's `num_layers` (its one `decoder` group)."""
-    if hasattr(model_config, "num_dense_layers"):
-        dense = depths.get("dense", 0)
-        return dataclasses.replace(model_config, num_dense_layers=dense, num_layers=dense + depths.get("moe", 0))
-    return dataclasses.replace(model_config, num_layers=depths["decoder"])
+def with_depths(model_config: AbstractModelConfig, depths: dict[str, int]) -> AbstractModelConfig:
+    """`model_config` with its scanned groups `depths` layers deep (the family knows which of its
+    fields that changes)."""
+    return model_config.with_stack_depths(depths)
 
 
 def should_extrapolate(setting: bool | None, model_config: Any) -> bool:

@@ -134,6 +134,15 @@ class DeepSeekV3Config(AbstractModelConfig):
     def without_mtp(self) -> "DeepSeekV3Config":
         return dataclasses.replace(self, mtp_depth=0)
 
+    def stack_depths(self) -> dict[str, int]:
+        """The dense and the MoE layers (an MTP depth is one block, not a stack)."""
+        depths = {"dense": self.num_dense_layers, "moe": self.num_layers - self.num_dense_layers}
+        return {name: depth for name, depth in depths.items() if depth}
+
+    def with_stack_depths(self, depths: dict[str, int]) -> "DeepSeekV3Config":
+        dense = depths.get("dense", 0)
+        return dataclasses.replace(self, num_dense_layers=dense, num_layers=dense + depths.get("moe", 0))
+
     def forward_flops(self, batch: int, seq: int) -> tuple[int, float]:
         """Multi-token prediction included: each depth's projection of [embedding; hidden], one
         MLA + MoE layer and the shared head, at its shorter sequence."""

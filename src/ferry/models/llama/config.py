@@ -1,5 +1,7 @@
 """Llama 3.1's architecture: dimensions, RoPE with llama3 scaling, RMSNorm's epsilon."""
 
+import dataclasses
+
 from ferry.models.base import AbstractModelConfig, MeshDim
 from ferry.models.flops import grouped_query_attention_flops, swiglu_flops
 from ferry.nn.rope import Llama3RopeScaling
@@ -52,3 +54,9 @@ class LlamaConfig(AbstractModelConfig):
 
     def without_mtp(self) -> "LlamaConfig":
         return self
+
+    def stack_depths(self) -> dict[str, int]:
+        return {"decoder": self.num_layers}
+
+    def with_stack_depths(self, depths: dict[str, int]) -> "LlamaConfig":
+        return dataclasses.replace(self, num_layers=depths["decoder"])

@@ -1,6 +1,8 @@
 """Qwen3's dense architecture: Llama's layout with an RMSNorm on every query and key head, no
 biases, plain RoPE (theta 1e6) and, in its small models, the output head tied to the embedding."""
 
+import dataclasses
+
 from ferry.models.base import AbstractModelConfig, MeshDim
 from ferry.models.flops import grouped_query_attention_flops, swiglu_flops
 
@@ -54,3 +56,9 @@ class Qwen3Config(AbstractModelConfig):
 
     def without_mtp(self) -> "Qwen3Config":
         return self
+
+    def stack_depths(self) -> dict[str, int]:
+        return {"decoder": self.num_layers}
+
+    def with_stack_depths(self, depths: dict[str, int]) -> "Qwen3Config":
+        return dataclasses.replace(self, num_layers=depths["decoder"])
