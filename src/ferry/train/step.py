@@ -171,37 +171,55 @@ def train_step_body(
         }
         finite = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"])
         apply = finite if on_nonfinite == "skip" else finite & (state.nonfinite_steps == 0)
-        params = float_params(state.model)
-        compute = None
-        if stream is None:
-            updates, opt_state = optimizer.update(grads, state.opt_state, params)
-            model = eqx.apply_updates(state.model, updates)
-        else:
-            clip_state, adam_state = state.opt_state  # make_optimizer's chain: clipping, then AdamW
-            new_params, adam_state, compute = stream(params, adam_state, grads, apply)
-            opt_state = (clip_state, adam_state)
-            model = eqx.combine(new_params, state.model)
+        model, opt_state, compute = _updated(optimizer, stream, state, grads, apply)
         model = _after_step(model, stats)  # e.g. router biases
         metrics["nonfinite"] = ~finite
         nonfinite_steps = state.nonfinite_steps + (~finite).astype(jnp.int32)
         metrics["nonfinite_steps"] = nonfinite_steps
         step = state.step + (1 if on_nonfinite == "skip" else apply.astype(jnp.int32))
-        updated = jax.tree.map(  # host leaves were selected in HBM by the stream
-            lambda new, old: new if _is_host(new) else jnp.where(apply, new, old),
-            eqx.filter((model, opt_state), eqx.is_array),
-            eqx.filter((state.model, state.opt_state), eqx.is_array),
-        )
-        model, opt_state = eqx.combine(updated, eqx.filter((model, opt_state), eqx.is_array, inverse=True))
+        model, opt_state = _selected(apply, (model, opt_state), (state.model, state.opt_state))
         new_state = TrainState(model, opt_state, step, nonfinite_steps, compute)
-        if state_sharding is not None:
-            arrays, static = eqx.partition(new_state, eqx.is_array)
-            arrays = jax.tree.map(
-                lambda x, sh: x if _is_host(x) else jax.lax.with_sharding_constraint(x, sh), arrays, state_sharding
-            )
-            new_state = eqx.combine(arrays, static)
-        return new_state, metrics
+        return _constrained(new_state, state_sharding), metrics
 
     return train_step
+
+
+def _updated(
+    optimizer: optax.GradientTransformation,
+    stream: StreamedUpdate | None,
+    state: TrainState,
+    grads: Any,
+    apply: Array,
+) -> tuple[eqx.Module, optax.OptState, Any]:
+    """The model, optimizer state and compute copies after the optimizer's update: optax's on
+    the whole tree, or streamed layer by layer when part of the state lives on host."""
+    params = float_params(state.model)
+    if stream is None:
+        updates, opt_state = optimizer.update(grads, state.opt_state, params)
+        return eqx.apply_updates(state.model, updates), opt_state, None
+    clip_state, adam_state = state.opt_state  # make_optimizer's chain: clipping, then AdamW
+    new_params, adam_state, compute = stream(params, adam_state, grads, apply)
+    return eqx.combine(new_params, state.model), (clip_state, adam_state), compute
+
+
+def _selected(apply: Array, new: Any, old: Any) -> Any:
+    """`new` where the step applies, else `old`, leaf by leaf in HBM (the stream selected the
+    host-resident leaves in HBM already)."""
+    updated = jax.tree.map(
+        lambda n, o: n if _is_host(n) else jnp.where(apply, n, o),
+        eqx.filter(new, eqx.is_array),
+        eqx.filter(old, eqx.is_array),
+    )
+    return eqx.combine(updated, eqx.filter(new, eqx.is_array, inverse=True))
+
+
+def _constrained(state: TrainState, state_sharding: Any) -> TrainState:
+    """The new state pinned to the old one's layout (host-resident leaves are placed already)."""
+    if state_sharding is None:
+        return state
+    arrays, static = eqx.partition(state, eqx.is_array)
+    pin = lambda x, sh: x if _is_host(x) else jax.lax.with_sharding_constraint(x, sh)  # noqa: E731
+    return eqx.combine(jax.tree.map(pin, arrays, state_sharding), static)
 
 
 def make_eval_step(settings: LossSettings) -> Callable[[eqx.Module, Int[Array, "batch seq_plus_one"]], Array]:
