@@ -212,3 +212,13 @@ def test_the_estimate_reads_the_compiled_collectives_and_counts_model_flops_as_m
     assert estimate.model_flops == flops
     assert estimate.best_seconds < estimate.worst_seconds
     assert measured.to_json()["estimate"]["kind"] == "estimate"
+
+
+def test_auto_reports_the_least_hbm_candidate_when_nothing_fits():
+    """Below what full_remat needs, no placement fits: auto compiles the one freeing the most HBM
+    (every tensor rematerialised, the layer input offloaded) and reports it as the closest."""
+    measured, choices, tried = auto_choice(H200, 0.01, seq_len=64)
+    assert not fits_with_headroom(measured) and len(tried) == 2 and measured is tried[1].plan
+    placements = {c.name: c.placement for c in choices}
+    assert placements.pop("decoder_layer_input") == "offload" and set(placements.values()) == {"remat"}
+    assert measured.device_bytes < tried[0].plan.device_bytes

@@ -10,9 +10,10 @@ layer) or host copies (exposed where a layer's copies outlast its compute: the f
 the copies out, the backward pass, twice the forward, for the copies back). A branch-and-bound
 search over every combination finds the candidate of the least predicted step time that is
 predicted to fit; it is compiled, and its compiled program decides whether it fits and what its
-estimate is. What the prediction missed in HBM or host bytes is added to every later prediction,
-and the search runs again, until no candidate left is predicted faster than the fastest compiled
-one that fits, or `MAX_CHECKS` compiles are spent.
+estimate is. The bytes the compiled candidates freed (or took on host) against their predictions
+rescale the limits (`calibrated_limits`), and the search runs again, until no candidate left is
+predicted faster than the fastest compiled one that fits, or `MAX_CHECKS` compiles are spent.
+Where nothing is predicted to fit, the candidate freeing the most HBM is compiled: the closest.
 """
 
 import dataclasses
@@ -152,7 +153,7 @@ def tensor_costs(config: FerryConfig, target: Target, mesh: Any) -> tuple[dict[s
     data_parallel = config.mesh.data_parallel
     rows = config.train.rows_per_micro_step(data_parallel)
     dtype = jnp.dtype(config.train.compute_dtype)
-    schedule = model_schedule(model, keep, rows // data_parallel, config.train.seq_len, dtype, mesh=mesh)
+    schedule = model_schedule(model, keep, rows, config.train.seq_len, dtype, mesh=mesh)
     kinds = {kind.name: kind for kind in model.layer_kinds()}
     costs: dict[str, TensorCost] = {}
     forward: dict[str, float] = {}
@@ -420,6 +421,9 @@ def auto_plan(
         exclude = frozenset(t.predicted.values for t in tried)
         hbm_room, host_room = calibrated_limits(baseline, tried[1:], hbm_limit, host_limit)
         candidate = fastest_fitting(baseline, decisions, target, hbm_room, host_room, exclude)
+        if candidate is None and best is None:  # nothing is predicted to fit: compile the least HBM, the closest
+            least = tuple(max(d.options, key=lambda o: (o.freed_bytes, -o.host_bytes)).value for d in decisions)
+            candidate = None if least in exclude else predict(baseline, decisions, least, target)
         if candidate is None or (best is not None and candidate.seconds >= best.plan.estimate.best_seconds):
             break
         plan = compile_candidate(candidate.values)
