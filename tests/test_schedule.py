@@ -7,7 +7,7 @@ from jax.sharding import AbstractMesh, AxisType
 from ferry.models.registry import abstract_model
 from ferry.offload import Policy
 from ferry.schedule import model_schedule
-from ferry.sharding import MESH_AXES
+from ferry.sharding import MESH_AXES, data_parallel_size
 from tests.conftest import load_model_config, preset_policy
 
 
@@ -54,7 +54,8 @@ def test_schedule_is_sized_per_device_of_the_mesh(shape, mla_q_width, moe_rows):
     mesh = AbstractMesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 4)
     model = abstract_model(load_model_config("deepseek_v3_tiny"))
     policy = Policy.from_dict({name: "offload" for name in model.tagged_names()})
-    moe = model_schedule(model, policy, 1, 32, jnp.bfloat16, mesh=mesh).groups[1]
+    rows = data_parallel_size(mesh)  # a row on each data-parallel device
+    moe = model_schedule(model, policy, rows, 32, jnp.bfloat16, mesh=mesh).groups[1]
     shapes = {r.name: r.shape for r in moe.residuals}
     assert shapes["decoder_layer_input"] == (1, 32, 64)
     assert shapes["mla_q"] == (1, 32, mla_q_width)

@@ -17,7 +17,7 @@ from rich.table import Table
 
 from ferry.offload import LAYER_INPUT, Placement, Policy, record_tags_and_axes
 from ferry.precision import cast_floating
-from ferry.sharding import activation_spec, data_parallel_size, shard_shape
+from ferry.sharding import activation_spec, shard_shape
 
 _DIRECTIONS: dict[Placement, tuple[str, str]] = {"offload": ("D2H", "H2D"), "device": ("-", "-"), "remat": ("-", "-")}
 
@@ -215,18 +215,17 @@ def transfer_schedule(
 def model_schedule(
     model: Any,
     policy: Policy,
-    batch_per_device: int,
+    rows: int,
     seq_len: int,
     dtype: Any,
     policy_name: str = "custom",
     micro_steps: int = 1,
     mesh: Any = None,
 ) -> TransferSchedule:
-    """The schedule of `model`'s decoder layers (run in `dtype`) on a [batch_per_device, seq_len]
-    batch per device, one group per kind of layer (`model.layer_kinds()`), sized per device of
-    `mesh` when given (tensor and expert parallelism change what a device holds). `model` may be
-    abstract."""
-    data_parallel = 1 if mesh is None else data_parallel_size(mesh)
+    """The schedule of `model`'s decoder layers (run in `dtype`) on a micro step of [rows, seq_len]
+    over all devices, one group per kind of layer (`model.layer_kinds()`), sized per device of
+    `mesh` when given (the batch axes split the rows; tensor and expert parallelism change what a
+    device holds). `model` may be abstract."""
     policy.validate(model.tagged_names())
     groups = []
     for group in model.layer_kinds():
@@ -234,7 +233,7 @@ def model_schedule(
         def one_layer(model: Any, x: jax.Array, run=group.run) -> Any:
             return run(cast_floating(model, dtype), x)
 
-        shape = (batch_per_device * data_parallel, seq_len - group.seq_shrink, model.config.dim)
+        shape = (rows, seq_len - group.seq_shrink, model.config.dim)
         residuals = layer_residuals(one_layer, model, jax.ShapeDtypeStruct(shape, dtype), policy, mesh)
         groups.append(LayerGroup(group.name, group.num_layers, residuals))
     return TransferSchedule(policy_name, tuple(groups), micro_steps)

@@ -216,7 +216,7 @@ def _schedule(config: FerryConfig, model_config: Any, policy: Policy, mesh: Mesh
     return model_schedule(
         abstract_model(model_config),
         policy,
-        config.train.rows_per_micro_step(data_parallel) // data_parallel,
+        config.train.rows_per_micro_step(data_parallel),
         config.train.seq_len,
         jnp.dtype(config.train.compute_dtype),
         mesh=mesh,

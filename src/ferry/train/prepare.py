@@ -124,7 +124,7 @@ def transfer_schedule(config: FerryConfig, model: eqx.Module, policy: Policy, me
     return model_schedule(
         model,
         policy,
-        config.train.rows_per_device(data_parallel),
+        config.train.rows_per_micro_step(data_parallel),
         config.train.seq_len,
         jnp.dtype(config.train.compute_dtype),
         config.offload.name,
