@@ -4,6 +4,7 @@ loops walk the way their index goes, and no saved value's producer is recomputed
 also forced to fail, and the refusal names the tensor, its layer group and what the program does
 instead. The programs are compiled once per module and shared."""
 
+import dataclasses
 import json
 import re
 from typing import Any, NamedTuple
@@ -281,3 +282,15 @@ def test_tpu_v5p_programs_copy_what_the_schedule_lists():
         copies = compiled.plan.verification.copies
         assert copies and {c.status for c in copies} <= {"copied", DEAD}
         assert all(w.status in ("no descriptor", "right") for w in compiled.plan.verification.walks)
+
+
+def test_no_recompute_check_against_programs_over_hbm():
+    """A program over HBM is rematerialised by XLA on its own (DeepSeek-V3 at the seed: 845,840
+    matmuls more than save_all with nothing rematerialised): no reference for the check."""
+    from tests.test_extrapolate import synthetic_plan
+
+    over = dataclasses.replace(synthetic_plan({"moe": 6}), capacity_bytes=1)
+    plans = [dataclasses.replace(over, policy="save_all"), dataclasses.replace(over, policy="minimal")]
+    policies = [Policy.save_all(), Policy.from_dict({"mlpwo": "device"})]
+    with pytest.raises(verify.RecomputeNotChecked, match="save_all, minimal exceed HBM"):
+        verify.recompute_checked(plans, policies, frozenset({"mlpwo"}), lambda p, n: over, lambda p: None, "here")

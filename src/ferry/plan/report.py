@@ -34,7 +34,7 @@ from ferry.plan.planner import (
     plan_memory,
 )
 from ferry.plan.targets import TARGETS, Target
-from ferry.plan.verify import DEAD, explain_recompute, recompute_checked
+from ferry.plan.verify import DEAD, RecomputeNotChecked, explain_recompute, recompute_checked
 from ferry.platform import PlatformConfig
 from ferry.schedule import format_bytes
 from ferry.train.config import FerryConfig, OffloadConfig, check_mesh_shape
@@ -129,6 +129,8 @@ def run_plan(
             lambda policy: explain_recompute(model, groups, layers, policy),
             f"{config.model_name} compiled for {target.name}",
         )
+    except RecomputeNotChecked as error:
+        console.print(f"recompute check not run: {error}", highlight=False)
     except jax.errors.JaxRuntimeError as error:
         if "RESOURCE_EXHAUSTED" not in str(error):
             raise
