@@ -21,7 +21,6 @@ from ferry.train.run import train as train_run
 from ferry.train.state_memory import (
     StatePlacement,
     StreamedUpdate,
-    state_host_mask,
     state_map,
     state_on_host,
     with_memory_kinds,
@@ -49,10 +48,7 @@ def train(model_name: str, placement: StatePlacement, steps: int, reference: boo
     arrays, static = eqx.partition(state, eqx.is_array)
     shardings = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), arrays)
     if placement.streams:
-        params_host, state_host = state_host_mask(arrays.model, arrays.opt_state, state_map(model, placement))
-        nowhere = jax.tree.map(lambda _: False, arrays)
-        host = eqx.tree_at(lambda s: (s.model, s.opt_state), nowhere, (params_host, state_host))
-        shardings = with_memory_kinds(shardings, host)
+        shardings = with_memory_kinds(shardings, state_on_host(arrays, state_map(model, placement)))
     arrays = jax.device_put(arrays, shardings)
     state = eqx.combine(arrays, static)
     settings = LossSettings(preset_policy("minimal_offloaded", model), train.compute_dtype)

@@ -28,6 +28,7 @@ from jaxtyping import Array, UInt32
 
 from ferry.errors import FerryError
 from ferry.train.config import CheckpointConfig
+from ferry.train.state_memory import on_host
 
 ITEMS = ("state", "data", "model", "checksums")
 
@@ -79,11 +80,7 @@ def _host_fingerprint(x: jax.Array) -> jax.Array:
     return jax.lax.scan(add_slice, jnp.zeros(2, jnp.uint32), jnp.arange(x.shape[0]))[0]
 
 
-def _on_host(x: jax.Array) -> bool:
-    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
-
-
-_fingerprints = jax.jit(lambda leaves: [(_host_fingerprint if _on_host(x) else _fingerprint)(x) for x in leaves])
+_fingerprints = jax.jit(lambda leaves: [(_host_fingerprint if on_host(x) else _fingerprint)(x) for x in leaves])
 
 
 def array_checksums(arrays: Any) -> dict[str, list[int]]:

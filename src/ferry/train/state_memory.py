@@ -120,15 +120,9 @@ def _moments(adam_state: Any) -> tuple[Any, Any]:
     return optax.tree_utils.tree_get(adam_state, "mu"), optax.tree_utils.tree_get(adam_state, "nu")
 
 
-def state_host_mask(state_params: Any, opt_state: Any, smap: StateMap) -> tuple[Any, Any]:
-    """Trees shaped like the master parameters and the optimizer state: True where a leaf lives on
-    host (the moments are found inside the optimizer state by their names, `mu` and `nu`)."""
-    treedef = jax.tree.structure(state_params)
-    params_mask = jax.tree.unflatten(treedef, list(smap.host_params))
-    moments_mask = jax.tree.unflatten(treedef, list(smap.host_moments))
-    false_state = jax.tree.map(lambda _: False, opt_state)
-    state_mask = optax.tree_utils.tree_set(false_state, mu=moments_mask, nu=moments_mask)
-    return params_mask, state_mask
+def on_host(x: Any) -> bool:
+    """Is the (traced) array typed as living in host memory?"""
+    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
 
 
 def state_on_host(state_arrays: Any, smap: StateMap) -> Any:

@@ -13,7 +13,15 @@ from jaxtyping import Array, Float, Int
 from ferry.data.segments import DocumentMask
 from ferry.offload import SAVE_ALL, Policy
 from ferry.precision import cast_floating
-from ferry.train.state_memory import DEVICE_STATE, HOST, StatePlacement, StreamedUpdate, float_params, state_map
+from ferry.train.state_memory import (
+    DEVICE_STATE,
+    HOST,
+    StatePlacement,
+    StreamedUpdate,
+    float_params,
+    on_host,
+    state_map,
+)
 
 
 class TrainState(eqx.Module):
@@ -104,17 +112,13 @@ def _float32_gradients(value_and_grad: Callable[..., Any]) -> Callable[..., Any]
     return call
 
 
-def _is_host(x: Any) -> bool:
-    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
-
-
 def _after_step(model: eqx.Module, stats: dict[str, Array]) -> eqx.Module:
     """The model's update outside the gradient (router biases), which must leave host-resident
     weights alone: computing on them would need the GPU to compute in host memory."""
     after = model.after_step(stats)
     before_leaves, after_leaves = jax.tree.leaves(float_params(model)), jax.tree.leaves(float_params(after))
     pairs = enumerate(zip(before_leaves, after_leaves, strict=True))
-    changed = [i for i, (a, b) in pairs if a is not b and _is_host(a)]
+    changed = [i for i, (a, b) in pairs if a is not b and on_host(a)]
     if changed:
         raise TypeError(
             f"{type(model).__name__}.after_step changes parameter leaves {changed}, which live on host with "
@@ -206,7 +210,7 @@ def _selected(apply: Array, new: Any, old: Any) -> Any:
     """`new` where the step applies, else `old`, leaf by leaf in HBM (the stream selected the
     host-resident leaves in HBM already)."""
     updated = jax.tree.map(
-        lambda n, o: n if _is_host(n) else jnp.where(apply, n, o),
+        lambda n, o: n if on_host(n) else jnp.where(apply, n, o),
         eqx.filter(new, eqx.is_array),
         eqx.filter(old, eqx.is_array),
     )
@@ -218,7 +222,7 @@ def _constrained(state: TrainState, state_sharding: Any) -> TrainState:
     if state_sharding is None:
         return state
     arrays, static = eqx.partition(state, eqx.is_array)
-    pin = lambda x, sh: x if _is_host(x) else jax.lax.with_sharding_constraint(x, sh)  # noqa: E731
+    pin = lambda x, sh: x if on_host(x) else jax.lax.with_sharding_constraint(x, sh)  # noqa: E731
     return eqx.combine(jax.tree.map(pin, arrays, state_sharding), static)
 
 
