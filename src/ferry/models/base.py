@@ -14,7 +14,8 @@ import jax
 from equinox import AbstractVar
 from jaxtyping import Array, Float, Int
 
-from ferry.data.segments import DocumentMask
+from ferry.data.segments import DocumentMask, document_segments, loss_weights
+from ferry.loss import next_token_loss
 from ferry.nn.attention import Segments
 from ferry.offload import SAVE_ALL, Policy, tagged_names
 from ferry.schedule import LayerKind
@@ -102,3 +103,19 @@ class AbstractLanguageModel(eqx.Module):
         example = jax.ShapeDtypeStruct((1, 2, self.config.dim), jax.numpy.float32)
         names = [tagged_names(kind.run, self, example) for kind in self.layer_kinds()]
         return frozenset().union(*names)
+
+
+def dense_training_loss(
+    model: AbstractLanguageModel,
+    batch: Int[Array, "batch seq_plus_one"],
+    policy: Policy,
+    z_loss_weight: float = 0.0,
+    documents: DocumentMask | None = None,
+) -> tuple[Float[Array, ""], dict[str, Array]]:
+    """`training_loss` of a model whose only loss is next-token cross-entropy of its logits
+    (Llama, Qwen3): the main loss, z-loss and document masking as every family has them."""
+    inputs = batch[:, :-1]
+    segments = None if documents is None else document_segments(inputs, documents.end_of_document)
+    logits = model(inputs, policy, segments)
+    loss, cross_entropy = next_token_loss(logits, batch[:, 1:], z_loss_weight, loss_weights(inputs, documents))
+    return loss, {"loss": cross_entropy}

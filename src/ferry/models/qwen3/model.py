@@ -8,9 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ferry.data.segments import DocumentMask, document_segments, loss_weights
-from ferry.loss import next_token_loss
-from ferry.models.base import AbstractLanguageModel
+from ferry.data.segments import DocumentMask
+from ferry.models.base import AbstractLanguageModel, dense_training_loss
 from ferry.models.qwen3.config import Qwen3Config
 from ferry.nn.attention import Segments, causal_attention
 from ferry.nn.block import DecoderBlock
@@ -120,11 +119,7 @@ class Qwen3(AbstractLanguageModel):
         z_loss_weight: float = 0.0,
         documents: DocumentMask | None = None,
     ) -> tuple[Float[Array, ""], dict[str, Array]]:
-        inputs = batch[:, :-1]
-        segments = None if documents is None else document_segments(inputs, documents.end_of_document)
-        logits = self(inputs, policy, segments)
-        loss, cross_entropy = next_token_loss(logits, batch[:, 1:], z_loss_weight, loss_weights(inputs, documents))
-        return loss, {"loss": cross_entropy}
+        return dense_training_loss(self, batch, policy, z_loss_weight, documents)
 
     def after_step(self, stats: dict[str, Array]) -> "Qwen3":
         """Qwen3 has no state updated outside the gradient."""
