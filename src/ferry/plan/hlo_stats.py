@@ -693,22 +693,20 @@ def _walk(
         return None
     config = backend_config(root.string).get("dynamic_slice_config") or backend_config(line).get("dynamic_slice_config")
     descriptor = (config.get("linear") or config) if config else None
-    counter = int(config.get("loop_index", 0)) if config else 0
-    start, step = _counter(evaluator, caller, while_line, body, counter)
     first_index = 2 if is_write else 1
     site_operands = _operands(site)
 
-    def indices(i: int | None) -> list[int | None]:
-        if i is None:
+    def indices(state: dict[int, int | None] | None) -> list[int | None]:
+        if state is None:
             return [None] * (len(root_operands) - first_index)
-        loop = {0: {"tuple": {counter: i}}}
+        loop = {0: {"tuple": state}}
         if callee:  # the root's operands are the callee's parameters, bound to the site's operands
             params = {k: evaluator.value(body, name, loop) for k, name in enumerate(site_operands)}
             return [evaluator.value(callee, name, params) for name in root_operands[first_index:]]
         return [evaluator.value(body, name, loop) for name in root_operands[first_index:]]
 
-    first = indices(start)
-    second = indices(None if start is None or step is None else start + step)
+    states = _loop_states(evaluator, caller, while_line, body)
+    first, second = indices(states[0]), indices(states[1])
     strides = byte_strides(buffer_shape)
     expected_offset = expected_stride = None
     if None not in first and None not in second and len(first) == len(strides):
@@ -745,22 +743,24 @@ def _shape_in(evaluator: _ScalarEvaluator, computation: str, name: str) -> str:
     return definition["shape"] if definition else ""
 
 
-def _counter(
-    evaluator: _ScalarEvaluator, caller: str, while_line: str, body: str, counter: int
-) -> tuple[int | None, int | None]:
-    """The loop counter's initial value (the `while` operand's element, a constant) and its step
-    (the body's result element at the first iteration minus the initial value)."""
+_SCALAR = re.compile(r"^[su](8|16|32|64)\[\]")
+
+
+def _loop_states(
+    evaluator: _ScalarEvaluator, caller: str, while_line: str, body: str
+) -> tuple[dict[int, int | None] | None, dict[int, int | None] | None]:
+    """The loop's integer scalars at its first two iterations: each element's initial value (the
+    `while` operand's element, where a constant) and its value after one trip (the body's result
+    element evaluated on the first). Besides the counter this resolves indices carried from one
+    iteration to the next, as XLA's pipelined host offloading carries them."""
     loop = _WHILE.search(while_line)
-    init_name = loop["init"].strip().lstrip("%") if loop else ""
-    init = evaluator.lines.get(caller, {}).get(init_name)
-    start = None
-    if init is not None and init["op"] == "tuple":
-        elements = _operands(init)
-        start = evaluator.value(caller, elements[counter], {}) if counter < len(elements) else None
-    if start is None:
-        return None, None
+    init = evaluator.lines.get(caller, {}).get(loop["init"].strip().lstrip("%") if loop else "")
     root = evaluator.lines.get(body, {}).get(evaluator.roots.get(body, ""))
-    if root is None or root["op"] != "tuple":
-        return start, None
-    following = evaluator.value(body, _operands(root)[counter], {0: {"tuple": {counter: start}}})
-    return start, None if following is None else following - start
+    if init is None or init["op"] != "tuple" or root is None or root["op"] != "tuple":
+        return None, None
+    results = _operands(root)
+    scalars = [k for k, name in enumerate(results) if _SCALAR.match(_shape_in(evaluator, body, name))]
+    elements = _operands(init)
+    first = {k: evaluator.value(caller, elements[k], {}) for k in scalars if k < len(elements)}
+    second = {k: evaluator.value(body, results[k], {0: {"tuple": first}}) for k in scalars}
+    return first, second
