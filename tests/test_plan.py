@@ -33,7 +33,7 @@ H200 = TARGETS["h200"]
 
 def plan(model: str, preset: str, *overrides: str, target=H200, seq_len=256, **kwargs):
     config = compose_config(f"model={model}", f"offload={preset}", f"train.seq_len={seq_len}", *overrides)
-    policy = load_preset(preset).policy(abstract_model(config.model).tagged_names())
+    policy = config.offload.policy(abstract_model(config.model).tagged_names())  # the preset, overridden
     return plan_memory(config, target, policy, preset, xla_flags=GPU_FLAGS, **kwargs)
 
 
@@ -222,3 +222,28 @@ def test_auto_reports_the_least_hbm_candidate_when_nothing_fits():
     placements = {c.name: c.placement for c in choices}
     assert placements.pop("decoder_layer_input") == "offload" and set(placements.values()) == {"remat"}
     assert measured.device_bytes < tried[0].plan.device_bytes
+
+
+@pytest.mark.parametrize("preset", ["qkv_offload", "decoder_input_offload"])
+def test_copies_hide_under_compute_where_the_link_allows(preset):
+    """The goal of the pipelined schedule, per preset whose link time is below its matmul time:
+    exposed copy time <= max(0, link - matmul) + 5% of matmul. Llama 3.1 8B's layer shapes, 3
+    layers x 2048 tokens on an H200. The per-layer engine leaves more exposed (its reloads are
+    issued as the replay needs them, with nothing scheduled under them), for qkv_offload more
+    than the bound allows."""
+    overrides = ("model.num_layers=3", "train.global_batch_size=1")
+    pipelined = plan("llama3_1_8b", preset, *overrides, seq_len=2048)
+    per_layer = plan("llama3_1_8b", preset, *overrides, "offload.pipelined=false", seq_len=2048)
+    for measured in (pipelined, per_layer):
+        assert measured.transfer_summary.link_seconds < measured.flops / H200.bf16_peak_flops
+    bound = lambda p: (
+        max(0.0, p.transfer_summary.link_seconds - p.flops / H200.bf16_peak_flops)
+        + 0.05
+        * (  # noqa: E731
+            p.flops / H200.bf16_peak_flops
+        )
+    )
+    assert pipelined.transfer_summary.exposed_seconds <= bound(pipelined)
+    assert pipelined.transfer_summary.exposed_seconds < per_layer.transfer_summary.exposed_seconds
+    if preset == "qkv_offload":
+        assert per_layer.transfer_summary.exposed_seconds > bound(per_layer)

@@ -9,6 +9,7 @@ import jax
 import pytest
 
 import ferry.offload
+import ferry.offload_scan
 from ferry.models.registry import abstract_model
 from ferry.offload import Policy
 from ferry.train.policy_check import (
@@ -71,7 +72,8 @@ def broken_restore(monkeypatch):
         return out * 1.001 if memory_kind == "device" else out
 
     jax.clear_caches()
-    monkeypatch.setattr(ferry.offload, "to_memory", off_by_a_little)
+    monkeypatch.setattr(ferry.offload, "to_memory", off_by_a_little)  # per-layer engine
+    monkeypatch.setattr(ferry.offload_scan, "to_memory", off_by_a_little)  # pipelined stacks
     yield
     jax.clear_caches()
 
@@ -127,8 +129,10 @@ def test_the_launcher_refuses_a_broken_engine_with_status_2(tmp_path):
     code = f"""
 import runpy, sys
 import ferry.offload
+import ferry.offload_scan
 restore = ferry.offload.to_memory
 ferry.offload.to_memory = lambda x, kind, *a, **k: restore(x, kind, *a, **k) * (1.001 if kind == "device" else 1)
+ferry.offload_scan.to_memory = ferry.offload.to_memory
 sys.argv = ["launch/run.py", "train.check_policy=true", "train.seq_len={SEQ}", "data=synthetic", "run.dir={run_dir}"]
 runpy.run_path("launch/run.py", run_name="__main__")
 """

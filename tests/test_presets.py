@@ -1,6 +1,7 @@
 """Every offload preset on llama_tiny: the gradients of the full train loss equal save_all's,
 the jaxpr moves exactly the offloaded tensors, and the compiled FLOPs show recompute avoided."""
 
+import dataclasses
 import functools
 
 import equinox as eqx
@@ -12,6 +13,8 @@ import pytest
 from ferry.models.llama import Llama
 from ferry.models.registry import abstract_model
 from ferry.offload import PolicyError
+from ferry.plan.hlo_stats import matmul_flops
+from ferry.schedule import model_schedule
 from ferry.train.step import LossSettings, batch_loss
 from tests.conftest import MOE_ONLY_PRESETS, PRESETS, load_model_config, preset_policy
 from tests.placements import count_device_puts
@@ -28,8 +31,9 @@ def model_and_batch(scan_layers: bool):
 LLAMA_PRESETS = [p for p in PRESETS if p not in MOE_ONLY_PRESETS]
 
 
-def loss_grad(model, batch, preset: str):
-    settings = LossSettings(preset_policy(preset, model), "float32")
+def loss_grad(model, batch, preset: str, pipelined: bool = True):
+    policy = dataclasses.replace(preset_policy(preset, model), pipelined=pipelined)
+    settings = LossSettings(policy, "float32")
     return eqx.filter_grad(lambda m: batch_loss(m, batch, settings)[0])(model)
 
 
@@ -37,9 +41,9 @@ jitted_loss_grad = eqx.filter_jit(loss_grad)  # one cache: save_all compiles onc
 
 
 @functools.cache
-def compiled(preset: str, scan_layers: bool = True):
+def compiled(preset: str, scan_layers: bool = True, pipelined: bool = True):
     model, batch = model_and_batch(scan_layers)
-    return jax.jit(lambda m, b: loss_grad(m, b, preset)).lower(model, batch).compile()
+    return jax.jit(lambda m, b: loss_grad(m, b, preset, pipelined)).lower(model, batch).compile()
 
 
 def test_presets_are_the_documented_ones():
@@ -108,8 +112,13 @@ def test_full_remat_recomputes():
 
 
 def test_offload_equals_device_in_flops():
-    """Placing a residual on host instead of HBM must not change what is computed."""
-    assert flops("minimal_offloaded") == flops("minimal")
+    """Placing a residual on host instead of HBM must not change what is computed: the same
+    matrix products and the same transcendentals. (XLA's total `flops` also counts the scalar
+    loop-index arithmetic it clones into each fusion that slices a loop input, which differs
+    with how the stack's loops carry their residuals, not with what they compute.)"""
+    offloaded, on_device = compiled("minimal_offloaded"), compiled("minimal")
+    assert matmul_flops(offloaded.as_text()) == matmul_flops(on_device.as_text()) > 0
+    assert offloaded.cost_analysis()["transcendentals"] == on_device.cost_analysis()["transcendentals"] > 0
 
 
 @functools.cache
@@ -132,12 +141,20 @@ def test_recompute_at_llama_8b_shapes():
     assert llama_8b_flops("full_remat") > 1.05 * base
 
 
-def temp_bytes(preset: str) -> int:
-    return compiled(preset).memory_analysis().temp_size_in_bytes
+def temp_bytes(preset: str, pipelined: bool = True) -> int:
+    return compiled(preset, pipelined=pipelined).memory_analysis().temp_size_in_bytes
 
 
 def test_remat_lowers_compiled_temp_memory():
     """Deterministic memory of the compiled CPU program: recompute frees residuals, while
-    offloading is an identity on the CPU backend and so frees nothing here."""
+    offloading is an identity on the CPU backend and so frees nothing here. Pipelining the copies
+    adds its buffers: one layer's offloaded values carried through each loop (whose carry XLA's
+    CPU loops keep a second copy of while a layer runs): at most two layers' worth."""
     assert temp_bytes("full_remat") < temp_bytes("minimal") < temp_bytes("save_all")
-    assert temp_bytes("minimal_offloaded") == temp_bytes("minimal")
+    assert temp_bytes("minimal_offloaded", pipelined=False) == temp_bytes("minimal", pipelined=False)
+    model, batch = model_and_batch(True)
+    rows, seq = batch.shape[0], batch.shape[1] - 1
+    policy = preset_policy("minimal_offloaded", model)
+    layer = model_schedule(model, policy, rows, seq, jnp.float32).pipeline_bytes
+    assert layer == rows * seq * 4 * (64 + 32 + 32 + 64 + 64 + 192 + 192 + 64)  # llama_tiny's 8 offloaded tensors
+    assert temp_bytes("minimal") < temp_bytes("minimal_offloaded") <= temp_bytes("minimal") + 2 * layer

@@ -30,7 +30,7 @@ def dots(hlo: str) -> int:
 
 def test_readme_example_runs(capsys):
     _, printed = readme_example(capsys)
-    assert "block_in offload D2H H2D" in printed
+    assert "block_in offload D2H after its tag H2D as its layer's backward starts" in printed
     assert "block_gate device - -" in printed
     assert "block_out remat - -" in printed
 

@@ -58,7 +58,7 @@ class Compiled(NamedTuple):
     policy: Policy
 
 
-def compile_plan(model: str, preset: str, *overrides: str, target=H200, seq_len=64) -> Compiled:
+def compile_plan(model: str, preset: str, *overrides: str, target=H200, seq_len=64, xla_flags=GPU_FLAGS) -> Compiled:
     """`plan_memory` at `seq_len` tokens a row, keeping the program's HLO text for the forced failures."""
     config = compose_config(f"model={model}", f"offload={preset}", f"train.seq_len={seq_len}", *overrides)
     policy = load_preset(preset).policy(abstract_model(config.model).tagged_names())
@@ -71,7 +71,7 @@ def compile_plan(model: str, preset: str, *overrides: str, target=H200, seq_len=
     real = verify.verify_program
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(verify, "verify_program", keep_text)
-        plan = plan_memory(config, target, policy, preset, xla_flags=GPU_FLAGS)
+        plan = plan_memory(config, target, policy, preset, xla_flags=xla_flags)
     return Compiled(plan, captured["hlo"], config, policy)
 
 
@@ -133,9 +133,10 @@ def test_a_host_read_walking_against_its_index_is_refused(llama_h200):
     with pytest.raises(WrongWalkError) as refusal:
         verify_text(llama_h200, wrong)
     message = str(refusal.value)
-    assert "the host read of mlpwi_0/mlpwi_1 (decoder layers, host buffer bf16[2,8,64,192]" in message
-    assert "takes index 1, 0, ..., byte offset 196608 then steps of -196608" in message
-    assert "XLA's descriptor walks from byte 0 in steps of 196608" in message and "#46231" in message
+    read = "the host read of query_proj/attention_out/out_proj/mlpwo (decoder layers, host buffer bf16[2,8,64,64]"
+    assert read in message
+    assert "takes index 1, 0, ..., byte offset 65536 then steps of -65536" in message
+    assert "XLA's descriptor walks from byte 0 in steps of 65536" in message and "#46231" in message
     # jax 0.10 put the walk at the top level of dynamic_slice_config: read there too
     old_format = re.sub(
         r'"byte_offset":"0","byte_stride":"0","linear":\{"byte_offset":"(-?\d+)","byte_stride":"(-?\d+)"\}',
@@ -144,6 +145,19 @@ def test_a_host_read_walking_against_its_index_is_refused(llama_h200):
     )
     assert old_format != llama_h200.hlo
     assert {w.status for w in verify_text(llama_h200, old_format).walks} == {"right"}
+
+
+def test_the_walks_of_xla_pipelined_host_offloading_are_checked():
+    """XLA's pass peels the layer loops and carries each host slice's index through the loop
+    tuple; the verifier follows it there (the last forward store and the first backward reload
+    move out of the loops, which run one layer fewer)."""
+    flags = GPU_FLAGS | {"xla_gpu_enable_pipelined_host_offloading": True}
+    compiled = compile_plan("llama_tiny", "qkv_offload", "model.num_layers=4", xla_flags=flags)
+    walks = compiled.plan.verification.walks
+    assert {w.kind for w in walks} == {"host read", "host write"}
+    assert {w.status for w in walks} == {"right"}
+    assert {(w.kind, w.index) for w in walks} == {("host write", "0, 1, ..."), ("host read", "2, 1, ...")}
+    assert {c.status for c in compiled.plan.verification.copies} == {"copied"}
 
 
 def test_an_offload_the_compiler_dropped_is_refused(llama_h200):

@@ -48,10 +48,14 @@ class Policy(Mapping[str, Placement]):
     Names not mentioned are rematerialised (the layer input: kept on device); `placement(name)`
     answers for any name. `keep_all` disables the custom VJP altogether, so JAX's own autodiff
     keeps every residual in HBM: the `save_all` reference every other policy is compared against.
+    `pipelined` (the default) moves a scanned stack's offloaded values one layer apart
+    (`ferry.offload_scan`): each copy hides under a whole layer, for one more layer of them in
+    HBM; False moves them inside each layer (`offloaded`).
     """
 
     placements: tuple[tuple[str, str], ...] | Mapping[str, str] = ()
     keep_all: bool = False
+    pipelined: bool = True
 
     def __post_init__(self) -> None:
         # `Policy({"mlpwo": "offload"})` reads as a user writes it; stored as sorted pairs, so two
@@ -75,10 +79,12 @@ class Policy(Mapping[str, Placement]):
             raise PolicyError("keep_all keeps every residual on device; it takes no other placements")
 
     @classmethod
-    def from_dict(cls, tensors: Mapping[str, str] | None = None, *, keep_all: bool = False) -> Policy:
+    def from_dict(
+        cls, tensors: Mapping[str, str] | None = None, *, keep_all: bool = False, pipelined: bool = True
+    ) -> Policy:
         """Build a policy from `{tensor name: placement}` (e.g. a Hydra config node); the same as
         `Policy(tensors)`."""
-        return cls(dict(tensors or {}), keep_all)
+        return cls(dict(tensors or {}), keep_all, pipelined)
 
     @classmethod
     def save_all(cls) -> Policy:

@@ -19,7 +19,13 @@ from ferry.offload import LAYER_INPUT, Placement, Policy, record_tags_and_axes
 from ferry.precision import cast_floating
 from ferry.sharding import activation_spec, shard_shape
 
-_DIRECTIONS: dict[Placement, tuple[str, str]] = {"offload": ("D2H", "H2D"), "device": ("-", "-"), "remat": ("-", "-")}
+# When each copy is issued: inside its layer (`ferry.offload.offloaded`) or one layer apart
+# (`ferry.offload_scan`, a pipelined policy on a scanned stack).
+_ISSUED = {
+    False: ("D2H after its tag", "H2D as its layer's backward starts"),
+    True: ("D2H as layer k+1 starts", "H2D as layer k+1's backward starts"),
+}
+_INPUT_ISSUED = {False: ("D2H as its layer starts", _ISSUED[False][1]), True: _ISSUED[True]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,8 +37,8 @@ class Residual:
     dtype: str
     bytes_per_device: int
     placement: Placement
-    forward: str  # "D2H" when copied to pinned host after the forward pass, else "-"
-    backward: str  # "H2D" when copied back before the backward pass, else "-"
+    forward: str  # for an offloaded one, when its copy to pinned host is issued ("D2H after its tag"), else "-"
+    backward: str  # for an offloaded one, when its copy back is issued, else "-"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +51,7 @@ class LayerKind:
     seq_shrink: int = 0  # its input is this much shorter than the batch (MTP depth k: k)
     # builds one such layer from a key, without the model (the gradient self-check stacks a few)
     make: Callable[[Any], Any] | None = None
+    pipelined: bool = False  # a scanned stack: a pipelined policy moves its copies one layer apart
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,10 +61,19 @@ class LayerGroup:
     name: str
     num_layers: int
     residuals: tuple[Residual, ...]
+    pipelined: bool = False  # its copies move one layer apart (`ferry.offload_scan`)
 
     def bytes(self, placement: Placement | None = None) -> int:
         """Bytes of all its layers' residuals with `placement` (all when None), per device."""
         return self.num_layers * sum(r.bytes_per_device for r in self.residuals if placement in (None, r.placement))
+
+    @property
+    def pipeline_bytes(self) -> int:
+        """What pipelining costs in HBM, per device: one layer's offloaded values. The last
+        layer's stay in HBM from the forward pass to the backward (they never cross the link),
+        and while the stack runs a second layer's are in flight: the one being stored or
+        reloaded."""
+        return sum(r.bytes_per_device for r in self.residuals if r.placement == "offload") if self.pipelined else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,8 +135,14 @@ class TransferSchedule:
         return self._bytes()
 
     @property
+    def pipeline_bytes(self) -> int:
+        """Offloaded values pipelining keeps in HBM between the passes (each pipelined stack's
+        last layer), per device; while a stack runs, one more layer of its own."""
+        return sum(group.pipeline_bytes for group in self.groups)
+
+    @property
     def hbm_saved_bytes(self) -> int:
-        return self.save_all_bytes - self.device_bytes
+        return self.save_all_bytes - self.device_bytes - self.pipeline_bytes
 
     def totals(self) -> dict[str, int]:
         return {
@@ -129,6 +151,7 @@ class TransferSchedule:
             "device_to_host_bytes_per_step": self.device_to_host_bytes,
             "host_to_device_bytes_per_step": self.host_to_device_bytes,
             "device_residual_bytes_per_step": self.device_bytes,
+            "pipeline_residual_bytes_per_step": self.pipeline_bytes,
             "save_all_residual_bytes_per_step": self.save_all_bytes,
             "hbm_bytes_saved_vs_save_all": self.hbm_saved_bytes,
             "train_state_pinned_host_bytes": self.state_host_bytes,
@@ -144,7 +167,13 @@ class TransferSchedule:
         return {
             "policy": self.policy_name,
             "layer_groups": [
-                {"name": g.name, "num_layers": g.num_layers, "residuals": [dataclasses.asdict(r) for r in g.residuals]}
+                {
+                    "name": g.name,
+                    "num_layers": g.num_layers,
+                    "pipelined": g.pipelined,
+                    "pipeline_bytes": g.pipeline_bytes,
+                    "residuals": [dataclasses.asdict(r) for r in g.residuals],
+                }
                 for g in self.groups
             ],
             "train_state": [dataclasses.asdict(copy) for copy in self.state],
@@ -158,9 +187,11 @@ def layer_residuals(
     layer_input: jax.ShapeDtypeStruct,
     policy: Policy,
     mesh: Any = None,
+    pipelined: bool = False,
 ) -> tuple[Residual, ...]:
     """The residuals of `layer_fn(params, x)` under `policy`, in the order the layer produces
-    them (the layer input first), with the shape one device holds. Without a mesh `layer_input`
+    them (the layer input first), with the shape one device holds and, for offloaded ones, when
+    each copy is issued (`pipelined`: in a pipelined stack). Without a mesh `layer_input`
     is one device's input; with one it is the global input, the layer is traced under the mesh
     (so the MoE takes its expert-parallel path) and each residual is split by the spec of its
     logical axes. `params` may be abstract (ShapeDtypeStructs): nothing is computed."""
@@ -179,7 +210,9 @@ def layer_residuals(
     residuals = []
     for name, value, axes in [(LAYER_INPUT, layer_input, None), *recorded]:
         placement = policy.placement(name)
-        forward, backward = _DIRECTIONS[placement]
+        forward, backward = (_INPUT_ISSUED if name == LAYER_INPUT else _ISSUED)[pipelined]
+        if placement != "offload":
+            forward = backward = "-"
         shape = tuple(value.shape)
         if mesh is not None and mesh.size > 1:
             shape = shard_shape(shape, activation_spec(value, axes, mesh), mesh)
@@ -234,8 +267,9 @@ def model_schedule(
             return run(cast_floating(model, dtype), x)
 
         shape = (rows, seq_len - group.seq_shrink, model.config.dim)
-        residuals = layer_residuals(one_layer, model, jax.ShapeDtypeStruct(shape, dtype), policy, mesh)
-        groups.append(LayerGroup(group.name, group.num_layers, residuals))
+        pipelined = group.pipelined and policy.pipelined and not policy.keep_all
+        residuals = layer_residuals(one_layer, model, jax.ShapeDtypeStruct(shape, dtype), policy, mesh, pipelined)
+        groups.append(LayerGroup(group.name, group.num_layers, residuals, pipelined))
     return TransferSchedule(policy_name, tuple(groups), micro_steps)
 
 
@@ -281,6 +315,11 @@ def schedule_table(schedule: TransferSchedule) -> Any:
         f"kept in HBM per micro step {format_bytes(t['device_residual_bytes_per_step'])}, "
         f"HBM saved vs save_all {format_bytes(t['hbm_bytes_saved_vs_save_all'])}"
     )
+    if schedule.pipeline_bytes:
+        table.caption += (
+            f"; pipelined: each stack's last layer of offloaded values stays in HBM "
+            f"({format_bytes(schedule.pipeline_bytes)}), one more layer's in flight while a stack runs"
+        )
     if schedule.state:
         table.caption += f"; train state in pinned host {format_bytes(schedule.state_host_bytes)}, each way per step"
     return table

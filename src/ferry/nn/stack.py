@@ -14,6 +14,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from ferry.nn.block import LayerOutput
 from ferry.offload import Policy, offloaded, tagged_names
+from ferry.offload_scan import offloaded_scan
 
 
 class LayerStack(eqx.Module):
@@ -35,6 +36,12 @@ class LayerStack(eqx.Module):
         self.num_layers = num_layers
         self.scan_layers = scan_layers
         self.name = name
+
+    @property
+    def pipelined(self) -> bool:
+        """Does a pipelined policy move this stack's copies one layer apart? Only in a scan of more
+        than one layer (XLA unrolls a scan of one step)."""
+        return self.scan_layers and self.num_layers > 1
 
     def layer(self, index: int) -> eqx.Module:
         """One layer, unstacked."""
@@ -62,10 +69,12 @@ class LayerStack(eqx.Module):
         names the model's other layers tag): a misspelt name is an error listing the names."""
         if not policy.keep_all and policy.names - tagged_elsewhere:  # tracing the layer only if it decides
             policy.validate(self.tagged_names(x, *extra) | tagged_elsewhere)
+        if self.pipelined and policy.pipelined:
+            return offloaded_scan(_hidden_and_stats, policy, name=self.name)(self.layers, x, *extra)
         in_scan = self.scan_layers and self.num_layers > 1  # XLA unrolls a scan of one step
         run = offloaded(_run_layer, policy, check_names=False, name=self.name, in_scan=in_scan)
-        dynamic, static = eqx.partition(self.layers, eqx.is_array)
         if in_scan:
+            dynamic, static = eqx.partition(self.layers, eqx.is_array)
 
             def step(h: jax.Array, d: Any) -> tuple[jax.Array, Any]:
                 out = run(eqx.combine(d, static), h, *extra)
@@ -84,6 +93,13 @@ def _run_layer(layer: Callable[..., jax.Array | LayerOutput], h: jax.Array, *ext
     """One layer's output as a `LayerOutput` (a layer without statistics may return `h` alone)."""
     out = layer(h, *extra)
     return out if isinstance(out, LayerOutput) else LayerOutput(out)
+
+
+def _hidden_and_stats(
+    layer: Callable[..., jax.Array | LayerOutput], h: jax.Array, *extra: Any
+) -> tuple[jax.Array, Any]:
+    out = _run_layer(layer, h, *extra)
+    return out.hidden, out.stats
 
 
 def stack_trees(trees: list[Any]) -> Any:

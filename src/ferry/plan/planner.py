@@ -63,6 +63,7 @@ class MemoryPlan:
     model_flops: float = 0.0  # per device per step, MaxText's convention (`ferry.train.flops`)
     peak_flops: float = 0.0  # the target's dense bf16 peak, per device
     extrapolated: str | None = None  # how `ferry.plan.extrapolate` made it from shallow compiles; None: compiled whole
+    pipeline_bytes: int = 0  # offloaded values a pipelined schedule keeps in HBM (`TransferSchedule.pipeline_bytes`)
 
     @property
     def device_bytes(self) -> int:
@@ -201,6 +202,7 @@ def plan_memory(
         collectives=collective_traffic(hlo, target),
         model_flops=model_flops_per_device(config, target),
         peak_flops=target.bf16_peak_flops,
+        pipeline_bytes=schedule.pipeline_bytes,
     )
 
 

@@ -227,12 +227,17 @@ def estimate_table(plans: list[MemoryPlan]) -> Table:
 def transfer_table(plan: MemoryPlan) -> Table:
     """Every host copy XLA scheduled, with the compute it overlaps, per step."""
     summary = plan.transfer_summary
-    table = Table(
-        title=f"{plan.policy}: host copies in the compiled program (per device)",
-        caption=f"per step: {format_bytes(summary.bytes_to_host)} to host, {format_bytes(summary.bytes_to_device)} "
+    caption = (
+        f"per step: {format_bytes(summary.bytes_to_host)} to host, {format_bytes(summary.bytes_to_device)} "
         f"back; link busy {format_seconds(summary.link_seconds)}, compute overlapping copies "
-        f"{format_seconds(summary.overlapped_compute_seconds)}, exposed {format_seconds(summary.exposed_seconds)}",
+        f"{format_seconds(summary.overlapped_compute_seconds)}, exposed {format_seconds(summary.exposed_seconds)}"
     )
+    if plan.pipeline_bytes:
+        caption += (
+            f"; pipelined one layer apart, for {format_bytes(plan.pipeline_bytes)} of offloaded values in HBM "
+            "(each stack's last layer; one more layer's while a stack runs), in the temporaries above"
+        )
+    table = Table(title=f"{plan.policy}: host copies in the compiled program (per device)", caption=caption)
     for column in ("tensor", "direction", "shape", "bytes", "x per step", "transfer", "hiding compute", "hidden"):
         table.add_column(column, justify="left" if column in ("tensor", "direction", "shape", "hidden") else "right")
     for t in plan.transfers:

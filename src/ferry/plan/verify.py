@@ -147,6 +147,8 @@ class _Slot:
     bytes: int
     expected: int
     layers: int  # how often one copy of this slot runs per step where the group is one loop
+    required: int  # at least this many: a pipelined stack's first store and last reload move a
+    # placeholder (`ferry.offload_scan`), which a compiler that unrolls the loop drops as dead
     found: int = 0
     named: bool = False
 
@@ -171,7 +173,15 @@ def check_copies(
     tensor of the group with that size, "a/b")."""
     groups = [g.name for g in schedule.groups]
     slots = [
-        _Slot(g.name, r.name, direction, r.bytes_per_device, g.num_layers * micro_steps, g.num_layers * micro_steps)
+        _Slot(
+            g.name,
+            r.name,
+            direction,
+            r.bytes_per_device,
+            g.num_layers * micro_steps,
+            g.num_layers * micro_steps,
+            (g.num_layers - g.pipelined) * micro_steps,
+        )
         for g in schedule.groups
         for r in g.residuals
         if r.placement == "offload"
@@ -213,10 +223,12 @@ def check_copies(
             if (s.direction, s.bytes) == (copy.direction, copy.bytes) and s.expected - s.found >= copy.executions
         ]
 
-        def preference(s: _Slot, copy=copy) -> tuple[bool, bool]:
-            # where copies of this size are missing (or extra), the tensors the backward pass reads come first
+        def preference(s: _Slot, copy=copy) -> tuple[bool, bool, bool]:
+            # where copies of this size are missing (or extra), the tensors the backward pass reads
+            # come first, and those that still lack copies
             dead = (s.direction, s.bytes) in uneven and not read(s)
-            return dead, s.expected - s.found != copy.executions and s.layers != copy.executions
+            mismatched = s.expected - s.found != copy.executions and s.layers != copy.executions
+            return dead, s.found >= s.required, mismatched
 
         if not candidates:
             unmatched.append(f"{copy.direction} {copy.shape} x{copy.executions}")
@@ -227,7 +239,7 @@ def check_copies(
         moved[(copy.computation, copy.start)] = (slot.group, "/".join(dict.fromkeys(alike)))
     checks = []
     for s in slots:
-        if s.found >= s.expected:
+        if s.found >= s.required:
             status = "copied"
         elif not read(s):  # XLA may drop all or some of them (libtpu keeps one of two unrolled layers')
             status = DEAD

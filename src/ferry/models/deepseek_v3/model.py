@@ -133,10 +133,22 @@ class DeepSeekV3(AbstractLanguageModel):
         make_moe = lambda k: moe_layer(config, key=k)  # noqa: E731
         if self.dense_layers is not None:
             run_dense = lambda m, x: m.dense_layers.layer(0)(x)  # noqa: E731
-            kinds.append(LayerKind("dense", self.dense_layers.num_layers, run_dense, make=make_dense))
+            kinds.append(
+                LayerKind(
+                    "dense",
+                    self.dense_layers.num_layers,
+                    run_dense,
+                    make=make_dense,
+                    pipelined=self.dense_layers.pipelined,
+                )
+            )
         if self.moe_layers is not None:
             run_moe = lambda m, x: m.moe_layers.layer(0)(x)  # noqa: E731
-            kinds.append(LayerKind("moe", self.moe_layers.num_layers, run_moe, make=make_moe))
+            kinds.append(
+                LayerKind(
+                    "moe", self.moe_layers.num_layers, run_moe, make=make_moe, pipelined=self.moe_layers.pipelined
+                )
+            )
         for depth in range(1, len(self.mtp) + 1):
             run_mtp = lambda m, x, i=depth - 1: m.mtp[i].block(x)  # noqa: E731
             kinds.append(LayerKind(f"mtp_{depth}", 1, run_mtp, seq_shrink=depth, make=make_moe))  # its block

@@ -75,4 +75,12 @@ class Llama(AbstractLanguageModel):
 
     def layer_kinds(self) -> list[LayerKind]:
         make = lambda k: llama_decoder_layer(self.config, key=k)  # noqa: E731
-        return [LayerKind("decoder", self.config.num_layers, lambda m, x: m.layers.layer(0)(x), make=make)]
+        return [
+            LayerKind(
+                "decoder",
+                self.config.num_layers,
+                lambda m, x: m.layers.layer(0)(x),
+                make=make,
+                pipelined=self.layers.pipelined,
+            )
+        ]

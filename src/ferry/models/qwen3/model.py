@@ -127,4 +127,12 @@ class Qwen3(AbstractLanguageModel):
 
     def layer_kinds(self) -> list[LayerKind]:
         make = lambda k: qwen3_decoder_layer(self.config, key=k)
-        return [LayerKind("decoder", self.config.num_layers, lambda m, x: m.layers.layer(0)(x), make=make)]
+        return [
+            LayerKind(
+                "decoder",
+                self.config.num_layers,
+                lambda m, x: m.layers.layer(0)(x),
+                make=make,
+                pipelined=self.layers.pipelined,
+            )
+        ]

@@ -1,0 +1,188 @@
+"""A stack of identical layers whose host copies are software-pipelined one layer deep, in Python.
+
+`offloaded` (ferry.offload) moves a layer's residuals inside that layer: a store issued at its
+tag has only the rest of the layer to hide under, and a reload issued when the backward pass
+reaches the layer has nothing (the replay reads it at once). Inside a `lax.scan` neither copy can
+straddle two iterations, so `offloaded_scan` moves them itself, one layer apart:
+
+- forward, iteration k: store layer k-1's offloaded values (carried in HBM from iteration k-1)
+  while layer k runs; iteration 0 stores the carry's zeros, and layer L-1's values leave the
+  loop in HBM: the backward pass reads them first, so they never make the round trip;
+- backward, iteration k: reload layer k-1's values (the host stack's entry k) while layer k's
+  backward runs, and carry them to iteration k-1: a double buffer.
+
+Every copy so gets a whole layer's compute to hide under, both loop indices are the iteration
+(a plain scan output and input), and the bytes crossing the link are those of the per-layer
+engine (the zeros' store replaces layer L-1's). The cost: one more layer of offloaded values
+in HBM, in both passes; `pipelined_bytes` says how much.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from ferry.offload import (
+    LAYER_INPUT,
+    Axes,
+    Policy,
+    _Injector,
+    _Recorder,
+    _tag_context,
+    copy_scope,
+    record_tags_and_axes,
+    to_memory,
+)
+from ferry.sharding import constrain
+
+
+def offloaded_scan(fn: Callable[..., Any], policy: Policy, *, name: str = "layers") -> Callable[..., Any]:
+    """Wrap `fn(layer, x, *extra) -> (x, stats)` into `run(stacked_layers, x, *extra) -> (x,
+    stacked stats)`: a `lax.scan` over the stacked layers (the leading axis of every array leaf
+    of `stacked_layers`) whose residuals are placed by `policy`, offloaded ones pipelined one
+    layer apart (module docstring). Floating-point leaves of `stacked_layers` and `x` are
+    differentiated; integer leaves and `extra` are not. `name` names the copies' scope."""
+    if policy.keep_all:
+
+        def plain(stacked: Any, x: jax.Array, *extra: Any) -> Any:
+            dynamic, static = eqx.partition(stacked, eqx.is_array)
+            return jax.lax.scan(lambda h, d: fn(eqx.combine(d, static), h, *extra), x, dynamic)
+
+        return plain
+
+    def call(stacked: Any, x: jax.Array, *extra: Any) -> Any:
+        diff, rest = eqx.partition(stacked, eqx.is_inexact_array)
+        fixed, static = eqx.partition(rest, eqx.is_array)
+
+        def layer_fn(p: Any, h: jax.Array, f: Any, e: tuple[Any, ...]) -> Any:
+            return fn(eqx.combine(p, f, static), h, *e)
+
+        layout = _Layout.of(layer_fn, diff, x, fixed, extra, policy)
+
+        @jax.custom_vjp
+        def run(p: Any, h: jax.Array, f: Any, e: tuple[Any, ...]) -> Any:
+            return jax.lax.scan(lambda c, xs: layer_fn(xs[0], c, xs[1], e), h, (p, f))
+
+        def run_fwd(p: Any, h: jax.Array, f: Any, e: tuple[Any, ...]) -> tuple[Any, Any]:
+            def forward_body(carry: Any, xs: Any) -> tuple[Any, Any]:
+                h, pending = carry
+                p_k, f_k = xs
+                stored = layout.store(pending, name)  # issued first: all of layer k hides it
+                recorder = _Recorder()
+                with _tag_context(recorder):
+                    out_h, stats = layer_fn(p_k, h, f_k, e)
+                values = layout.recorded(recorder)
+                return (out_h, layout.offloaded(values, h)), (stats, layout.kept(values, h), stored)
+
+            (out, last), (stats, kept, stored) = jax.lax.scan(forward_body, (h, layout.zeros()), (p, f))
+            return (out, stats), (p, f, e, kept, stored, last)
+
+        def run_bwd(residuals: Any, cotangent: Any) -> tuple[Any, Any, None, None]:
+            p, f, e, kept, stored, last = residuals
+            ct_out, ct_stats = cotangent
+
+            def backward_body(carry: Any, xs: Any) -> tuple[Any, Any]:
+                ct, current = carry  # current: layer k's offloaded values, in HBM
+                p_k, f_k, kept_k, stored_k, ct_stats_k = xs
+                previous = layout.reload(stored_k, name)  # layer k-1's: all of layer k's backward hides it
+                h, injected = layout.saved(kept_k, current)
+
+                def replay(p_: Any, h_: jax.Array) -> Any:
+                    injector = _Injector(injected)
+                    with _tag_context(injector):
+                        out = layer_fn(p_, h_, f_k, e)
+                    injector.finish()
+                    return out
+
+                _, vjp = jax.vjp(replay, p_k, h)
+                dp, dh = vjp((ct, ct_stats_k))
+                return (dh, previous), dp
+
+            (dx, _), dp = jax.lax.scan(backward_body, (ct_out, last), (p, f, kept, stored, ct_stats), reverse=True)
+            return dp, dx, None, None
+
+        run.defvjp(run_fwd, run_bwd)
+        return run(diff, x, fixed, extra)
+
+    return call
+
+
+class _Layout:
+    """One layer's residuals by placement: which tags (and whether its input) go to host, which
+    stay in HBM, and the shapes of the pipelined ones (for the forward carry's zeros)."""
+
+    def __init__(self, names: list[str], axes: list[Axes], shapes: list[jax.ShapeDtypeStruct], x: Any, policy: Policy):
+        self.names, self.axes, self.policy = names, axes, policy
+        placements = [policy.placement(n) for n in names]
+        self.offload_input = policy.placement(LAYER_INPUT) == "offload"
+        self.offloaded_index = [i for i, p in enumerate(placements) if p == "offload"]
+        self.device_index = [i for i, p in enumerate(placements) if p == "device"]
+        self.placements = placements
+        pipelined = [(shapes[i], axes[i]) for i in self.offloaded_index]
+        if self.offload_input:
+            pipelined.append((jax.ShapeDtypeStruct(x.shape, x.dtype), None))
+        self.pipelined = pipelined
+        self.pipelined_names = [names[i] for i in self.offloaded_index] + ([LAYER_INPUT] if self.offload_input else [])
+
+    @classmethod
+    def of(
+        cls, layer_fn: Callable[..., Any], diff: Any, x: jax.Array, fixed: Any, extra: tuple[Any, ...], policy: Policy
+    ) -> _Layout:
+        """Found by running the first layer abstractly (nothing is computed)."""
+        first = jax.tree.map(lambda a: a[0], (diff, fixed))
+        found: dict[str, Any] = {}
+
+        def record(p: Any, h: jax.Array, f: Any, e: tuple[Any, ...]) -> list[jax.Array]:
+            _, values, axes = record_tags_and_axes(layer_fn, p, h, f, e)
+            found["names"], found["axes"] = [n for n, _ in values], axes
+            return [v for _, v in values]
+
+        shapes = jax.eval_shape(record, first[0], x, first[1], extra)
+        return cls(found["names"], found["axes"], shapes, x, policy)
+
+    def recorded(self, recorder: _Recorder) -> list[jax.Array]:
+        """The values a layer's run tagged, checked against the abstract run's names."""
+        names = [n for n, _ in recorder.values]
+        if names != self.names:
+            raise RuntimeError(f"the layer tagged {names} where its abstract run tagged {self.names}")
+        return [value for _, value in recorder.values]
+
+    def zeros(self) -> tuple[jax.Array, ...]:
+        return tuple(
+            constrain(jnp.zeros(s.shape, s.dtype), a) if a else jnp.zeros(s.shape, s.dtype) for s, a in self.pipelined
+        )
+
+    def offloaded(self, values: list[jax.Array], h: jax.Array) -> tuple[jax.Array, ...]:
+        out = [values[i] for i in self.offloaded_index]
+        return tuple([*out, h] if self.offload_input else out)
+
+    def kept(self, values: list[jax.Array], h: jax.Array) -> tuple[Any, ...]:
+        """What stays in HBM: the device-placed values and the input (unless offloaded)."""
+        return tuple(values[i] for i in self.device_index), (None if self.offload_input else h)
+
+    def store(self, pending: tuple[jax.Array, ...], layer: str) -> tuple[jax.Array, ...]:
+        out = []
+        for tensor, value, (_, axes) in zip(self.pipelined_names, pending, self.pipelined, strict=True):
+            with jax.named_scope(copy_scope(layer, tensor, "to_host")):
+                out.append(to_memory(value, "pinned_host", axes))
+        return tuple(out)
+
+    def reload(self, stored: tuple[jax.Array, ...], layer: str) -> tuple[jax.Array, ...]:
+        out = []
+        for tensor, value, (_, axes) in zip(self.pipelined_names, stored, self.pipelined, strict=True):
+            with jax.named_scope(copy_scope(layer, tensor, "to_device")):
+                out.append(to_memory(value, "device", axes))
+        return tuple(out)
+
+    def saved(self, kept: tuple[Any, ...], current: tuple[jax.Array, ...]) -> tuple[jax.Array, list]:
+        """The layer's input and its (name, saved value or None) in tag order, for the injector."""
+        device_values, h = kept
+        by_index = dict(zip(self.device_index, device_values, strict=True))
+        by_index |= dict(zip(self.offloaded_index, current, strict=False))
+        if self.offload_input:
+            h = current[-1]
+        return h, [(n, by_index.get(i)) for i, n in enumerate(self.names)]
