@@ -1,5 +1,7 @@
 """Collective bytes read from HLO text, weighted by the trip counts of the loops around them."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -327,3 +329,14 @@ def test_an_fsdp_step_compiled_for_h200s_gathers_and_scatters_its_weight_shards(
     assert sent["all-gather"] == 512 * 256 * 4 * 7 / 8
     assert sent["reduce-scatter"] == 64 * 256 * 4 * 7
     assert set(sent) == {"all-gather", "reduce-scatter"}
+
+
+def test_a_one_trip_loop_walk_is_judged_by_its_offset_alone():
+    """XLA's pipelined host offloading peels a two-layer loop to one trip, whose descriptor says
+    stride 0: there is no second address to get wrong."""
+    from ferry.plan.hlo_stats import HostSliceWalk
+
+    walk = HostSliceWalk("body", "ds", "host read", "bf16[2,8]", 16, "", 1, 0, -1, 0, -16, 0, 0)
+    assert walk.checked and walk.agrees
+    assert not dataclasses.replace(walk, descriptor_offset=16).agrees
+    assert not dataclasses.replace(walk, trip_count=2).agrees
