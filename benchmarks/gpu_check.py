@@ -339,10 +339,18 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--budget-s", type=float, default=480, help="stop starting slice presets after this")
     parser.add_argument("--plan-target", default=None, help="without a GPU: plan the slice for this target")
+    parser.add_argument(
+        "--xla-flag",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an XLA flag over the platform's, e.g. xla_gpu_enable_pipelined_host_offloading=true",
+    )
     parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # one preset, in a child process
     args = parser.parse_args()
     gpu = has_gpu() and not args.plan_target
-    apply_platform(compose_run(f"platform={'gpu' if gpu else 'cpu'}").platform)  # the flags a run uses
+    flags = [f"platform.xla_flags.{flag}" for flag in args.xla_flag]
+    apply_platform(compose_run(f"platform={'gpu' if gpu else 'cpu'}", *flags).platform)  # the flags a run uses
     if args.measure:
         print(json.dumps(measure_slice(args.measure, args.seq_len, args.steps)))
         return 0

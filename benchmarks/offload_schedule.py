@@ -1,0 +1,106 @@
+"""Which copy schedule hides host copies best, compiled side by side for a GPU target:
+
+- per layer: each copy issued inside its layer (`offload.pipelined=false`);
+- ferry: copies one layer apart, in Python (`ferry.offload_scan`, the default);
+- XLA: XLA's pipelined host offloading (`xla_gpu_enable_pipelined_host_offloading`) on the
+  per-layer program;
+- both: ferry's schedule compiled with XLA's pass on.
+
+For each preset and schedule it prints the planner's reading of the compiled program: link time,
+exposed copy time, matmul time, HBM temporaries and total, the goal of the copy schedule
+(exposed <= max(0, link - matmul) + 5% of matmul) and the ratios to the per-layer schedule. All
+numbers come from deviceless compiles (`mode=plan`), not from a GPU.
+
+    python benchmarks/offload_schedule.py [--model llama3_1_8b] [--layers 4] [--seq-len 4096]
+        [--presets qkv_offload minimal_offloaded decoder_input_offload] [--target h200]
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parent.parent
+SCHEDULES = {  # name: (offload.pipelined, xla_gpu_enable_pipelined_host_offloading)
+    "per layer": (False, False),
+    "ferry": (True, False),
+    "XLA": (False, True),
+    "both": (True, True),
+}
+
+
+def plan(args: argparse.Namespace, preset: str, pipelined: bool, xla: bool, out: Path) -> dict:
+    """One `mode=plan` of `preset` under one schedule: its plan.json entry."""
+    run_dir = out / f"{preset}-{int(pipelined)}{int(xla)}"
+    command = [
+        sys.executable,
+        str(ROOT / "launch" / "run.py"),
+        "mode=plan",
+        f"target={args.target}",
+        f"model={args.model}",
+        f"model.num_layers={args.layers}",
+        f"train.seq_len={args.seq_len}",
+        "train.global_batch_size=1",
+        "platform=gpu",
+        f"offload={preset}",
+        f"plan.presets=[{preset}]",
+        f"offload.pipelined={str(pipelined).lower()}",
+        f"platform.xla_flags.xla_gpu_enable_pipelined_host_offloading={str(xla).lower()}",
+        f"run.dir={run_dir}",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    if result.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
+    return json.loads((run_dir / "plan.json").read_text())["plans"][0]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama3_1_8b")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--presets", nargs="+", default=["qkv_offload", "minimal_offloaded", "decoder_input_offload"])
+    parser.add_argument("--target", default="h200")
+    args = parser.parse_args()
+    table = Table(
+        title=f"copy schedules: {args.model}, {args.layers} layers x {args.seq_len} tokens, {args.target} "
+        "(per device and step; deviceless compiles)"
+    )
+    columns = ("preset", "schedule", "link", "matmuls", "exposed", "goal", "meets", "temp GiB", "HBM GiB")
+    for column in (*columns, "exposed / per layer", "HBM / per layer"):
+        table.add_column(column, justify="left" if column in ("preset", "schedule", "meets") else "right")
+    with tempfile.TemporaryDirectory() as out:
+        for preset in args.presets:
+            reference = None
+            for name, (pipelined, xla) in SCHEDULES.items():
+                p = plan(args, preset, pipelined, xla, Path(out))
+                per_step = p["transfers"]["per_step"]
+                link, exposed = per_step["link_seconds"], per_step["exposed_seconds"]
+                matmul = p["flops"] / p["peak_flops"]
+                goal = max(0.0, link - matmul) + 0.05 * matmul
+                reference = reference or (exposed, p["device_bytes"])
+                table.add_row(
+                    preset,
+                    name,
+                    f"{link * 1e3:.2f} ms",
+                    f"{matmul * 1e3:.2f} ms",
+                    f"{exposed * 1e3:.2f} ms",
+                    f"{goal * 1e3:.2f} ms",
+                    "yes" if exposed <= goal else "no",
+                    f"{p['temp_bytes'] / 2**30:.3f}",
+                    f"{p['device_bytes'] / 2**30:.3f}",
+                    "-" if reference[0] == 0 else f"{exposed / reference[0]:.3f}",
+                    f"{p['device_bytes'] / reference[1]:.4f}",
+                )
+            table.add_section()
+    Console(width=200).print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
