@@ -339,6 +339,27 @@ def copy_scope(layer: str, tensor: str, direction: str) -> str:
     return f"{COPY_SCOPE}/{layer}/{tensor}/{direction}"
 
 
+def replay_vjp(
+    layer: Callable[[Any, jax.Array], Any],
+    injected: list[tuple[str, jax.Array | None]],
+    params: Any,
+    h: jax.Array,
+    cotangent: Any,
+) -> tuple[Any, jax.Array]:
+    """The gradients (params, input) of `layer(params, h)` replayed with the saved values
+    `injected` at their tags (None: recomputed): the backward pass of every offloaded layer."""
+
+    def replay(p: Any, x: jax.Array) -> Any:
+        injector = _Injector(injected)
+        with _tag_context(injector):
+            out = layer(p, x)
+        injector.finish()
+        return out
+
+    _, vjp = jax.vjp(replay, params, h)
+    return vjp(cotangent)
+
+
 def offloaded(
     fn: Callable[..., Any],
     policy: Policy,
@@ -421,16 +442,7 @@ def offloaded(
                 # the forward values alive and saving nothing.
                 p, h, f, e, saved = jax.lax.optimization_barrier((p, h, f, e, saved))
             injected = list(zip(names, saved, strict=True))
-
-            def replay(p: Any, h: jax.Array) -> Any:
-                injector = _Injector(injected)
-                with _tag_context(injector):
-                    out = layer_fn(p, h, f, e)
-                injector.finish()
-                return out
-
-            _, vjp = jax.vjp(replay, p, h)
-            return (*vjp(cotangent), None, None)
+            return (*replay_vjp(lambda p_, h_: layer_fn(p_, h_, f, e), injected, p, h, cotangent), None, None)
 
         layer.defvjp(layer_fwd, layer_bwd)
         return layer(diff, x, fixed, extra)

@@ -30,11 +30,11 @@ from ferry.offload import (
     LAYER_INPUT,
     Axes,
     Policy,
-    _Injector,
     _Recorder,
     _tag_context,
     copy_scope,
     record_tags_and_axes,
+    replay_vjp,
     to_memory,
 )
 from ferry.sharding import constrain
@@ -90,16 +90,8 @@ def offloaded_scan(fn: Callable[..., Any], policy: Policy, *, name: str = "layer
                 p_k, f_k, kept_k, stored_k, ct_stats_k = xs
                 previous = layout.reload(stored_k, name)  # layer k-1's: all of layer k's backward hides it
                 h, injected = layout.saved(kept_k, current)
-
-                def replay(p_: Any, h_: jax.Array) -> Any:
-                    injector = _Injector(injected)
-                    with _tag_context(injector):
-                        out = layer_fn(p_, h_, f_k, e)
-                    injector.finish()
-                    return out
-
-                _, vjp = jax.vjp(replay, p_k, h)
-                dp, dh = vjp((ct, ct_stats_k))
+                layer = lambda p_, h_: layer_fn(p_, h_, f_k, e)  # noqa: E731
+                dp, dh = replay_vjp(layer, injected, p_k, h, (ct, ct_stats_k))
                 return (dh, previous), dp
 
             (dx, _), dp = jax.lax.scan(backward_body, (ct_out, last), (p, f, kept, stored, ct_stats), reverse=True)
@@ -116,12 +108,11 @@ class _Layout:
     stay in HBM, and the shapes of the pipelined ones (for the forward carry's zeros)."""
 
     def __init__(self, names: list[str], axes: list[Axes], shapes: list[jax.ShapeDtypeStruct], x: Any, policy: Policy):
-        self.names, self.axes, self.policy = names, axes, policy
+        self.names = names
         placements = [policy.placement(n) for n in names]
         self.offload_input = policy.placement(LAYER_INPUT) == "offload"
         self.offloaded_index = [i for i, p in enumerate(placements) if p == "offload"]
         self.device_index = [i for i, p in enumerate(placements) if p == "device"]
-        self.placements = placements
         pipelined = [(shapes[i], axes[i]) for i in self.offloaded_index]
         if self.offload_input:
             pipelined.append((jax.ShapeDtypeStruct(x.shape, x.dtype), None))
@@ -165,17 +156,19 @@ class _Layout:
         return tuple(values[i] for i in self.device_index), (None if self.offload_input else h)
 
     def store(self, pending: tuple[jax.Array, ...], layer: str) -> tuple[jax.Array, ...]:
-        out = []
-        for tensor, value, (_, axes) in zip(self.pipelined_names, pending, self.pipelined, strict=True):
-            with jax.named_scope(copy_scope(layer, tensor, "to_host")):
-                out.append(to_memory(value, "pinned_host", axes))
-        return tuple(out)
+        return self._move(pending, layer, "pinned_host", "to_host")
 
     def reload(self, stored: tuple[jax.Array, ...], layer: str) -> tuple[jax.Array, ...]:
+        return self._move(stored, layer, "device", "to_device")
+
+    def _move(
+        self, values: tuple[jax.Array, ...], layer: str, memory_kind: str, direction: str
+    ) -> tuple[jax.Array, ...]:
+        """Each pipelined value to `memory_kind`, under its copy scope (`copy_scope`)."""
         out = []
-        for tensor, value, (_, axes) in zip(self.pipelined_names, stored, self.pipelined, strict=True):
-            with jax.named_scope(copy_scope(layer, tensor, "to_device")):
-                out.append(to_memory(value, "device", axes))
+        for tensor, value, (_, axes) in zip(self.pipelined_names, values, self.pipelined, strict=True):
+            with jax.named_scope(copy_scope(layer, tensor, direction)):
+                out.append(to_memory(value, memory_kind, axes))
         return tuple(out)
 
     def saved(self, kept: tuple[Any, ...], current: tuple[jax.Array, ...]) -> tuple[jax.Array, list]:
