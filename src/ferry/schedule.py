@@ -53,6 +53,16 @@ class LayerKind:
     make: Callable[[Any], Any] | None = None
     pipelined: bool = False  # a scanned stack: a pipelined policy moves its copies one layer apart
 
+    @classmethod
+    def of_stack(
+        cls, name: str, stack_of: Callable[[Any], Any], model: Any, make: Callable[[Any], Any] | None = None
+    ) -> LayerKind:
+        """The kind of the layers of a `LayerStack` (`stack_of(model)`): its depth, its first layer
+        and whether it is pipelined, read from the stack."""
+        stack = stack_of(model)
+        run = lambda m, x: stack_of(m).layer(0)(x)  # noqa: E731
+        return cls(name, stack.num_layers, run, make=make, pipelined=stack.pipelined)
+
 
 @dataclasses.dataclass(frozen=True)
 class LayerGroup:

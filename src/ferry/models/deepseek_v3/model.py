@@ -132,23 +132,9 @@ class DeepSeekV3(AbstractLanguageModel):
         make_dense = lambda k: dense_layer(config, key=k)  # noqa: E731
         make_moe = lambda k: moe_layer(config, key=k)  # noqa: E731
         if self.dense_layers is not None:
-            run_dense = lambda m, x: m.dense_layers.layer(0)(x)  # noqa: E731
-            kinds.append(
-                LayerKind(
-                    "dense",
-                    self.dense_layers.num_layers,
-                    run_dense,
-                    make=make_dense,
-                    pipelined=self.dense_layers.pipelined,
-                )
-            )
+            kinds.append(LayerKind.of_stack("dense", lambda m: m.dense_layers, self, make_dense))
         if self.moe_layers is not None:
-            run_moe = lambda m, x: m.moe_layers.layer(0)(x)  # noqa: E731
-            kinds.append(
-                LayerKind(
-                    "moe", self.moe_layers.num_layers, run_moe, make=make_moe, pipelined=self.moe_layers.pipelined
-                )
-            )
+            kinds.append(LayerKind.of_stack("moe", lambda m: m.moe_layers, self, make_moe))
         for depth in range(1, len(self.mtp) + 1):
             run_mtp = lambda m, x, i=depth - 1: m.mtp[i].block(x)  # noqa: E731
             kinds.append(LayerKind(f"mtp_{depth}", 1, run_mtp, seq_shrink=depth, make=make_moe))  # its block

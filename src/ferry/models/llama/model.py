@@ -75,12 +75,4 @@ class Llama(AbstractLanguageModel):
 
     def layer_kinds(self) -> list[LayerKind]:
         make = lambda k: llama_decoder_layer(self.config, key=k)  # noqa: E731
-        return [
-            LayerKind(
-                "decoder",
-                self.config.num_layers,
-                lambda m, x: m.layers.layer(0)(x),
-                make=make,
-                pipelined=self.layers.pipelined,
-            )
-        ]
+        return [LayerKind.of_stack("decoder", lambda m: m.layers, self, make)]

@@ -126,13 +126,5 @@ class Qwen3(AbstractLanguageModel):
         return self
 
     def layer_kinds(self) -> list[LayerKind]:
-        make = lambda k: qwen3_decoder_layer(self.config, key=k)
-        return [
-            LayerKind(
-                "decoder",
-                self.config.num_layers,
-                lambda m, x: m.layers.layer(0)(x),
-                make=make,
-                pipelined=self.layers.pipelined,
-            )
-        ]
+        make = lambda k: qwen3_decoder_layer(self.config, key=k)  # noqa: E731
+        return [LayerKind.of_stack("decoder", lambda m: m.layers, self, make)]
