@@ -1,10 +1,12 @@
 """ferry's compiled HBM beside MaxText's on the same TPU step: DeepSeek-V3 at full width, 5 layers
 (1 dense + 4 MoE, no MTP: 48.47 B parameters), 1 x 4096 tokens per device on a 32-chip v5p slice
-(FSDP 32), float32 weights and AdamW moments. Each preset is compiled by the planner in a process
-of its own, so a finished one is kept if a later one fails.
+(FSDP 32, or `--mesh expert`: the 32 chips as expert parallelism), float32 weights and AdamW
+moments. Each preset is compiled by the planner in a process of its own, so a finished one is kept
+if a later one fails. MaxText's figures are its FSDP-32 compile in both cases: the arguments are
+the same 16.93 GiB on either mesh.
 
     python benchmarks/tpu_vs_maxtext.py [--presets maxtext_best,full_remat,...] [--moe-matmul megablox]
-                                        [--out DIR]
+                                        [--mesh fsdp|expert] [--out DIR]
 
 Prints ferry's HBM total, temporaries and pinned host bytes per device next to MaxText's, and the
 two goals of issue 16: ferry's best total <= 40.5 GiB (0.9 x MaxText's best) and the
@@ -36,11 +38,14 @@ SHAPE = (
     "model.num_layers=5",
     "model.num_dense_layers=1",
     "model.mtp_depth=0",
-    "mesh.fsdp=32",
     "train.micro_batch_size=1",
     "train.seq_len=4096",
     "train.global_batch_size=32",
 )
+# The 32 chips as MaxText's FSDP over the slice, or as expert parallelism: the experts split 8 to
+# a chip and every other weight sharded over the same 32 chips (PARAM_RULES' embed on fsdp and
+# expert), so the arguments are the same 16.93 GiB and no chip gathers a MoE layer's experts.
+MESHES = {"fsdp": ("mesh.fsdp=32",), "expert": ("mesh.expert=32",)}
 # MaxText's best placement as ferry's run offload (its name makes it a plan preset)
 MAXTEXT_BEST = (
     "offload=moe_offload",
@@ -50,11 +55,11 @@ MAXTEXT_BEST = (
 PRESETS = ("maxtext_best", "full_remat", "minimal_offloaded", "minimal", "moe_offload")
 
 
-def plan_one(preset: str, moe_matmul: str, out: Path) -> dict | None:
+def plan_one(preset: str, moe_matmul: str, out: Path, mesh: str) -> dict | None:
     """Plan `preset` in a process of its own (`--one`); its MemoryPlan's JSON, or None if it
     failed. A process per preset: a failed compile loses nothing already planned."""
-    path = out / f"{preset}-{moe_matmul}.json"
-    command = [sys.executable, __file__, "--one", preset, "--moe-matmul", moe_matmul, "--out", str(out)]
+    path = out / f"{preset}-{moe_matmul}-{mesh}.json"
+    command = [sys.executable, __file__, "--one", preset, "--moe-matmul", moe_matmul, "--out", str(out), "--mesh", mesh]
     print(f"planning {preset} (moe_matmul={moe_matmul})", flush=True)
     started = time.perf_counter()
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
@@ -65,7 +70,7 @@ def plan_one(preset: str, moe_matmul: str, out: Path) -> dict | None:
     return json.loads(path.read_text())
 
 
-def plan_here(preset: str, moe_matmul: str, out: Path) -> None:
+def plan_here(preset: str, moe_matmul: str, out: Path, mesh: str) -> None:
     """Compile the train step of SHAPE under `preset` for v5p x 32 with the TPU platform's XLA
     flags (`ferry.plan.planner.plan_memory`, the planner's own compile and verifier) and write
     its plan. Only the plan: `mode=plan` would also compile `save_all` for its recompute check,
@@ -83,7 +88,7 @@ def plan_here(preset: str, moe_matmul: str, out: Path) -> None:
 
     configs = ROOT / "configs"
     offload = MAXTEXT_BEST if preset == "maxtext_best" else (f"offload={preset}",)
-    overrides = ["mode=plan", "target=v5p", *SHAPE, f"model.moe_matmul={moe_matmul}", *offload]
+    overrides = ["mode=plan", "target=v5p", *SHAPE, *MESHES[mesh], f"model.moe_matmul={moe_matmul}", *offload]
     with initialize_config_dir(str(configs), version_base=None):
         config = load_config(OmegaConf.to_container(compose("train", overrides=overrides), resolve=True))
     preset_config = (
@@ -95,7 +100,7 @@ def plan_here(preset: str, moe_matmul: str, out: Path) -> None:
     platform = from_dict(PlatformConfig, OmegaConf.to_container(OmegaConf.load(configs / "platform" / "tpu.yaml")))
     plan = plan_memory(config, TARGETS["v5p"], policy, preset, xla_flags=dict(platform.xla_flags))
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{preset}-{moe_matmul}.json").write_text(json.dumps(plan.to_json(), default=str))
+    (out / f"{preset}-{moe_matmul}-{mesh}.json").write_text(json.dumps(plan.to_json(), default=str))
 
 
 def row(preset: str, plan: dict) -> str:
@@ -112,17 +117,21 @@ def main() -> int:
     parser.add_argument("--presets", default=",".join(PRESETS))
     parser.add_argument("--moe-matmul", default="megablox", choices=("megablox", "ragged_dot"))
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "tpu_vs_maxtext")
+    parser.add_argument("--mesh", default="fsdp", choices=tuple(MESHES))
     parser.add_argument("--one", help=argparse.SUPPRESS)  # plan one preset in this process
     args = parser.parse_args()
     if args.one:
-        plan_here(args.one, args.moe_matmul, args.out)
+        plan_here(args.one, args.moe_matmul, args.out, args.mesh)
         return 0
     plans = {}
     for preset in args.presets.split(","):
-        plan = plan_one(preset, args.moe_matmul, args.out)
+        plan = plan_one(preset, args.moe_matmul, args.out, args.mesh)
         if plan is not None:
             plans[preset] = plan
-    print(f"\nDeepSeek-V3, 5 layers, v5p x 32 (FSDP 32), 1 x 4096 tokens per device, moe_matmul={args.moe_matmul}")
+    print(
+        f"\nDeepSeek-V3, 5 layers, v5p x 32 (mesh.{args.mesh}=32; MaxText: FSDP 32), 1 x 4096 tokens per device, "
+        f"moe_matmul={args.moe_matmul}"
+    )
     print("| preset | ferry HBM total (temp / pinned host), GiB | MaxText | ferry / MaxText | TFLOP per device |")
     print("|---|---|---|---|---|")
     for preset, plan in plans.items():

@@ -4,7 +4,9 @@ activations over it.
 The mesh has four named axes, each of size 1 when unused: `data` (pure data parallelism),
 `fsdp` (data parallelism whose parameters and optimizer moments are sharded, gathered layer by
 layer), `tensor` (heads and MLP columns split across devices) and `expert` (MoE experts split
-across devices; outside the experts it is one more data-parallel axis). Every dimension is named
+across devices; outside the experts it acts as one more FSDP axis: the batch is split over it and
+every other parameter and its moments are sharded over it too, as in MaxText, so an expert-parallel
+mesh holds no replicated dense weights). Every dimension is named
 by a *logical* axis (`embed`, `heads`, `batch`...); the two rule tables below map logical axes to
 mesh axes, one for parameters and one for activations, as MaxText's `logical_axis_rules` do.
 
@@ -37,8 +39,8 @@ BATCH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
 LogicalAxes = tuple[str | None, ...]
 
 PARAM_RULES: Mapping[str, tuple[str, ...]] = {
-    "embed": ("fsdp",),
-    "latent": ("fsdp",),
+    "embed": ("fsdp", "expert"),
+    "latent": ("fsdp", "expert"),
     "heads": ("tensor",),
     "mlp": ("tensor",),
     "vocab": ("tensor",),
