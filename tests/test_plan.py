@@ -19,6 +19,7 @@ from ferry.plan.auto import (
     fastest_fitting,
     fits_with_headroom,
     predict,
+    state_decisions,
     tensor_costs,
     tensor_decisions,
 )
@@ -118,16 +119,29 @@ def test_tpu_v5p_plan_offloads_to_pinned_host():
     assert TARGETS["v5p"].topology(128) == "v5p:4x4x8" and TARGETS["v6e"].topology(32) == "v6e:4x8"
 
 
-def auto_choice(target, capacity_gib: float, host_capacity_gib: float | None = None, seq_len: int = 256):
+def auto_choice(
+    target, capacity_gib: float, host_capacity_gib: float | None = None, seq_len: int = 256, state: bool = False
+):
+    """offload=auto on llama_tiny; with `state`, the optimizer's and master weights' placements
+    are decisions too, as mode=plan makes them."""
     config = compose_config(
         "model=llama_tiny", "offload=auto", f"train.seq_len={seq_len}", "mode=plan", f"target={target.name}"
     )
     host = None if host_capacity_gib is None else int(host_capacity_gib * 2**30)
 
-    def compile_policy(policy, name):
-        return plan_memory(config, target, policy, name, int(capacity_gib * 2**30), GPU_FLAGS, host)
+    def compile_policy(policy, name, placed=config):
+        return plan_memory(placed, target, policy, name, int(capacity_gib * 2**30), GPU_FLAGS, host)
 
-    return auto_plan(config, target, compile_only_mesh(target, config.mesh), compile_policy)
+    def compile_choice(policy, values):
+        offload = dataclasses.replace(
+            config.offload, optimizer=values["offload.optimizer"], params=values["offload.params"]
+        )
+        return compile_policy(policy, "auto", dataclasses.replace(config, offload=offload))
+
+    mesh = compile_only_mesh(target, config.mesh)
+    if not state:
+        return auto_plan(config, target, mesh, compile_policy)
+    return auto_plan(config, target, mesh, compile_policy, state_decisions(config, target, mesh), compile_choice)
 
 
 def test_auto_keeps_everything_on_device_when_it_fits():
@@ -222,6 +236,38 @@ def test_auto_reports_the_least_hbm_candidate_when_nothing_fits():
     placements = {c.name: c.placement for c in choices}
     assert placements.pop("decoder_layer_input") == "offload" and set(placements.values()) == {"remat"}
     assert measured.device_bytes < tried[0].plan.device_bytes
+
+
+def test_auto_moves_the_train_state_to_host_when_only_that_fits(tmp_path):
+    """llama_tiny at 64 tokens: its activations are about a MiB, its AdamW moments 1 MiB. Below
+    what full_remat needs with the state in HBM, only a placement with (part of) the state on
+    host fits: auto chooses one, compiles it with the state in pinned host memory, and writes it
+    into the preset a run trains with."""
+    import yaml
+
+    from ferry.config import from_dict
+    from ferry.plan.report import write_plan
+    from ferry.train.config import OffloadConfig
+
+    remat = plan("llama_tiny", "full_remat", seq_len=64).device_bytes
+    state_on_host = plan("llama_tiny", "full_remat", "offload.optimizer=host", "offload.params=host", seq_len=64)
+    remat_state_on_host = state_on_host.device_bytes
+    assert remat_state_on_host < remat
+    # the transfer table names the update's copies by the state they move
+    assert all(t.tensor.startswith("master weights+AdamW moments:") for t in state_on_host.transfers)
+    assert any("mlp.wi_0" in t.tensor for t in state_on_host.transfers)
+    capacity = (remat + remat_state_on_host) / 2 / 0.95 / 2**30  # between the two, with headroom
+    measured, choices, tried = auto_choice(H200, capacity, seq_len=64, state=True)
+    assert not fits_with_headroom(tried[0].plan) and fits_with_headroom(measured)
+    state = {c.name: c.placement for c in choices if c.name.startswith("offload.")}
+    assert "host" in state.values()
+    assert measured.host_bytes > 0 and measured.device_bytes < remat
+    moments = next(c for c in choices if c.name == "offload.optimizer").bytes
+    assert moments >= 2**20  # llama_tiny's 131,392 parameters, two float32 moments each
+    written = yaml.safe_load(write_plan([measured], choices, tmp_path)[1].read_text())
+    preset = from_dict(OffloadConfig, written)
+    assert (preset.optimizer, preset.params) == (state["offload.optimizer"], state["offload.params"])
+    assert not any(name.startswith("offload.") for name in preset.tensors)
 
 
 @pytest.mark.parametrize("preset", ["qkv_offload", "decoder_input_offload"])

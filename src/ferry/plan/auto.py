@@ -32,6 +32,8 @@ from ferry.plan.targets import Target
 from ferry.precision import cast_floating
 from ferry.schedule import model_schedule
 from ferry.train.config import FerryConfig
+from ferry.train.state import run_state_layout
+from ferry.train.state_memory import StatePlacement, float_params, state_copies
 
 _SHAPE_ONLY = {
     "convert_element_type",
@@ -242,6 +244,32 @@ def tensor_decisions(costs: dict[str, TensorCost], micro_steps: int) -> list[Dec
     return decisions
 
 
+STATE_DECISIONS = ("offload.optimizer", "offload.params")  # the train state's placements
+
+
+def state_decisions(config: FerryConfig, target: Target, mesh: Any) -> tuple[Decision, ...]:
+    """device / host for AdamW's moments and for the float32 master weights: on host they free
+    their HBM (the master weights less the compute-dtype copy that stays) and the update streams
+    them in and out once per step, each way at the host link's bandwidth, after the backward pass
+    (nothing hides it). A stack's update is a scan whose outputs are new stacks: pinned host
+    holds its part twice while it runs."""
+    layout = run_state_layout(config, mesh, for_target(config.model, target))
+    compute_bytes = jnp.dtype(config.train.compute_dtype).itemsize
+    master_bytes = max(x.dtype.itemsize for x in jax.tree.leaves(float_params(layout.model)))
+    decisions = []
+    for name, placement, tensor in (
+        ("offload.optimizer", StatePlacement(optimizer="host"), "AdamW moments"),
+        ("offload.params", StatePlacement(params="host"), "master weights"),
+    ):
+        copies = [c for c in state_copies(layout.model, placement, layout.sharding.model) if c.tensor == tensor]
+        moved = float(sum(c.bytes_per_layer * c.num_layers for c in copies))
+        stacked = float(sum(c.bytes_per_layer * c.num_layers for c in copies if c.group != "other"))
+        kept = moved * compute_bytes / master_bytes if tensor == "master weights" else 0.0  # the compute copy
+        host = Option("host", moved - kept, moved + stacked, seconds=moved / target.host_link_bandwidth)
+        decisions.append(Decision(name, (Option("device"), host), tensor=False))
+    return tuple(decisions)
+
+
 def predict(baseline: Baseline, decisions: list[Decision], values: tuple[str, ...], target: Target) -> Prediction:
     """The HBM, host bytes and best step-time estimate of one candidate, from the baseline."""
     chosen = [next(o for o in d.options if o.value == v) for d, v in zip(decisions, values, strict=True)]
@@ -448,7 +476,8 @@ def _choices(
     for decision in decisions:
         value = pick.values[decision.name]
         cost = costs.get(decision.name)
-        size = cost.bytes if cost else 0
+        # a tensor's bytes per micro step; another decision's, the bytes its other options move
+        size = cost.bytes if cost else int(max(o.host_bytes for o in decision.options))
         recompute = cost.recompute_flops if cost and value == "remat" else 0.0
         choices.append(Choice(decision.name, value, size, recompute, why))
     return choices

@@ -31,6 +31,7 @@ from ferry.train.config import FerryConfig
 from ferry.train.flops import training_flops
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer
 from ferry.train.state import run_state_layout
+from ferry.train.state_memory import state_copy_names
 from ferry.train.step import LossSettings, train_step_body
 
 
@@ -173,7 +174,8 @@ def plan_memory(
         )
     hlo = compiled.as_text()
     schedule = _schedule(config, model_config, policy, mesh)
-    transfers, summary = time_transfers(hlo, target, _offloaded_bytes(schedule))
+    copy_names = _offloaded_bytes(schedule) | state_copy_names(layout.model, layout.placement, sharding.model)
+    transfers, summary = time_transfers(hlo, target, copy_names)
     verification = verify_program(
         hlo,
         schedule,

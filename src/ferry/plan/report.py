@@ -15,7 +15,15 @@ from rich.table import Table
 from ferry.config import ConfigError
 from ferry.models.registry import abstract_model
 from ferry.offload import Policy
-from ferry.plan.auto import HEADROOM, Choice, Tried, auto_plan, fits_with_headroom
+from ferry.plan.auto import (
+    HEADROOM,
+    STATE_DECISIONS,
+    Choice,
+    Tried,
+    auto_plan,
+    fits_with_headroom,
+    state_decisions,
+)
 from ferry.plan.estimate import REFERENCE, ranked
 from ferry.plan.extrapolate import (
     ExtrapolationError,
@@ -38,6 +46,7 @@ from ferry.plan.verify import DEAD, RecomputeNotChecked, explain_recompute, reco
 from ferry.platform import PlatformConfig
 from ferry.schedule import format_bytes
 from ferry.train.config import FerryConfig, OffloadConfig, check_mesh_shape
+from ferry.train.state_memory import StatePlacement
 
 HOST_POOL_VARIABLE = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"  # GiB of pinned host XLA's GPU client sets up
 
@@ -84,32 +93,37 @@ def run_plan(
     host_capacity = None if pool is None else int(pool) * 2**30
     extrapolate = should_extrapolate(config.plan.extrapolate, config.model)
 
-    def compile_at(policy: Policy, name: str, depths: dict[str, int] | None = None) -> MemoryPlan:
-        at = config if depths is None else dataclasses.replace(config, model=with_depths(config.model, depths))
+    def compile_at(
+        policy: Policy, name: str, state: StatePlacement, depths: dict[str, int] | None = None
+    ) -> MemoryPlan:
+        model = config.model if depths is None else with_depths(config.model, depths)
+        offload = dataclasses.replace(config.offload, optimizer=state.optimizer, params=state.params)
+        at = dataclasses.replace(config, model=model, offload=offload)
         shown = "" if depths is None else " (" + ", ".join(f"{g} {d} layers" for g, d in depths.items()) + ")"
         console.print(f"compiling the train step for {config.mesh.num_devices} x {target.description}: {name}{shown}")
         return plan_memory(at, target, policy, name, capacity, dict(platform.xla_flags), host_capacity)
 
     compiled: dict[tuple, MemoryPlan] = {}  # auto's all-on-device candidate is `minimal`, say: compile once
 
-    def compile_policy(policy: Policy, name: str) -> MemoryPlan:
-        key = (policy.keep_all, tuple(policy.placement(tensor) for tensor in sorted(tagged)))
+    def compile_policy(policy: Policy, name: str, state: StatePlacement | None = None) -> MemoryPlan:
+        state = config.offload.state_placement if state is None else state
+        key = (policy.keep_all, tuple(policy.placement(tensor) for tensor in sorted(tagged)), state)
         if key not in compiled:
-            compiled[key] = compile_new(policy, name)
+            compiled[key] = compile_new(policy, name, state)
         return dataclasses.replace(compiled[key], policy=name)
 
-    def compile_new(policy: Policy, name: str) -> MemoryPlan:
+    def compile_new(policy: Policy, name: str, state: StatePlacement) -> MemoryPlan:
         if not extrapolate:
-            return compile_at(policy, name)
+            return compile_at(policy, name, state)
         try:
             return extrapolated_plan(
-                lambda depths: compile_at(policy, name, depths),
+                lambda depths: compile_at(policy, name, state, depths),
                 group_depths(config.model),
                 model_flops_per_device(config, target),
             )
         except ExtrapolationError as error:
             console.print(f"not extrapolated: {error}; compiling the whole model", highlight=False)
-            return compile_at(policy, name)
+            return compile_at(policy, name, state)
 
     # XLA compiles one program on one core: the presets compile side by side, a core per compile
     per_plan = 1 + len(probe_depths(group_depths(config.model))[1]) if extrapolate else 1
@@ -144,7 +158,15 @@ def run_plan(
     choices: list[Choice] = []
     tried: list[Tried] = []
     if auto:
-        auto_result, choices, tried = auto_plan(config, target, compile_only_mesh(target, config.mesh), compile_policy)
+        mesh = compile_only_mesh(target, config.mesh)
+
+        def compile_choice(policy: Policy, values: dict[str, str]) -> MemoryPlan:
+            state = StatePlacement(values["offload.optimizer"], values["offload.params"])
+            return compile_policy(policy, "auto", state)
+
+        auto_result, choices, tried = auto_plan(
+            config, target, mesh, compile_policy, state_decisions(config, target, mesh), compile_choice
+        )
         plans.append(auto_result)
     console.print(plan_table(plans, config))
     console.print(estimate_table(plans))
@@ -349,9 +371,10 @@ def write_plan(plans: list[MemoryPlan], choices: list[Choice], run_dir: Path) ->
     if not choices:
         return [path]
     preset = run_dir / "offload_auto.yaml"
-    tensors = "\n".join(f"  {c.name}: {c.placement}" for c in choices)
+    tensors = "\n".join(f"  {c.name}: {c.placement}" for c in choices if c.name not in STATE_DECISIONS)
+    state = "".join(f"{c.name.removeprefix('offload.')}: {c.placement}\n" for c in choices if c.name in STATE_DECISIONS)
     preset.write_text(
         f"# offload=auto for {plans[-1].target} ({plans[-1].mesh}), chosen by mode=plan\n"
-        f"name: auto_{plans[-1].target}\nkeep_all: false\ndefault: null\ntensors:\n{tensors}\n"
+        f"name: auto_{plans[-1].target}\nkeep_all: false\ndefault: null\n{state}tensors:\n{tensors}\n"
     )
     return [path, preset]

@@ -52,7 +52,7 @@ def time_transfers(
     names = defaultdict(list)
     for name, size in residual_bytes.items():
         names[size].append(name)
-    transfers = tuple(_timed(copy, target, "/".join(names.get(copy.bytes, ["?"]))) for copy in copies)
+    transfers = tuple(_timed(copy, target, _name(names.get(copy.bytes, ["?"]))) for copy in copies)
     overlapped = overlapped_flops(hlo_text, copies)
     link: dict[str, float] = defaultdict(float)
     executions: dict[str, int] = {}
@@ -67,6 +67,11 @@ def time_transfers(
         overlapped_compute_seconds=sum((compute[name] * executions[name] for name in link), 0.0),
         exposed_seconds=sum((max(0.0, link[name] - compute[name]) * executions[name] for name in link), 0.0),
     )
+
+
+def _name(candidates: list[str]) -> str:
+    """The tensors a copy of one size may be: both of two, or the first and how many more."""
+    return "/".join(candidates) if len(candidates) <= 2 else f"{candidates[0]} (+{len(candidates) - 1} of its size)"
 
 
 def _timed(copy: HostCopy, target: Target, tensor: str) -> Transfer:

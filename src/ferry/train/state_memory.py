@@ -253,10 +253,7 @@ def state_copies(model: Any, placement: StatePlacement, param_sharding: Any) -> 
     if not placement.streams:
         return ()
     smap = state_map(model, placement)
-    shards = [
-        math.prod(sh.shard_shape(x.shape)) * x.dtype.itemsize
-        for x, sh in zip(jax.tree.leaves(float_params(model)), jax.tree.leaves(param_sharding), strict=True)
-    ]
+    shards = _shard_bytes(model, param_sharding)
     copies = []
     for unit, name in enumerate(smap.unit_names):
         index = smap.leaves_of(unit)
@@ -266,3 +263,35 @@ def state_copies(model: Any, placement: StatePlacement, param_sharding: Any) -> 
             if total:
                 copies.append(StateCopy(name, tensor, layers, total // layers))
     return tuple(copies)
+
+
+def state_copy_names(model: Any, placement: StatePlacement, param_sharding: Any) -> dict[str, int]:
+    """Each host-resident leaf's copies, named `master weights:PATH`, `AdamW moments:PATH` or
+    `master weights+AdamW moments:PATH` (both float32, so of one size), and their bytes per device
+    per copy (a stack's: one layer's slice): how the planner names the update's copies in the
+    compiled program."""
+    if not placement.streams:
+        return {}
+    smap = state_map(model, placement)
+    paths = [
+        jax.tree_util.keystr(path, simple=True, separator=".")
+        for path, _ in jax.tree_util.tree_leaves_with_path(float_params(model))
+    ]
+    names = {}
+    for i, (where, shard) in enumerate(zip(paths, _shard_bytes(model, param_sharding), strict=True)):
+        kinds = [
+            kind
+            for kind, host in (("master weights", smap.host_params[i]), ("AdamW moments", smap.host_moments[i]))
+            if host
+        ]
+        if kinds:
+            names["+".join(kinds) + f":{where}"] = shard // smap.unit_layers[smap.units[i]]
+    return names
+
+
+def _shard_bytes(model: Any, param_sharding: Any) -> list[int]:
+    """Each float parameter's bytes on one device."""
+    return [
+        math.prod(sh.shard_shape(x.shape)) * x.dtype.itemsize
+        for x, sh in zip(jax.tree.leaves(float_params(model)), jax.tree.leaves(param_sharding), strict=True)
+    ]
