@@ -7,9 +7,11 @@
 each preset compiled for the real target on this machine (the `compile` column is its time here;
 the deep stacks are extrapolated from shallow compiles, `plan.extrapolate`), with the XLA flags of
 configs/platform/gpu.yaml and a 200 GiB pinned host pool per GPU, and each one's step-time
-estimate ranked against full_remat.
+estimate ranked against full_remat. `offload=auto` chooses the train state's placement with the
+rest; `--state-on-host` plans every preset with AdamW's moments and the float32 master weights in
+pinned host memory (`offload.optimizer=host offload.params=host`).
 
-    python benchmarks/plan_seed.py [--only deepseek|llama] [--out DIR]
+    python benchmarks/plan_seed.py [--only deepseek|llama] [--state-on-host] [--out DIR]
 """
 
 import argparse
@@ -22,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BATCH = ("train.micro_batch_size=8", "train.seq_len=4096", "train.global_batch_size=1024")
 # a GB200 superchip has 480 GB of LPDDR5X for its two GPUs: a 200 GiB pinned pool per GPU
 HOST_POOL = ("platform=gpu", "platform.env.XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=200")
+STATE_ON_HOST = ("offload.optimizer=host", "offload.params=host")
 SEEDS = {
     "deepseek": (
         "model=deepseek_v3",
@@ -43,6 +46,7 @@ SEEDS = {
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=sorted(SEEDS))
+    parser.add_argument("--state-on-host", action="store_true", help="the train state in pinned host memory")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "plan_seed")
     args = parser.parse_args()
     for name, overrides in SEEDS.items():
@@ -56,8 +60,9 @@ def main() -> int:
             *overrides,
             *BATCH,
             *HOST_POOL,
+            *(STATE_ON_HOST if args.state_on_host else ()),
         ]
-        command.append(f"run.dir={args.out / name}")
+        command.append(f"run.dir={args.out / (name + '-state-on-host' if args.state_on_host else name)}")
         print("$ " + " ".join(command[1:]), flush=True)
         started = time.perf_counter()
         result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)

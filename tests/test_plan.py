@@ -120,10 +120,16 @@ def test_tpu_v5p_plan_offloads_to_pinned_host():
 
 
 def auto_choice(
-    target, capacity_gib: float, host_capacity_gib: float | None = None, seq_len: int = 256, state: bool = False
+    target,
+    capacity_gib: float,
+    host_capacity_gib: float | None = None,
+    seq_len: int = 256,
+    state: bool = False,
+    known: tuple[str, ...] = (),
 ):
     """offload=auto on llama_tiny; with `state`, the optimizer's and master weights' placements
-    are decisions too, as mode=plan makes them."""
+    are decisions too, as mode=plan makes them; `known` presets are compiled first and handed to
+    auto as mode=plan hands it the presets it planned."""
     config = compose_config(
         "model=llama_tiny", "offload=auto", f"train.seq_len={seq_len}", "mode=plan", f"target={target.name}"
     )
@@ -139,6 +145,11 @@ def auto_choice(
         return compile_policy(policy, "auto", dataclasses.replace(config, offload=offload))
 
     mesh = compile_only_mesh(target, config.mesh)
+    tagged = abstract_model(config.model).tagged_names()
+    policies = [load_preset(name).policy(tagged) for name in known]
+    compiled = [(policy, compile_policy(policy, name)) for policy, name in zip(policies, known, strict=True)]
+    if compiled:
+        return auto_plan(config, target, mesh, compile_policy, known=compiled)
     if not state:
         return auto_plan(config, target, mesh, compile_policy)
     return auto_plan(config, target, mesh, compile_policy, state_decisions(config, target, mesh), compile_choice)
@@ -206,6 +217,18 @@ def test_auto_picks_the_fastest_estimate_that_fits_both_memories():
     placements = {c.name: c.placement for c in choices}
     assert "remat" in placements.values() and placements["decoder_layer_input"] != "remat"
     assert len(tried) <= 1 + MAX_CHECKS
+
+
+def test_auto_weighs_the_presets_planned_beside_it():
+    """The presets mode=plan compiled anyway are candidates: they are in auto's table under their
+    names, and auto's pick is never slower than the fastest of them that fits."""
+    measured, choices, tried = auto_choice(H200, 0.055, seq_len=256, known=("full_remat", "minimal_offloaded"))
+    presets = {t.plan.policy: t.plan for t in tried if t.plan.policy != "auto"}
+    assert set(presets) == {"full_remat", "minimal_offloaded"}
+    fitting = [p for p in presets.values() if fits_with_headroom(p)]
+    assert fitting and fits_with_headroom(measured) and measured.policy == "auto"
+    assert measured.estimate.best_seconds <= min(p.estimate.best_seconds for p in fitting)
+    assert {c.name: c.placement for c in choices}["decoder_layer_input"] != "remat"
 
 
 def test_the_estimate_reads_the_compiled_collectives_and_counts_model_flops_as_maxtext():

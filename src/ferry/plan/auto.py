@@ -18,7 +18,7 @@ Where nothing is predicted to fit, the candidate freeing the most HBM is compile
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -407,12 +407,15 @@ def auto_plan(
     compile_policy: Callable[[Policy, str], MemoryPlan],
     extra: tuple[Decision, ...] = (),
     compile_choice: Callable[[Policy, dict[str, str]], MemoryPlan] | None = None,
+    known: Sequence[tuple[Policy, MemoryPlan]] = (),
 ) -> tuple[MemoryPlan, list[Choice], list[Tried]]:
     """The fastest-estimated candidate whose compiled step fits both memories with `HEADROOM`
     (see the module), its choices, and every candidate compiled on the way. `extra` decisions
     (not tensors) reach the compile through `compile_choice(policy, {decision: value})`; without
-    them `compile_policy(policy, "auto")` compiles. Where nothing fits: the candidate closest to
-    fitting."""
+    them `compile_policy(policy, "auto")` compiles. `known`: presets this plan already compiled
+    (with the run's state placement); they are candidates too, so auto is never slower than the
+    fastest of them that fits, and their programs calibrate its predictions. Where nothing fits:
+    the candidate closest to fitting."""
     costs, forward = tensor_costs(config, target, mesh)
     micro_steps = config.train.micro_steps(config.mesh.data_parallel)
     decisions = tensor_decisions(costs, micro_steps) + list(extra)
@@ -441,6 +444,12 @@ def auto_plan(
             first,
         )
     ]
+    names = tuple(d.name for d in decisions)
+    for policy, plan in known:
+        values = known_values(decisions, policy, config)
+        if values is not None and values not in {tuple(t.values.values()) for t in tried}:
+            predicted = predict(baseline, decisions, values, target)
+            tried.append(Tried(dict(zip(names, values, strict=True)), predicted, plan))
     hbm_limit = (1 - HEADROOM) * first.capacity_bytes
     host_limit = None if first.host_capacity_bytes is None else (1 - HEADROOM) * first.host_capacity_bytes
     for _ in range(MAX_CHECKS):
@@ -455,12 +464,23 @@ def auto_plan(
         if candidate is None or (best is not None and candidate.seconds >= best.plan.estimate.best_seconds):
             break
         plan = compile_candidate(candidate.values)
-        tried.append(Tried(dict(zip((d.name for d in decisions), candidate.values, strict=True)), candidate, plan))
+        tried.append(Tried(dict(zip(names, candidate.values, strict=True)), candidate, plan))
     fitting = [t for t in tried if t.fits]
     pick = min(fitting, key=lambda t: t.plan.estimate.best_seconds, default=None)
     if pick is None:
         pick = min(tried, key=lambda t: t.plan.device_bytes / t.plan.capacity_bytes)
-    return pick.plan, _choices(pick, costs, decisions, fitting), tried
+    plan = pick.plan if pick.plan.policy == "auto" else dataclasses.replace(pick.plan, policy="auto")
+    return plan, _choices(pick, costs, decisions, fitting), tried
+
+
+def known_values(decisions: list[Decision], policy: Policy, config: FerryConfig) -> tuple[str, ...] | None:
+    """A compiled preset's value for each decision: its tensors' placements and the run's state
+    placement; None where one is no option of its decision (a preset rematerialising the layer
+    input, say)."""
+    state = {"offload.optimizer": config.offload.optimizer, "offload.params": config.offload.params}
+    values = tuple(policy.placement(d.name) if d.tensor else state.get(d.name, d.options[0].value) for d in decisions)
+    valid = all(value in {o.value for o in d.options} for d, value in zip(decisions, values, strict=True))
+    return values if valid else None
 
 
 def _choices(

@@ -165,7 +165,13 @@ def run_plan(
             return compile_policy(policy, "auto", state)
 
         auto_result, choices, tried = auto_plan(
-            config, target, mesh, compile_policy, state_decisions(config, target, mesh), compile_choice
+            config,
+            target,
+            mesh,
+            compile_policy,
+            state_decisions(config, target, mesh),
+            compile_choice,
+            known=list(zip(policies.values(), plans, strict=True)),
         )
         plans.append(auto_result)
     console.print(plan_table(plans, config))
@@ -326,17 +332,20 @@ def verification_table(plan: MemoryPlan) -> Table:
 
 
 def candidate_table(tried: list[Tried]) -> Table:
-    """The candidates offload=auto compiled, in order: what it predicted, what each compiled to."""
+    """The candidates offload=auto weighed, in order (the presets compiled beside it, then its
+    own): what it predicted, what each compiled to."""
     table = Table(
         title="offload=auto: candidates compiled (per device; step times are ESTIMATES)",
         caption=f"fits: HBM and the pinned host pool each keep {HEADROOM:.0%} free",
     )
-    for column in ("#", "off device", "HBM predicted", "HBM", "pinned host", "best predicted", "best estimate", "fits"):
-        table.add_column(column, justify="left" if column in ("off device", "fits") else "right")
+    columns = ("#", "from", "off device", "HBM predicted", "HBM", "pinned host", "best predicted", "best estimate")
+    for column in (*columns, "fits"):
+        table.add_column(column, justify="left" if column in ("from", "off device", "fits") else "right")
     for number, t in enumerate(tried, 1):
         moved = [f"{name}={value}" for name, value in t.values.items() if value != "device"]
         table.add_row(
             str(number),
+            t.plan.policy,  # a preset this plan compiled anyway, or auto's own candidate
             ", ".join(moved) or "(all on device)",
             format_bytes(int(t.predicted.hbm_bytes)),
             format_bytes(t.plan.device_bytes),
