@@ -71,17 +71,19 @@ def test_backend_choices_are_made_per_platform():
 
 
 def test_the_train_state_is_sharded_by_the_axes_layers_declare():
-    """Linear weights by the axes they were built with (a stack's layer axis unnamed), the
-    embedding over fsdp, norms whole; AdamW's moments exactly like their parameters."""
+    """Linear weights by the axes they were built with (a stack's layer axis unnamed), `embed`
+    over fsdp and expert (the expert axis shards every parameter, as MaxText's rules do), norms
+    whole; AdamW's moments exactly like their parameters."""
+    embed = ("fsdp", "expert")
     model = abstract_model(load_model_config("llama_tiny"))
     state = eqx.filter_eval_shape(lambda m: init_state(m, optax.adamw(1e-3)), model)
     shardings = tree_shardings(state, MESH)
     specs = shardings.model
-    assert specs.layers.layers.attention.query.weight.spec == PartitionSpec(None, "fsdp", "tensor")
-    assert specs.layers.layers.attention.out.weight.spec == PartitionSpec(None, "tensor", "fsdp")
-    assert specs.layers.layers.mlp.wo.weight.spec == PartitionSpec(None, "tensor", "fsdp")
-    assert specs.embed.weight.spec == PartitionSpec(None, "fsdp")
-    assert specs.head.weight.spec == PartitionSpec("fsdp", "tensor")
+    assert specs.layers.layers.attention.query.weight.spec == PartitionSpec(None, embed, "tensor")
+    assert specs.layers.layers.attention.out.weight.spec == PartitionSpec(None, "tensor", embed)
+    assert specs.layers.layers.mlp.wo.weight.spec == PartitionSpec(None, "tensor", embed)
+    assert specs.embed.weight.spec == PartitionSpec(None, embed)
+    assert specs.head.weight.spec == PartitionSpec(embed, "tensor")
     assert specs.final_norm.weight.spec == PartitionSpec(None)
     adam = shardings.opt_state[0]
     assert jax.tree.leaves(adam.mu) == jax.tree.leaves(specs) == jax.tree.leaves(adam.nu)
@@ -100,4 +102,4 @@ def test_an_array_no_layer_declares_is_refused_naming_it():
         tree_shardings(model, MESH)
     with pytest.raises(ValueError, match="2 dimensions"):
         Linear(4, 8, axes=("embed",), key=jax.random.key(0))
-    assert tree_shardings(model.proj, MESH).weight.spec == PartitionSpec("fsdp", "tensor")
+    assert tree_shardings(model.proj, MESH).weight.spec == PartitionSpec(("fsdp", "expert"), "tensor")
