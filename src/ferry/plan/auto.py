@@ -18,7 +18,7 @@ Where nothing is predicted to fit, the candidate freeing the most HBM is compile
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -33,7 +33,15 @@ from ferry.precision import cast_floating
 from ferry.schedule import model_schedule
 from ferry.train.config import FerryConfig
 from ferry.train.state import run_state_layout
-from ferry.train.state_memory import StatePlacement, float_params, state_copies
+from ferry.train.state_memory import (
+    DEVICE,
+    HOST,
+    MASTER_WEIGHTS,
+    MOMENTS,
+    StatePlacement,
+    float_params,
+    state_copies,
+)
 
 _SHAPE_ONLY = {
     "convert_element_type",
@@ -244,7 +252,20 @@ def tensor_decisions(costs: dict[str, TensorCost], micro_steps: int) -> list[Dec
     return decisions
 
 
-STATE_DECISIONS = ("offload.optimizer", "offload.params")  # the train state's placements
+# offload=auto's decisions on the train state, named by their run-config keys: the StatePlacement
+# field each sets, and what it moves
+STATE_DECISIONS = {"offload.optimizer": ("optimizer", MOMENTS), "offload.params": ("params", MASTER_WEIGHTS)}
+
+
+def state_of(values: Mapping[str, str]) -> StatePlacement:
+    """The train state's placement that a candidate's decision values name."""
+    return StatePlacement(**{field: values[name] for name, (field, _) in STATE_DECISIONS.items()})
+
+
+def state_values(state: StatePlacement) -> dict[str, str]:
+    """The state decisions' values of a placement: `state_of`'s inverse."""
+    fields = dataclasses.asdict(state)
+    return {name: fields[field] for name, (field, _) in STATE_DECISIONS.items()}
 
 
 def state_decisions(config: FerryConfig, target: Target, mesh: Any) -> tuple[Decision, ...]:
@@ -257,16 +278,14 @@ def state_decisions(config: FerryConfig, target: Target, mesh: Any) -> tuple[Dec
     compute_bytes = jnp.dtype(config.train.compute_dtype).itemsize
     master_bytes = max(x.dtype.itemsize for x in jax.tree.leaves(float_params(layout.model)))
     decisions = []
-    for name, placement, tensor in (
-        ("offload.optimizer", StatePlacement(optimizer="host"), "AdamW moments"),
-        ("offload.params", StatePlacement(params="host"), "master weights"),
-    ):
+    for name, (field, tensor) in STATE_DECISIONS.items():
+        placement = StatePlacement(**{field: HOST})
         copies = [c for c in state_copies(layout.model, placement, layout.sharding.model) if c.tensor == tensor]
         moved = float(sum(c.bytes_per_layer * c.num_layers for c in copies))
         stacked = float(sum(c.bytes_per_layer * c.num_layers for c in copies if c.group != "other"))
-        kept = moved * compute_bytes / master_bytes if tensor == "master weights" else 0.0  # the compute copy
-        host = Option("host", moved - kept, moved + stacked, seconds=moved / target.host_link_bandwidth)
-        decisions.append(Decision(name, (Option("device"), host), tensor=False))
+        kept = moved * compute_bytes / master_bytes if tensor == MASTER_WEIGHTS else 0.0  # the compute copy
+        host = Option(HOST, moved - kept, moved + stacked, seconds=moved / target.host_link_bandwidth)
+        decisions.append(Decision(name, (Option(DEVICE), host), tensor=False))
     return tuple(decisions)
 
 
@@ -477,7 +496,7 @@ def known_values(decisions: list[Decision], policy: Policy, config: FerryConfig)
     """A compiled preset's value for each decision: its tensors' placements and the run's state
     placement; None where one is no option of its decision (a preset rematerialising the layer
     input, say)."""
-    state = {"offload.optimizer": config.offload.optimizer, "offload.params": config.offload.params}
+    state = state_values(config.offload.state_placement)
     values = tuple(policy.placement(d.name) if d.tensor else state.get(d.name, d.options[0].value) for d in decisions)
     valid = all(value in {o.value for o in d.options} for d, value in zip(decisions, values, strict=True))
     return values if valid else None

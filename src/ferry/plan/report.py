@@ -23,6 +23,7 @@ from ferry.plan.auto import (
     auto_plan,
     fits_with_headroom,
     state_decisions,
+    state_of,
 )
 from ferry.plan.estimate import REFERENCE, ranked
 from ferry.plan.extrapolate import (
@@ -161,8 +162,7 @@ def run_plan(
         mesh = compile_only_mesh(target, config.mesh)
 
         def compile_choice(policy: Policy, values: dict[str, str]) -> MemoryPlan:
-            state = StatePlacement(values["offload.optimizer"], values["offload.params"])
-            return compile_policy(policy, "auto", state)
+            return compile_policy(policy, "auto", state_of(values))
 
         auto_result, choices, tried = auto_plan(
             config,
@@ -381,7 +381,7 @@ def write_plan(plans: list[MemoryPlan], choices: list[Choice], run_dir: Path) ->
         return [path]
     preset = run_dir / "offload_auto.yaml"
     tensors = "\n".join(f"  {c.name}: {c.placement}" for c in choices if c.name not in STATE_DECISIONS)
-    state = "".join(f"{c.name.removeprefix('offload.')}: {c.placement}\n" for c in choices if c.name in STATE_DECISIONS)
+    state = "".join(f"{STATE_DECISIONS[c.name][0]}: {c.placement}\n" for c in choices if c.name in STATE_DECISIONS)
     preset.write_text(
         f"# offload=auto for {plans[-1].target} ({plans[-1].mesh}), chosen by mode=plan\n"
         f"name: auto_{plans[-1].target}\nkeep_all: false\ndefault: null\n{state}tensors:\n{tensors}\n"

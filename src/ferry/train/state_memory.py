@@ -37,6 +37,7 @@ from ferry.sharding import context_mesh
 
 DEVICE, HOST = "device", "host"
 PLACES = (DEVICE, HOST)
+MASTER_WEIGHTS, MOMENTS = "master weights", "AdamW moments"  # what a state copy moves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,7 +259,7 @@ def state_copies(model: Any, placement: StatePlacement, param_sharding: Any) -> 
     for unit, name in enumerate(smap.unit_names):
         index = smap.leaves_of(unit)
         layers = smap.unit_layers[unit]
-        for tensor, flags, count in (("master weights", smap.host_params, 1), ("AdamW moments", smap.host_moments, 2)):
+        for tensor, flags, count in _moved(smap):
             total = sum(shards[i] * count for i in index if flags[i])
             if total:
                 copies.append(StateCopy(name, tensor, layers, total // layers))
@@ -279,14 +280,15 @@ def state_copy_names(model: Any, placement: StatePlacement, param_sharding: Any)
     ]
     names = {}
     for i, (where, shard) in enumerate(zip(paths, _shard_bytes(model, param_sharding), strict=True)):
-        kinds = [
-            kind
-            for kind, host in (("master weights", smap.host_params[i]), ("AdamW moments", smap.host_moments[i]))
-            if host
-        ]
+        kinds = [tensor for tensor, flags, _ in _moved(smap) if flags[i]]
         if kinds:
             names["+".join(kinds) + f":{where}"] = shard // smap.unit_layers[smap.units[i]]
     return names
+
+
+def _moved(smap: Any) -> tuple[tuple[str, Any, int], ...]:
+    """What the update moves per leaf: each tensor, its host flags and its arrays per parameter."""
+    return (MASTER_WEIGHTS, smap.host_params, 1), (MOMENTS, smap.host_moments, 2)
 
 
 def _shard_bytes(model: Any, param_sharding: Any) -> list[int]:
