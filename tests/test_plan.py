@@ -20,6 +20,7 @@ from ferry.plan.auto import (
     fits_with_headroom,
     predict,
     state_decisions,
+    state_of,
     tensor_costs,
     tensor_decisions,
 )
@@ -139,9 +140,8 @@ def auto_choice(
         return plan_memory(placed, target, policy, name, int(capacity_gib * 2**30), GPU_FLAGS, host)
 
     def compile_choice(policy, values):
-        offload = dataclasses.replace(
-            config.offload, optimizer=values["offload.optimizer"], params=values["offload.params"]
-        )
+        state = state_of(values)
+        offload = dataclasses.replace(config.offload, optimizer=state.optimizer, params=state.params)
         return compile_policy(policy, "auto", dataclasses.replace(config, offload=offload))
 
     mesh = compile_only_mesh(target, config.mesh)
@@ -229,6 +229,15 @@ def test_auto_weighs_the_presets_planned_beside_it():
     assert fitting and fits_with_headroom(measured) and measured.policy == "auto"
     assert measured.estimate.best_seconds <= min(p.estimate.best_seconds for p in fitting)
     assert {c.name: c.placement for c in choices}["decoder_layer_input"] != "remat"
+
+
+def test_an_expert_axis_shards_the_dense_weights_as_fsdp_does():
+    """Compiled for 8 H200s, llama_tiny's arguments (weights and AdamW moments) take the same bytes
+    per device on an expert-8 mesh as on an FSDP-8 one: the expert axis shards every parameter,
+    none is replicated over it (before, the expert mesh held 8x)."""
+    fsdp = plan("llama_tiny", "save_all", "mesh.fsdp=8")
+    expert = plan("llama_tiny", "save_all", "mesh.expert=8")
+    assert expert.argument_bytes == fsdp.argument_bytes
 
 
 def test_the_estimate_reads_the_compiled_collectives_and_counts_model_flops_as_maxtext():
