@@ -286,6 +286,36 @@ def test_deepseek_on_h200_copies_every_group_it_offloads():
     assert {w.status for w in verification.walks} == {"right"}
 
 
+def test_the_train_states_write_backs_are_not_taken_for_residuals_of_their_size():
+    """Llama 3.1 405B's shapes on 128 GB200 (FSDP 16 x tensor 8, micro batch 8 of 4096 tokens):
+    one layer's K or V (bf16[1,8,4096,128]) and one layer's float32 Q or out projection weights
+    ([1024, 2048] per device) are 8 MiB each. With the train state on host the update writes the
+    latter back; at the seed's depth the verifier counted six of them as key_proj copies and
+    refused the plan (36/48 found). It now lists the state's write-backs with the residuals and tells them apart
+    by how often they run (once per layer and step, not per micro step)."""
+    compiled = compile_plan(
+        "llama3_1_405b",
+        "qkv_offload",
+        "model.num_layers=2",
+        "mesh.fsdp=16",
+        "mesh.tensor=8",
+        "train.micro_batch_size=8",
+        "train.global_batch_size=256",
+        "offload.optimizer=host",
+        "offload.params=host",
+        target=TARGETS["gb200"],
+        seq_len=4096,
+    )
+    copies = compiled.plan.verification.copies
+    residuals = [c for c in copies if c.group == "decoder"]
+    state = [c for c in copies if c.group == verify.STATE_GROUP]
+    assert {c.tensor for c in residuals} == {"query_proj", "key_proj", "value_proj"}
+    assert all(c.status == "copied" and c.found == c.expected == 2 * 2 for c in residuals)
+    same_size = [c for c in state if c.bytes == 8 * 2**20]
+    assert len(same_size) == 2 and all(c.found == c.expected == 3 * 2 for c in same_size)  # master, 2 moments
+    assert all(c.status == "copied" for c in state)
+
+
 @needs_libtpu
 def test_tpu_v5p_programs_copy_what_the_schedule_lists():
     """libtpu unrolls tiny layer loops and addresses host slices by index (no descriptor to

@@ -31,7 +31,7 @@ from ferry.train.config import FerryConfig
 from ferry.train.flops import training_flops
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer
 from ferry.train.state import run_state_layout
-from ferry.train.state_memory import state_copy_names
+from ferry.train.state_memory import state_writes
 from ferry.train.step import LossSettings, train_step_body
 
 
@@ -174,7 +174,8 @@ def plan_memory(
         )
     hlo = compiled.as_text()
     schedule = _schedule(config, model_config, policy, mesh)
-    copy_names = _offloaded_bytes(schedule) | state_copy_names(layout.model, layout.placement, sharding.model)
+    writes = state_writes(layout.model, layout.placement, sharding.model)
+    copy_names = _offloaded_bytes(schedule) | {name: write.bytes for name, write in writes.items()}
     transfers, summary = time_transfers(hlo, target, copy_names)
     verification = verify_program(
         hlo,
@@ -182,6 +183,7 @@ def plan_memory(
         config.train.micro_steps(data_parallel),
         BackwardReads(config, model_config, policy),
         f"policy {policy_name} compiled for {target.name}",
+        writes,
     )
     return MemoryPlan(
         target=target.name,

@@ -29,7 +29,8 @@ lists every tensor of its group with its size ("query_proj/attention_out/out_pro
 
 import dataclasses
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 from ferry.offload import Policy
@@ -37,8 +38,11 @@ from ferry.plan.hlo_stats import host_copies, host_slice_walks, op_names
 from ferry.plan.planner import MemoryPlan, PlanError
 from ferry.plan.replay import LayerGroupTrace, all_saved, recomputed_producers, record_names, untagged_matmuls
 from ferry.schedule import TransferSchedule, format_bytes
+from ferry.train.state_memory import StateWrite
 
 DEAD = "dead: never read by the backward pass"
+PARTLY = "fewer copies than the update writes"  # the train state's: not an error, its host bytes are the check
+STATE_GROUP = "train state"
 _SCOPE = re.compile(r"ferry_offload/(?P<group>[^/]+)/(?P<tensor>[^/]+)/(?P<direction>to_host|to_device)")
 _DIRECTIONS = {"to_host": "to host", "to_device": "to device"}
 
@@ -71,7 +75,7 @@ class CopyCheck:
     expected: int  # copies per step: layers x micro steps
     found: int
     named_by: str  # "op_name" where the copy's metadata named it, "size" where its bytes did
-    status: str  # "copied", DEAD or "missing"
+    status: str  # "copied", DEAD or "missing"; the train state's write-backs: "copied" or PARTLY
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +155,7 @@ class _Slot:
     # placeholder (`ferry.offload_scan`), which a compiler that unrolls the loop drops as dead
     found: int = 0
     named: bool = False
+    state: bool = False  # a write-back of the train state's update (`state_writes`), not a residual
 
 
 def _scope(op_name: str, groups: list[str]) -> tuple[str, str, str] | None:
@@ -164,13 +169,20 @@ def _scope(op_name: str, groups: list[str]) -> tuple[str, str, str] | None:
 
 
 def check_copies(
-    hlo_text: str, schedule: TransferSchedule, micro_steps: int, read_by_backward: Callable[[str, str], bool]
+    hlo_text: str,
+    schedule: TransferSchedule,
+    micro_steps: int,
+    read_by_backward: Callable[[str, str], bool],
+    state: Mapping[str, StateWrite] = MappingProxyType({}),
 ) -> tuple[tuple[CopyCheck, ...], tuple[str, ...], dict[tuple[str, str], tuple[str, str]]]:
     """Match the program's host copies to the schedule's offloaded tensors: by their copy scope
     where the metadata kept it, else by bytes (and by how often they run, to tell a group of
-    `n` scanned layers from one of a single layer). Returns the checks, the copies matching no
-    tensor, and which (group, tensor) each copy instruction moves (a copy named by its size: every
-    tensor of the group with that size, "a/b")."""
+    `n` scanned layers from one of a single layer). The train state's write-backs (`state`:
+    `ferry.train.state_memory.state_writes`) are matched too, so that one of a residual's size is
+    not taken for it; they are counted, never refused (the state's placement is in the host
+    bytes). Returns the checks, the copies matching no tensor, and which (group, tensor) each
+    copy instruction moves (a copy named by its size: every tensor of the group with that size,
+    "a/b")."""
     groups = [g.name for g in schedule.groups]
     slots = [
         _Slot(
@@ -186,11 +198,16 @@ def check_copies(
         for r in g.residuals
         if r.placement == "offload"
         for direction in ("to host", "to device")
+    ] + [
+        _Slot(STATE_GROUP, name, "to host", write.bytes, write.copies, write.layers, write.copies, state=True)
+        for name, write in state.items()
     ]
     names = op_names(hlo_text)
     reads: dict[tuple[str, str], bool] = {}
 
     def read(slot: _Slot) -> bool:
+        if slot.state:
+            return True
         key = (slot.group, slot.tensor)
         if key not in reads:
             reads[key] = read_by_backward(*key)
@@ -239,7 +256,9 @@ def check_copies(
         moved[(copy.computation, copy.start)] = (slot.group, "/".join(dict.fromkeys(alike)))
     checks = []
     for s in slots:
-        if s.found >= s.required:
+        if s.state:
+            status = "copied" if s.found >= s.expected else PARTLY
+        elif s.found >= s.required:
             status = "copied"
         elif not read(s):  # XLA may drop all or some of them (libtpu keeps one of two unrolled layers')
             status = DEAD
@@ -291,11 +310,13 @@ def verify_program(
     micro_steps: int,
     read_by_backward: Callable[[str, str], bool],
     where: str,
+    state: Mapping[str, StateWrite] = MappingProxyType({}),
 ) -> Verification:
     """Check a compiled program's copies and host walks against `schedule`; refuse it (a
     `CompiledProgramError` naming the tensor, its group and what the program does instead) when
-    a check fails. `where` names the program ("policy P compiled for T")."""
-    copies, unmatched, moved = check_copies(hlo_text, schedule, micro_steps, read_by_backward)
+    a check fails. `where` names the program ("policy P compiled for T"); `state`, the train
+    state's write-backs to pinned host (`check_copies`)."""
+    copies, unmatched, moved = check_copies(hlo_text, schedule, micro_steps, read_by_backward, state)
     missing = [c for c in copies if c.status == "missing"]
     if missing:
         raise MissingCopyError(f"{where}: {_missing_copies(missing)}")

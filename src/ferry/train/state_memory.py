@@ -266,11 +266,24 @@ def state_copies(model: Any, placement: StatePlacement, param_sharding: Any) -> 
     return tuple(copies)
 
 
-def state_copy_names(model: Any, placement: StatePlacement, param_sharding: Any) -> dict[str, int]:
-    """Each host-resident leaf's copies, named `master weights:PATH`, `AdamW moments:PATH` or
-    `master weights+AdamW moments:PATH` (both float32, so of one size), and their bytes per device
-    per copy (a stack's: one layer's slice): how the planner names the update's copies in the
-    compiled program."""
+@dataclasses.dataclass(frozen=True)
+class StateWrite:
+    """One host-resident leaf's write-backs in a step: `arrays` of `bytes` each (per device; a
+    stack's: one layer's slice), once per layer."""
+
+    bytes: int
+    layers: int
+    arrays: int  # the master weights (1), the moments (2), or both (3)
+
+    @property
+    def copies(self) -> int:
+        return self.layers * self.arrays
+
+
+def state_writes(model: Any, placement: StatePlacement, param_sharding: Any) -> dict[str, StateWrite]:
+    """Each host-resident leaf's write-backs to pinned host per step, named `master weights:PATH`,
+    `AdamW moments:PATH` or `master weights+AdamW moments:PATH` (both float32, so of one size):
+    how the planner names, and the verifier counts, the update's copies in the compiled program."""
     if not placement.streams:
         return {}
     smap = state_map(model, placement)
@@ -278,12 +291,14 @@ def state_copy_names(model: Any, placement: StatePlacement, param_sharding: Any)
         jax.tree_util.keystr(path, simple=True, separator=".")
         for path, _ in jax.tree_util.tree_leaves_with_path(float_params(model))
     ]
-    names = {}
+    writes = {}
     for i, (where, shard) in enumerate(zip(paths, _shard_bytes(model, param_sharding), strict=True)):
-        kinds = [tensor for tensor, flags, _ in _moved(smap) if flags[i]]
-        if kinds:
-            names["+".join(kinds) + f":{where}"] = shard // smap.unit_layers[smap.units[i]]
-    return names
+        moved = [(tensor, count) for tensor, flags, count in _moved(smap) if flags[i]]
+        if moved:
+            layers = smap.unit_layers[smap.units[i]]
+            name = "+".join(tensor for tensor, _ in moved) + f":{where}"
+            writes[name] = StateWrite(shard // layers, layers, sum(count for _, count in moved))
+    return writes
 
 
 def _moved(smap: Any) -> tuple[tuple[str, Any, int], ...]:
