@@ -231,6 +231,12 @@ class Prediction:
     hbm_bytes: float
     host_bytes: float
     seconds: float  # the best estimate: collectives overlapped
+    worst: float  # the worst estimate: nothing overlaps the collectives
+
+    @property
+    def rank(self) -> tuple[float, float]:
+        """Ordered as `StepEstimate.rank`: the best estimate, then the worst."""
+        return self.seconds, self.worst
 
 
 def tensor_decisions(costs: dict[str, TensorCost], micro_steps: int) -> list[Decision]:
@@ -323,7 +329,11 @@ def _prediction(baseline, values, freed, host, recompute, copies, seconds, targe
     compute = baseline.matmul_seconds + recompute / target.bf16_peak_flops
     busy = compute + exposed_copy_seconds(baseline, copies, target) + seconds
     return Prediction(
-        values, baseline.hbm_bytes - freed, baseline.host_bytes + host, max(busy, baseline.collective_seconds)
+        values,
+        baseline.hbm_bytes - freed,
+        baseline.host_bytes + host,
+        max(busy, baseline.collective_seconds),
+        busy + baseline.collective_seconds,
     )
 
 
@@ -335,9 +345,10 @@ def fastest_fitting(
     host_limit: float | None,
     exclude: frozenset[tuple[str, ...]] = frozenset(),
 ) -> Prediction | None:
-    """The candidate of the least predicted step time predicted within both limits (None if none
-    is), not one of `exclude`: a depth-first branch and bound. Every option adds time and host
-    bytes and frees HBM, so a partial choice is dropped once it is no faster than the best found,
+    """The candidate of the least predicted step time (`Prediction.rank`) predicted within both
+    limits (None if none is), not one of `exclude`: a depth-first branch and bound. Every option
+    adds time and host bytes and frees HBM, so a partial choice is dropped once it is no faster
+    than the best found,
     its host bytes are over, or even freeing the most of every decision left leaves HBM over."""
     order = sorted(range(len(decisions)), key=lambda i: -max(o.freed_bytes for o in decisions[i].options))
     most_left = [0.0] * (len(order) + 1)
@@ -350,7 +361,7 @@ def fastest_fitting(
         totals = _totals(chosen)
         values_so_far = tuple(o.value for o in chosen)
         partial = _prediction(baseline, values_so_far, *totals, target)
-        if best[0] is not None and partial.seconds >= best[0].seconds:
+        if best[0] is not None and partial.rank >= best[0].rank:
             return
         if host_limit is not None and partial.host_bytes > host_limit:
             return
@@ -473,19 +484,19 @@ def auto_plan(
     host_limit = None if first.host_capacity_bytes is None else (1 - HEADROOM) * first.host_capacity_bytes
     for _ in range(MAX_CHECKS):
         fitting = [t for t in tried if t.fits]
-        best = min(fitting, key=lambda t: t.plan.estimate.best_seconds, default=None)
+        best = min(fitting, key=lambda t: t.plan.estimate.rank, default=None)
         exclude = frozenset(t.predicted.values for t in tried)
         hbm_room, host_room = calibrated_limits(baseline, tried[1:], hbm_limit, host_limit)
         candidate = fastest_fitting(baseline, decisions, target, hbm_room, host_room, exclude)
         if candidate is None and best is None:  # nothing is predicted to fit: compile the least HBM, the closest
             least = tuple(max(d.options, key=lambda o: (o.freed_bytes, -o.host_bytes)).value for d in decisions)
             candidate = None if least in exclude else predict(baseline, decisions, least, target)
-        if candidate is None or (best is not None and candidate.seconds >= best.plan.estimate.best_seconds):
+        if candidate is None or (best is not None and candidate.rank >= best.plan.estimate.rank):
             break
         plan = compile_candidate(candidate.values)
         tried.append(Tried(dict(zip(names, candidate.values, strict=True)), candidate, plan))
     fitting = [t for t in tried if t.fits]
-    pick = min(fitting, key=lambda t: t.plan.estimate.best_seconds, default=None)
+    pick = min(fitting, key=lambda t: t.plan.estimate.rank, default=None)
     if pick is None:
         pick = min(tried, key=lambda t: t.plan.device_bytes / t.plan.capacity_bytes)
     plan = pick.plan if pick.plan.policy == "auto" else dataclasses.replace(pick.plan, policy="auto")

@@ -64,6 +64,12 @@ class StepEstimate:
         return self.matmul_seconds + self.exposed_copy_seconds + self.collective_seconds
 
     @property
+    def rank(self) -> tuple[float, float]:
+        """Faster first: the best estimate, then the worst (where collectives outlast compute every
+        best estimate is theirs, and the worst still tells recompute and exposed copies apart)."""
+        return self.best_seconds, self.worst_seconds
+
+    @property
     def best_tflops(self) -> float:
         """Model TFLOPs/s/device the best estimate implies."""
         return self.model_flops / self.best_seconds / 1e12 if self.best_seconds > 0 else 0.0
@@ -86,7 +92,7 @@ def ranked(estimates: dict[str, StepEstimate]) -> list[tuple[str, StepEstimate, 
     """Presets fastest first by the best estimate (the worst breaks ties), each with its best
     estimate's speed-up over `full_remat` (its time / theirs; None without full_remat)."""
     reference = estimates.get(REFERENCE)
-    order = sorted(estimates.items(), key=lambda item: (item[1].best_seconds, item[1].worst_seconds))
+    order = sorted(estimates.items(), key=lambda item: item[1].rank)
     return [
         (name, estimate, None if reference is None else reference.best_seconds / estimate.best_seconds)
         for name, estimate in order
