@@ -348,8 +348,8 @@ def fastest_fitting(
     """The candidate of the least predicted step time (`Prediction.rank`) predicted within both
     limits (None if none is), not one of `exclude`: a depth-first branch and bound. Every option
     adds time and host bytes and frees HBM, so a partial choice is dropped once it is no faster
-    than the best found,
-    its host bytes are over, or even freeing the most of every decision left leaves HBM over."""
+    than the best found, its host bytes are over, or even freeing the most of every decision left
+    leaves HBM over."""
     order = sorted(range(len(decisions)), key=lambda i: -max(o.freed_bytes for o in decisions[i].options))
     most_left = [0.0] * (len(order) + 1)
     for depth in range(len(order) - 1, -1, -1):
