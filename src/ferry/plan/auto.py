@@ -1,7 +1,7 @@
 """`offload=auto`: choose where each tagged tensor waits for the backward pass (device, offload,
 remat), and any further placement choice (`Decision`), for the shortest estimated step
-(`ferry.plan.estimate`) that fits the target's HBM and its pinned host pool, each with
-`HEADROOM` to spare.
+(`ferry.plan.estimate`; the best estimate, then the worst: `StepEstimate.rank`) that fits the
+target's HBM and its pinned host pool, each with `HEADROOM` to spare.
 
 The compiler decides: the all-on-device policy is compiled first; it gives the HBM, the matmul
 time and the collective time every other candidate is predicted from. Each option of a decision
@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from ferry.models.registry import abstract_model
 from ferry.offload import LAYER_INPUT, Policy, record_tags
+from ferry.plan.estimate import StepEstimate
 from ferry.plan.planner import MemoryPlan, for_target
 from ferry.plan.targets import Target
 from ferry.precision import cast_floating
@@ -230,13 +231,20 @@ class Prediction:
     values: tuple[str, ...]  # one per decision
     hbm_bytes: float
     host_bytes: float
-    seconds: float  # the best estimate: collectives overlapped
-    worst: float  # the worst estimate: nothing overlaps the collectives
+    estimate: StepEstimate  # predicted, as a compiled program's is read
+
+    @property
+    def seconds(self) -> float:
+        """The best estimate: collectives overlapped."""
+        return self.estimate.best_seconds
+
+    @property
+    def worst(self) -> float:
+        return self.estimate.worst_seconds
 
     @property
     def rank(self) -> tuple[float, float]:
-        """Ordered as `StepEstimate.rank`: the best estimate, then the worst."""
-        return self.seconds, self.worst
+        return self.estimate.rank
 
 
 def tensor_decisions(costs: dict[str, TensorCost], micro_steps: int) -> list[Decision]:
@@ -327,14 +335,9 @@ def exposed_copy_seconds(baseline: Baseline, copies: dict[str, int], target: Tar
 
 def _prediction(baseline, values, freed, host, recompute, copies, seconds, target) -> Prediction:
     compute = baseline.matmul_seconds + recompute / target.bf16_peak_flops
-    busy = compute + exposed_copy_seconds(baseline, copies, target) + seconds
-    return Prediction(
-        values,
-        baseline.hbm_bytes - freed,
-        baseline.host_bytes + host,
-        max(busy, baseline.collective_seconds),
-        busy + baseline.collective_seconds,
-    )
+    exposed = exposed_copy_seconds(baseline, copies, target) + seconds
+    estimate = StepEstimate(compute, exposed, baseline.collective_seconds, 0.0)
+    return Prediction(values, baseline.hbm_bytes - freed, baseline.host_bytes + host, estimate)
 
 
 def fastest_fitting(
