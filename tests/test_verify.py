@@ -291,8 +291,8 @@ def test_the_train_states_write_backs_are_not_taken_for_residuals_of_their_size(
     one layer's K or V (bf16[1,8,4096,128]) and one layer's float32 Q or out projection weights
     ([1024, 2048] per device) are 8 MiB each. With the train state on host the update writes the
     latter back; at the seed's depth the verifier counted six of them as key_proj copies and
-    refused the plan (36/48 found). It now lists the state's write-backs with the residuals and tells them apart
-    by how often they run (once per layer and step, not per micro step)."""
+    refused the plan (36/48 found). It now lists the state's write-backs with the residuals and
+    tells them apart by how often they run (once per layer and step, not per micro step)."""
     compiled = compile_plan(
         "llama3_1_405b",
         "qkv_offload",
