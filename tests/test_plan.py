@@ -7,8 +7,11 @@ import dataclasses
 import functools
 import itertools
 
+import equinox as eqx
+import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ferry import offload
 from ferry.models.registry import abstract_model
@@ -24,9 +27,13 @@ from ferry.plan.auto import (
     tensor_costs,
     tensor_decisions,
 )
-from ferry.plan.planner import PlanError, compile_only_mesh, plan_memory
+from ferry.plan.hlo_stats import matmul_flops
+from ferry.plan.planner import PlanError, compile_only_mesh, for_target, plan_memory
+from ferry.plan.replay import LayerGroupTrace, recompute_flops
 from ferry.plan.targets import TARGETS
 from ferry.schedule import model_schedule
+from ferry.sharding import MeshConfig
+from ferry.train.step import LossSettings, batch_loss
 from tests.conftest import GPU_FLAGS, compose_config, load_preset, needs_cuda_plugin, needs_libtpu, run_launcher
 
 pytestmark = needs_cuda_plugin
@@ -332,3 +339,42 @@ def test_copies_hide_under_compute_where_the_link_allows(preset):
     assert pipelined.transfer_summary.exposed_seconds < per_layer.transfer_summary.exposed_seconds
     if preset == "qkv_offload":
         assert per_layer.transfer_summary.exposed_seconds > bound(per_layer)
+
+
+def compiled_gradient_flops(model, policy: offload.Policy, rows: int, seq_len: int) -> float:
+    """Matmul FLOPs of the loss gradient of `model` (abstract) under `policy`, compiled for an
+    H200 without one."""
+    mesh = compile_only_mesh(H200, MeshConfig())
+    on_device = NamedSharding(mesh, PartitionSpec())
+    params, static = eqx.partition(model, lambda leaf: isinstance(leaf, jax.ShapeDtypeStruct))
+    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_device), params)
+    batch = jax.ShapeDtypeStruct((rows, seq_len + 1), jnp.int32, sharding=on_device)
+    settings = LossSettings(policy, "bfloat16")
+    loss = lambda p, b: batch_loss(eqx.combine(p, static), b, settings)[0]  # noqa: E731
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(jax.grad(loss)).lower(params, batch).compile(H200.compile_options(GPU_FLAGS))
+    return matmul_flops(compiled.as_text())
+
+
+def test_a_tags_recompute_cost_is_what_the_compiled_gradient_runs_again():
+    """auto prices rematerialising a tag by the matmuls one layer's backward pass runs again for it
+    (`replay.recompute_flops`), not by its producing matmul: `mlpwo`, read only by the residual
+    sum, costs nothing (its producer was priced at a whole MLP projection); `attention_out` costs
+    the probabilities' product with the values only, as the replay recomputes the untagged scores
+    anyway. Each checked against the compiled gradient of llama_tiny with every other tag kept on
+    device."""
+    config = compose_config("model=llama_tiny", "train.seq_len=64")
+    model = abstract_model(for_target(config.model, H200))
+    (kind,) = model.layer_kinds()
+    rows, seq_len = 2, 64
+    trace = LayerGroupTrace(kind.name, kind.run, (rows, seq_len, model.config.dim), jnp.bfloat16)
+    tagged = model.tagged_names()
+    costs = recompute_flops(model, trace, tagged)
+    assert costs["mlpwo"] == 0 and costs["mlpwi_0"] > 0
+    head_dim = model.config.dim // model.config.num_heads
+    assert costs["attention_out"] == 2 * rows * model.config.num_heads * seq_len * seq_len * head_dim
+    keep = {name: "device" for name in tagged}
+    base = compiled_gradient_flops(model, offload.Policy.from_dict(keep), rows, seq_len)
+    for name in ("mlpwo", "mlpwi_0", "attention_out"):
+        remat = compiled_gradient_flops(model, offload.Policy.from_dict(keep | {name: "remat"}), rows, seq_len)
+        assert remat - base == kind.num_layers * costs[name], name

@@ -3,21 +3,21 @@ remat), and any further placement choice (`Decision`), for the shortest estimate
 (`ferry.plan.estimate`; the best estimate, then the worst: `StepEstimate.rank`) that fits the
 target's HBM and its pinned host pool, each with `HEADROOM` to spare.
 
-The compiler decides: the all-on-device policy is compiled first; it gives the HBM, the matmul
-time and the collective time every other candidate is predicted from. Each option of a decision
-frees HBM, takes pinned host, costs recompute FLOPs (the tensor's producing matmul, once more per
-layer) or host copies (exposed where a layer's copies outlast its compute: the forward pass for
-the copies out, the backward pass, twice the forward, for the copies back). A branch-and-bound
-search over every combination finds the candidate of the least predicted step time that is
-predicted to fit; it is compiled, and its compiled program decides whether it fits and what its
-estimate is. The bytes the compiled candidates freed (or took on host) against their predictions
-rescale the limits (`calibrated_limits`), and the search runs again, until no candidate left is
-predicted faster than the fastest compiled one that fits, or `MAX_CHECKS` compiles are spent.
-Where nothing is predicted to fit, the candidate freeing the most HBM is compiled: the closest.
+The compiler decides: the all-on-device policy is compiled first; it gives the HBM, the matmul time
+and the collective time every other candidate is predicted from. Each option of a decision frees
+HBM, takes pinned host, costs recompute FLOPs (the matmuls a layer's backward pass runs again for
+it, traced: `replay.recompute_flops`) or host copies (exposed where a layer's copies outlast its
+compute: the forward pass for the copies out, the backward pass, twice the forward, for the copies
+back). A branch-and-bound search over every combination finds the candidate of the least predicted
+step time that is predicted to fit; it is compiled, and its compiled program decides whether it
+fits and what its estimate is. The bytes the compiled candidates freed (or took on host) against
+their predictions rescale the limits (`calibrated_limits`), and the search runs again, until no
+candidate left is predicted faster than the fastest compiled one that fits, or `MAX_CHECKS`
+compiles are spent. Where nothing is predicted to fit, the candidate freeing the most HBM is
+compiled: the closest.
 """
 
 import dataclasses
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -26,9 +26,10 @@ import jax
 import jax.numpy as jnp
 
 from ferry.models.registry import abstract_model
-from ferry.offload import LAYER_INPUT, Policy, record_tags
+from ferry.offload import LAYER_INPUT, Policy
 from ferry.plan.estimate import StepEstimate
 from ferry.plan.planner import MemoryPlan, for_target
+from ferry.plan.replay import LayerGroupTrace, dot_flops, recompute_flops, record_names
 from ferry.plan.targets import Target
 from ferry.precision import cast_floating
 from ferry.schedule import model_schedule
@@ -44,21 +45,6 @@ from ferry.train.state_memory import (
     state_copies,
 )
 
-_SHAPE_ONLY = {
-    "convert_element_type",
-    "reshape",
-    "transpose",
-    "squeeze",
-    "expand_dims",
-    "copy",
-    "copy_p",
-    "sharding_constraint",
-    "gather",
-    "slice",
-    "dynamic_slice",
-    "concatenate",
-    "select_n",
-}
 MAX_CHECKS = 6  # candidates compiled after the all-on-device one, at most
 
 
@@ -70,7 +56,7 @@ class TensorCost:
     name: str
     bytes: int  # held in HBM by every layer's copy, per micro step
     layer_bytes: dict[str, int]  # per layer group: one layer's copies (a ring step tags its own)
-    recompute_flops: float  # per micro step: its producing matmul in every layer
+    recompute_flops: float  # per micro step: what every layer's backward pass recomputes for it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,16 +66,6 @@ class Choice:
     bytes: int
     recompute_flops: float
     reason: str
-
-
-def dot_flops(eqn: Any) -> float:
-    """2 x output elements x contracted size of a `dot_general` or `ragged_dot` equation."""
-    out = math.prod(eqn.outvars[0].aval.shape)
-    lhs = eqn.invars[0].aval.shape
-    if eqn.primitive.name == "ragged_dot":
-        return 2.0 * out * lhs[-1]
-    (contract, _), _ = eqn.params["dimension_numbers"]
-    return 2.0 * out * math.prod(lhs[d] for d in contract)
 
 
 def _sub_jaxprs(eqn: Any) -> list[Any]:
@@ -113,44 +89,9 @@ def total_dot_flops(jaxpr: Any) -> float:
     return total
 
 
-def producer_flops(jaxpr: Any, var: Any) -> float:
-    """FLOPs of the matmul that produced `var`, looking through reshapes, casts, gathers and
-    calls: what rematerialising the value recomputes. 0 when no matmul produced it."""
-    producers = {out: eqn for eqn in jaxpr.eqns for out in eqn.outvars}
-    for _ in range(64):
-        eqn = producers.get(var)
-        if eqn is None:
-            return 0.0
-        if eqn.primitive.name in ("dot_general", "ragged_dot"):
-            return dot_flops(eqn)
-        inner = _sub_jaxprs(eqn)
-        if len(inner) == 1 and len(inner[0].outvars) == len(eqn.outvars):
-            return producer_flops(inner[0], inner[0].outvars[eqn.outvars.index(var)])
-        if eqn.primitive.name not in _SHAPE_ONLY:
-            return 0.0
-        arrays = [v for v in eqn.invars if hasattr(v, "aval") and jnp.issubdtype(v.aval.dtype, jnp.floating)]
-        if not arrays:
-            return 0.0
-        var = max(arrays, key=lambda v: math.prod(v.aval.shape))
-    return 0.0
-
-
-def layer_flops(model: Any, run: Callable[[Any, jax.Array], Any], x: jax.ShapeDtypeStruct) -> tuple[float, dict]:
-    """One layer's forward matmul FLOPs and, per tag, its producing matmul's FLOPs."""
-
-    names: list[str] = []
-
-    def tagged_values(model: Any, x: jax.Array) -> Any:
-        _, values = record_tags(run, model, x)
-        names.extend(name for name, _ in values)  # traced once: the names in the outputs' order
-        return [value for _, value in values]
-
-    closed = eqx.filter_make_jaxpr(tagged_values)(model, x)[0]
-    jaxpr = closed.jaxpr
-    per_tag: dict[str, float] = {}
-    for name, var in zip(names, jaxpr.outvars, strict=True):
-        per_tag[name] = per_tag.get(name, 0.0) + producer_flops(jaxpr, var)
-    return total_dot_flops(jaxpr), per_tag
+def forward_flops(model: Any, run: Callable[[Any, jax.Array], Any], x: jax.ShapeDtypeStruct) -> float:
+    """One layer's forward matmul FLOPs."""
+    return total_dot_flops(eqx.filter_make_jaxpr(run)(model, x)[0].jaxpr)
 
 
 def tensor_costs(config: FerryConfig, target: Target, mesh: Any) -> tuple[dict[str, TensorCost], dict[str, float]]:
@@ -170,9 +111,12 @@ def tensor_costs(config: FerryConfig, target: Target, mesh: Any) -> tuple[dict[s
     forward: dict[str, float] = {}
     for group in schedule.groups:
         kind = kinds[group.name]
-        x = jax.ShapeDtypeStruct((rows, config.train.seq_len - kind.seq_shrink, model.config.dim), dtype)
-        flops, per_tag = layer_flops(cast_floating(model, dtype), kind.run, x)
-        forward[group.name] = flops / config.mesh.num_devices
+        trace = LayerGroupTrace(
+            kind.name, kind.run, (rows, config.train.seq_len - kind.seq_shrink, model.config.dim), dtype
+        )
+        x = jax.ShapeDtypeStruct(trace.input_shape, dtype)
+        forward[group.name] = forward_flops(cast_floating(model, dtype), kind.run, x) / config.mesh.num_devices
+        per_tag = recompute_flops(model, trace, record_names(model, trace))
         layer_bytes: dict[str, int] = {}
         for residual in group.residuals:  # a ring step of expert parallelism tags its own copy
             layer_bytes[residual.name] = layer_bytes.get(residual.name, 0) + residual.bytes_per_device

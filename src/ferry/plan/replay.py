@@ -61,6 +61,17 @@ class _Needed:
 
     host_copies: int = 0  # device_puts to pinned host
     matmuls: float = 0.0
+    matmul_flops: float = 0.0
+
+
+def dot_flops(eqn: Any) -> float:
+    """2 x output elements x contracted size of a `dot_general` or `ragged_dot` equation."""
+    out = math.prod(eqn.outvars[0].aval.shape)
+    lhs = eqn.invars[0].aval.shape
+    if eqn.primitive.name == "ragged_dot":
+        return 2.0 * out * lhs[-1]
+    (contract, _), _ = eqn.params["dimension_numbers"]
+    return 2.0 * out * math.prod(lhs[d] for d in contract)
 
 
 def _walk(jaxpr: Any, needed_out: list[bool], found: _Needed, times: float) -> list[bool]:
@@ -82,6 +93,7 @@ def _walk(jaxpr: Any, needed_out: list[bool], found: _Needed, times: float) -> l
                 )
         elif name in _MATMULS:
             found.matmuls += times
+            found.matmul_flops += times * dot_flops(eqn)
         elif len(inner) == 1 and len(inner[0].invars) == len(eqn.invars) and len(inner[0].outvars) == len(eqn.outvars):
             ins = _walk(inner[0], outs, found, times)
         else:
@@ -191,6 +203,20 @@ def recomputed_producers(model: Any, group: LayerGroupTrace, policy: Policy, tag
         if math.isclose(without, saved) and read_by_backward(model, group, policy, name):
             blamed.append(name)
     return blamed
+
+
+def recompute_flops(model: Any, group: LayerGroupTrace, tagged: frozenset[str] | set[str]) -> dict[str, float]:
+    """What rematerialising each of the `tagged` names alone costs the gradient of one `group`
+    layer, in matmul FLOPs: what it needs with that name recomputed beyond what it needs with
+    every name saved. Not the producing matmul's FLOPs: a name the backward pass never reads
+    (`mlpwo`, read only by the residual sum) costs nothing, nor does one whose producer runs
+    again anyway (`recomputed_producers`)."""
+    base = {name: "device" for name in tagged}
+    saved = _needed(model, group, Policy.from_dict(base)).matmul_flops
+    return {
+        name: _needed(model, group, Policy.from_dict(base | {name: "remat"})).matmul_flops - saved
+        for name in sorted(set(tagged) - {LAYER_INPUT})
+    }
 
 
 def untagged_matmuls(model: Any, group: LayerGroupTrace, policy: Policy, tagged: list[str]) -> float:
