@@ -29,7 +29,7 @@ from ferry.models.registry import abstract_model
 from ferry.offload import LAYER_INPUT, Policy
 from ferry.plan.estimate import StepEstimate
 from ferry.plan.planner import MemoryPlan, for_target
-from ferry.plan.replay import LayerGroupTrace, dot_flops, recompute_flops, record_names
+from ferry.plan.replay import LayerGroupTrace, dot_flops, read_by_backward, recompute_flops, record_names
 from ferry.plan.targets import Target
 from ferry.precision import cast_floating
 from ferry.schedule import model_schedule
@@ -95,9 +95,10 @@ def forward_flops(model: Any, run: Callable[[Any, jax.Array], Any], x: jax.Shape
 
 
 def tensor_costs(config: FerryConfig, target: Target, mesh: Any) -> tuple[dict[str, TensorCost], dict[str, float]]:
-    """Every tagged tensor's HBM bytes (sized on `mesh` by the transfer schedule) and recompute
-    FLOPs, and each layer group's forward FLOPs, per device per micro step. FLOPs are traced on
-    the whole micro batch and split evenly over the devices."""
+    """Every tagged tensor's HBM bytes (sized on `mesh` by the transfer schedule; none where the
+    backward pass never reads it) and recompute FLOPs, and each layer group's forward FLOPs, per
+    device per micro step. FLOPs are traced on the whole micro batch and split evenly over the
+    devices."""
     model_config = for_target(config.model, target)
     model = abstract_model(model_config)
     tagged = model.tagged_names()
@@ -117,9 +118,12 @@ def tensor_costs(config: FerryConfig, target: Target, mesh: Any) -> tuple[dict[s
         x = jax.ShapeDtypeStruct(trace.input_shape, dtype)
         forward[group.name] = forward_flops(cast_floating(model, dtype), kind.run, x) / config.mesh.num_devices
         per_tag = recompute_flops(model, trace, record_names(model, trace))
+        # a tag the backward pass never reads (`mlpwo`) is held by no placement: it frees nothing
+        read = {name: read_by_backward(model, trace, keep, name) for name in per_tag} | {LAYER_INPUT: True}
         layer_bytes: dict[str, int] = {}
         for residual in group.residuals:  # a ring step of expert parallelism tags its own copy
-            layer_bytes[residual.name] = layer_bytes.get(residual.name, 0) + residual.bytes_per_device
+            size = residual.bytes_per_device if read[residual.name] else 0
+            layer_bytes[residual.name] = layer_bytes.get(residual.name, 0) + size
         for name, size in layer_bytes.items():
             old = costs.get(name, TensorCost(name, 0, {}, 0.0))
             costs[name] = TensorCost(
@@ -192,11 +196,13 @@ class Prediction:
 
 
 def tensor_decisions(costs: dict[str, TensorCost], micro_steps: int) -> list[Decision]:
-    """device / offload / remat for every tagged tensor (the layer input is never recomputed: it
-    is what recompute starts from). An offloaded residual still passes through HBM a layer at a
+    """device / offload / remat for every tagged tensor the backward pass reads (the layer input is
+    never recomputed: it is what recompute starts from). An offloaded residual still passes through HBM a layer at a
     time, so offloading frees its bytes less one layer's copy."""
     decisions = []
     for cost in costs.values():
+        if not cost.bytes:  # never read by the backward pass: every placement is the same
+            continue
         staged = max(cost.layer_bytes.values(), default=0)
         options = [
             Option("device"),
@@ -477,4 +483,7 @@ def _choices(
         size = cost.bytes if cost else int(max(o.host_bytes for o in decision.options))
         recompute = cost.recompute_flops if cost and value == "remat" else 0.0
         choices.append(Choice(decision.name, value, size, recompute, why))
+    decided = {d.name for d in decisions}
+    unread = "never read by the backward pass: no placement holds it, so it is left to remat"
+    choices += [Choice(name, "remat", 0, 0.0, unread) for name in costs if name not in decided]
     return choices
