@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ferry import offload
 from ferry.models.registry import abstract_model
+from ferry.nn.attention import QUERY_CHUNK
 from ferry.plan.auto import (
     MAX_CHECKS,
     Baseline,
@@ -360,7 +361,8 @@ def compiled_gradient(model, policy: offload.Policy, rows: int, seq_len: int) ->
     return matmul_flops(compiled.as_text()), compiled.memory_analysis().temp_size_in_bytes
 
 
-def test_a_tags_costs_are_what_the_compiled_gradient_holds_and_runs_again():
+@pytest.mark.parametrize("seq_len", [64, 1024], ids=["whole", "chunked"])
+def test_a_tags_costs_are_what_the_compiled_gradient_holds_and_runs_again(seq_len):
     """auto prices rematerialising a tag by the matmuls one layer's backward pass runs again for it
     (`replay.recompute_flops`), not by its producing matmul, and sizes what keeping it holds by
     whether the backward pass reads it. `mlpwo`, read only by the residual sum, is held by no
@@ -368,19 +370,20 @@ def test_a_tags_costs_are_what_the_compiled_gradient_holds_and_runs_again():
     projection and its bytes as freed), so it is no decision of auto's; `attention_out` costs the
     probabilities' product with the values only, as the replay recomputes the untagged scores
     anyway. Each checked against the compiled gradient of llama_tiny with every other tag kept on
-    device."""
+    device, also where the attention runs as a loop over query chunks (each trip counted)."""
     config = compose_config(
-        "model=llama_tiny", "train.seq_len=64", "train.global_batch_size=2", "mode=plan", "target=h200"
+        "model=llama_tiny", f"train.seq_len={seq_len}", "train.global_batch_size=2", "mode=plan", "target=h200"
     )
     model = abstract_model(for_target(config.model, H200))
     (kind,) = model.layer_kinds()
-    rows, seq_len = 2, 64
+    rows = 2
     trace = LayerGroupTrace(kind.name, kind.run, (rows, seq_len, model.config.dim), jnp.bfloat16)
     tagged = model.tagged_names()
     costs = recompute_flops(model, trace, tagged)
     assert costs["mlpwo"] == 0 and costs["mlpwi_0"] > 0
     head_dim = model.config.dim // model.config.num_heads
-    assert costs["attention_out"] == 2 * rows * model.config.num_heads * seq_len * seq_len * head_dim
+    values_product = 2 * rows * model.config.num_heads * seq_len * seq_len * head_dim
+    assert costs["attention_out"] == values_product * (1 if seq_len <= QUERY_CHUNK else 2)
     sized, _ = tensor_costs(config, H200, compile_only_mesh(H200, config.mesh))
     assert sized["mlpwo"].bytes == 0 and sized["mlpwi_0"].bytes > 0
     assert "mlpwo" not in {d.name for d in tensor_decisions(sized, micro_steps=1)}

@@ -26,6 +26,9 @@ from ferry.precision import cast_floating
 
 _MATMULS = ("dot_general", "ragged_dot")
 _ONE_TO_ONE = ("device_put", "optimization_barrier")  # output k is input k, moved or fenced
+# a loop's body maps its inputs to its outputs one to one too, but a carry feeds the next trip:
+# one pass over the body would miss what a needed carry needs, so a loop needs all its inputs
+_LOOPS = ("scan", "while")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +97,12 @@ def _walk(jaxpr: Any, needed_out: list[bool], found: _Needed, times: float) -> l
         elif name in _MATMULS:
             found.matmuls += times
             found.matmul_flops += times * dot_flops(eqn)
-        elif len(inner) == 1 and len(inner[0].invars) == len(eqn.invars) and len(inner[0].outvars) == len(eqn.outvars):
+        elif (
+            name not in _LOOPS
+            and len(inner) == 1
+            and len(inner[0].invars) == len(eqn.invars)
+            and len(inner[0].outvars) == len(eqn.outvars)
+        ):
             ins = _walk(inner[0], outs, found, times)
         else:
             repeat = eqn.params.get("length", 1) if name == "scan" else 1
