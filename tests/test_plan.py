@@ -192,10 +192,10 @@ def llama_tiny_decisions(seq_len: int = 64):
 @pytest.mark.parametrize("link", [64e9, 1e15], ids=["pcie", "fast"])
 @pytest.mark.parametrize("collectives", [0.0, 10.0], ids=["compute-bound", "collective-bound"])
 def test_the_search_finds_the_fastest_predicted_candidate_within_both_memories(shed, link, collectives):
-    """Branch and bound against every one of llama_tiny's 3^8 x 2 placements, predicted. Where
-    the collectives take 10x the matmul time, every candidate's best estimate is theirs (as at
-    the Llama 3.1 405B seed): the worst estimate then decides, so recompute and exposed copies
-    still cost."""
+    """Branch and bound against every one of llama_tiny's 3^7 x 2 placements, predicted (`mlpwo`,
+    never read by the backward pass, is no decision). Where the collectives take 10x the matmul
+    time, every candidate's best estimate is theirs (as at the Llama 3.1 405B seed): the worst
+    estimate then decides, so recompute and exposed copies still cost."""
     target = dataclasses.replace(H200, host_link_bandwidth=link)
     costs, decisions, baseline = llama_tiny_decisions()
     baseline = dataclasses.replace(baseline, collective_seconds=collectives * baseline.matmul_seconds)
