@@ -165,7 +165,7 @@ def auto_choice(
 
 def test_auto_keeps_everything_on_device_when_it_fits():
     """Everything the backward pass reads stays on device; `mlpwo`, which it never reads, is no
-    decision and is left to remat (no placement holds it)."""
+    decision and is left to remat (it frees nothing)."""
     measured, choices, tried = auto_choice(H200, 1.0)
     placements = {c.name: c.placement for c in choices}
     assert measured.fits and placements.pop("mlpwo") == "remat" and set(placements.values()) == {"device"}

@@ -29,7 +29,7 @@ from ferry.models.registry import abstract_model
 from ferry.offload import LAYER_INPUT, Policy
 from ferry.plan.estimate import StepEstimate
 from ferry.plan.planner import MemoryPlan, for_target
-from ferry.plan.replay import LayerGroupTrace, dot_flops, read_by_backward, recompute_flops, record_names
+from ferry.plan.replay import LayerGroupTrace, read_by_backward, recompute_flops, record_names, total_dot_flops
 from ferry.plan.targets import Target
 from ferry.precision import cast_floating
 from ferry.schedule import model_schedule
@@ -68,27 +68,6 @@ class Choice:
     reason: str
 
 
-def _sub_jaxprs(eqn: Any) -> list[Any]:
-    found = []
-    for value in eqn.params.values():
-        for item in value if isinstance(value, tuple | list) else (value,):
-            inner = getattr(item, "jaxpr", item)
-            if hasattr(inner, "eqns"):
-                found.append(inner)
-    return found
-
-
-def total_dot_flops(jaxpr: Any) -> float:
-    """Matmul FLOPs of a jaxpr, loops counted by their length."""
-    total = 0.0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in ("dot_general", "ragged_dot"):
-            total += dot_flops(eqn)
-        repeat = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
-        total += repeat * sum(total_dot_flops(inner) for inner in _sub_jaxprs(eqn))
-    return total
-
-
 def forward_flops(model: Any, run: Callable[[Any, jax.Array], Any], x: jax.ShapeDtypeStruct) -> float:
     """One layer's forward matmul FLOPs."""
     return total_dot_flops(eqx.filter_make_jaxpr(run)(model, x)[0].jaxpr)
@@ -118,7 +97,8 @@ def tensor_costs(config: FerryConfig, target: Target, mesh: Any) -> tuple[dict[s
         x = jax.ShapeDtypeStruct(trace.input_shape, dtype)
         forward[group.name] = forward_flops(cast_floating(model, dtype), kind.run, x) / config.mesh.num_devices
         per_tag = recompute_flops(model, trace, record_names(model, trace))
-        # a tag the backward pass never reads (`mlpwo`) is held by no placement: it frees nothing
+        # a tag the backward pass never reads with the other tags on device, the baseline every
+        # prediction starts from, frees nothing there (`mlpwo`; MLA's `mla_q` while `query_proj` is kept)
         read = {name: read_by_backward(model, trace, keep, name) for name in per_tag} | {LAYER_INPUT: True}
         layer_bytes: dict[str, int] = {}
         for residual in group.residuals:  # a ring step of expert parallelism tags its own copy
@@ -197,8 +177,8 @@ class Prediction:
 
 def tensor_decisions(costs: dict[str, TensorCost], micro_steps: int) -> list[Decision]:
     """device / offload / remat for every tagged tensor the backward pass reads (the layer input is
-    never recomputed: it is what recompute starts from). An offloaded residual still passes through HBM a layer at a
-    time, so offloading frees its bytes less one layer's copy."""
+    never recomputed: it is what recompute starts from). An offloaded residual still passes
+    through HBM a layer at a time, so offloading frees its bytes less one layer's copy."""
     decisions = []
     for cost in costs.values():
         if not cost.bytes:  # never read by the backward pass: every placement is the same
@@ -484,6 +464,6 @@ def _choices(
         recompute = cost.recompute_flops if cost and value == "remat" else 0.0
         choices.append(Choice(decision.name, value, size, recompute, why))
     decided = {d.name for d in decisions}
-    unread = "never read by the backward pass: no placement holds it, so it is left to remat"
+    unread = "never read by the backward pass with the other tags on device: it frees nothing, so it is left to remat"
     choices += [Choice(name, "remat", 0, 0.0, unread) for name in costs if name not in decided]
     return choices

@@ -77,6 +77,17 @@ def dot_flops(eqn: Any) -> float:
     return 2.0 * out * math.prod(lhs[d] for d in contract)
 
 
+def total_dot_flops(jaxpr: Any) -> float:
+    """Matmul FLOPs of every equation of a jaxpr, needed or not, a scan's body counted by its length."""
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _MATMULS:
+            total += dot_flops(eqn)
+        repeat = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+        total += repeat * sum(total_dot_flops(inner) for inner in _inner_jaxprs(eqn))
+    return total
+
+
 def _walk(jaxpr: Any, needed_out: list[bool], found: _Needed, times: float) -> list[bool]:
     """Mark what `jaxpr` needs to produce the outputs flagged in `needed_out`; returns which of
     its inputs are needed."""
