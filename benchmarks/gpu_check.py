@@ -161,7 +161,10 @@ def plan_slice_deviceless(
             if batch not in plans:
                 config = slice_config(preset, batch, seq_len, model)
                 policy = config.offload.policy(abstract_model(config.model).tagged_names())
-                plans[batch] = plan_memory(config, target, policy, preset, xla_flags=dict(gpu.xla_flags))
+                costs = gpu.scheduler_costs == "ferry"
+                plans[batch] = plan_memory(
+                    config, target, policy, preset, xla_flags=dict(gpu.xla_flags), scheduler_costs=costs
+                )
             return plans[batch].device_bytes
 
         start = time.perf_counter()
@@ -204,6 +207,7 @@ def measure_slice(
     import jax.numpy as jnp
     import numpy as np
 
+    from ferry.plan.scheduler_costs import compile_with_costs, scheduler_target
     from ferry.sharding import batch_sharded
     from ferry.train.optimizer import learning_rate_schedule, make_optimizer
     from ferry.train.state import state_layout
@@ -225,8 +229,11 @@ def measure_slice(
             body = train_step_body(optimizer, settings, learning_rate_schedule(config.train), 1, layout.sharding)
             step = lambda arrays, tokens: body(eqx.combine(arrays, layout.static), tokens)  # noqa: E731
             tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32, sharding=batch_sharded(mesh))
+            # on a GPU, XLA's scheduler times the ops with ferry's costs, as training's compile does
+            scheduler = scheduler_target(config.platform, device.device_kind) if device.platform == "gpu" else None
             with jax.set_mesh(mesh):
-                program = jax.jit(step, donate_argnums=0).lower(layout.abstract(), tokens).compile()
+                lowered = jax.jit(step, donate_argnums=0).lower(layout.abstract(), tokens)
+                program = lowered.compile() if scheduler is None else compile_with_costs(lowered, {}, scheduler)[0]
             memory = program.memory_analysis()
             used = memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
             compiled[batch] = (program, layout, config, used + memory.temp_size_in_bytes)

@@ -23,6 +23,7 @@ from rich.console import Console
 from ferry import distributed
 from ferry.config import ConfigError, from_dict
 from ferry.errors import FerryError
+from ferry.plan.scheduler_costs import scheduler_target
 from ferry.platform import PlatformConfig, apply_platform, check_platform
 from ferry.train.checkpoint import checkpoint_steps
 from ferry.train.config import FerryConfig, OffloadConfig, load_config
@@ -92,6 +93,7 @@ def main(argv: list[str]) -> int:
             highlight=False,
         )
         check_platform(config.platform)
+        scheduler_target(config.platform, jax.devices()[0].device_kind)  # a device ferry can price, or refused now
         console = make_console(quiet=jax.process_index() != 0)  # process 0 speaks for the run
         prepared = prepare(config, console)
         train(prepared, OmegaConf.to_yaml(node), console)
@@ -143,8 +145,7 @@ def check_plan_extra(target: str, find_spec: object = None) -> None:
         found = False
     if not found:
         raise ConfigError(
-            f"mode=plan target={target} compiles with {package}, which is not installed: "
-            'pip install -e ".[plan]"'
+            f'mode=plan target={target} compiles with {package}, which is not installed: pip install -e ".[plan]"'
         )
 
 

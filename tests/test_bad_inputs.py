@@ -67,6 +67,8 @@ BAD_INPUTS = [
     (["mode=plan", "target=h100x"], "target"),
     (["platform.cpu_devices=0"], "platform.cpu_devices"),
     (["platform.cpu_devices=100000"], "platform.cpu_devices"),
+    (["platform.scheduler_costs=measured"], "platform.scheduler_costs"),
+    (["platform.scheduler_costs=ferry"], "platform.scheduler_costs=xla"),  # only XLA:GPU's scheduler takes them
     (["data.source=banana"], "data.source"),
     (["data.source=text", "data.path=/nonexistent/corpus", "train.steps=6"], "data.path"),  # after the claim
     (["data.eval_fraction=2"], "data.eval_fraction"),

@@ -19,6 +19,8 @@ _FLAG_VARIABLE = {"cpu": "XLA_FLAGS", "gpu": "XLA_FLAGS", "tpu": "LIBTPU_INIT_AR
 # CUDA plugin or libtpu (their start-up noise on a machine without that hardware), and a GPU or
 # TPU run without that hardware fails at once instead of training on the CPU
 _JAX_PLATFORM = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
+# who times the ops XLA:GPU's latency-hiding scheduler orders (`PlatformConfig.scheduler_costs`)
+SCHEDULER_COSTS = ("ferry", "xla")
 # virtual CPU devices are threads and buffers on this host; more than this is a typo, not a mesh
 MAX_CPU_DEVICES = 1024
 
@@ -29,16 +31,29 @@ class PlatformError(FerryError, RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class PlatformConfig:
-    """`name`: cpu | gpu | tpu. `xla_flags`: flag name -> value; `env`: variable -> value."""
+    """`name`: cpu | gpu | tpu. `xla_flags`: flag name -> value; `env`: variable -> value.
+    `scheduler_costs`: what XLA:GPU's latency-hiding scheduler times the step's ops with: `ferry`,
+    the plan's cost model (`ferry.plan.scheduler_costs`, two compiles), or `xla`, its own fixed
+    estimates."""
 
     name: str = "cpu"
     xla_flags: Mapping[str, object] = dataclasses.field(default_factory=dict)
     env: Mapping[str, object] = dataclasses.field(default_factory=dict)
     cpu_devices: int | None = None  # CPU only: split the host into this many virtual devices
+    scheduler_costs: str = "xla"
 
     def __post_init__(self) -> None:
         if self.name not in _FLAG_VARIABLE:
             raise ConfigError(f"platform.name is {self.name!r}; use one of {', '.join(_FLAG_VARIABLE)}")
+        if self.scheduler_costs not in SCHEDULER_COSTS:
+            raise ConfigError(
+                f"platform.scheduler_costs is {self.scheduler_costs!r}; use one of {', '.join(SCHEDULER_COSTS)}"
+            )
+        if self.scheduler_costs == "ferry" and self.name != "gpu":
+            raise ConfigError(
+                f"platform.scheduler_costs=ferry is for platform=gpu (XLA:GPU's latency-hiding scheduler); "
+                f"platform={self.name} schedules with its own estimates: set platform.scheduler_costs=xla"
+            )
         if self.cpu_devices is not None and (self.name != "cpu" or self.cpu_devices < 1):
             raise ConfigError(f"platform.cpu_devices={self.cpu_devices} needs platform=cpu and a count of at least 1")
         if self.cpu_devices is not None and self.cpu_devices > MAX_CPU_DEVICES:

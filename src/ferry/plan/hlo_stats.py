@@ -239,6 +239,9 @@ class _Module:
                 definition = _DEFINITION.match(line)
                 if definition:
                     self.shapes[definition["name"]] = definition["shape"]
+        for name, shape in list(self.shapes.items()):  # `%name#index`, as a module before scheduling writes it
+            if shape.startswith("("):
+                self.shapes |= {f"{name}#{i}": element for i, element in enumerate(tuple_elements(shape))}
         self._flops: dict[str, float] = {}
 
     def own_flops(self, line: str) -> float:
@@ -431,6 +434,128 @@ def overlapped_flops(hlo_text: str, copies: list[HostCopy]) -> dict[str, float]:
         name: sum((module.line_flops(module.bodies[name][i]) for i in positions), 0.0)
         for name, positions in covered.items()
     }
+
+
+# --------------------------------------------------------------------------------------------
+# The instructions XLA's latency-hiding scheduler orders, for the cost profile ferry gives it
+# (`ferry.plan.scheduler_costs`). Read from the module as the scheduler receives it (XLA's dump
+# before `latency-hiding-scheduler`), whose text differs from a final program's in two ways: a
+# tuple's element is an operand written `%name#index` (no get-tuple-element), and every
+# asynchronous op is a generic `async-start` / `async-done` calling the computation it wraps.
+
+_NOPS = frozenset(
+    {"parameter", "get-tuple-element", "bitcast", "tuple", "constant", "partition-id", "replica-id"}
+    | {"after-all", "opt-barrier"}
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledInstruction:
+    """One instruction of a computation the scheduler orders (the entry, a loop's body or
+    condition, a branch, a called computation; never a fusion's inside)."""
+
+    computation: str
+    name: str
+    op: str
+    shape: str
+    operand_shapes: tuple[str, ...]
+    flops: float  # its matrix work, a fusion's included (`matmul_flops`'s count); 0 for loops and calls
+    callees: tuple[str, ...]  # loop body and condition, branches, called or wrapped computation
+    trip_count: int  # a loop's; 1 for everything else
+    wrapped: str  # the root line of what an async-start or fusion runs, inside any fusion it wraps ("" if none)
+    start: str  # an async-done's start ("" for anything else)
+
+    @property
+    def is_nop(self) -> bool:
+        """Costs nothing to run: tuple plumbing, parameters, constants, bitcasts."""
+        return self.op in _NOPS
+
+    @property
+    def wrapped_op(self) -> str:
+        definition = _DEFINITION.match(self.wrapped)
+        return definition["op"] if definition else ""
+
+
+def tuple_elements(shape: str) -> list[str]:
+    """The top-level elements of a tuple shape (`(f32[2], (s32[], bf16[4]))` -> `f32[2]`,
+    `(s32[], bf16[4])`); an array shape is its own only element."""
+    shape = _COMMENT.sub("", shape).strip()
+    if not shape.startswith("("):
+        return [shape]
+    elements, depth, current = [], 0, ""
+    for char in shape[1:-1]:
+        if char == "," and depth == 0:
+            elements.append(current.strip())
+            current = ""
+            continue
+        if char in "({[":
+            depth += 1
+        elif char in ")}]":
+            depth -= 1
+        current += char
+    if current.strip():
+        elements.append(current.strip())
+    return elements
+
+
+def scheduled_instructions(hlo_text: str) -> dict[str, list[ScheduledInstruction]]:
+    """Every instruction of every computation the scheduler orders, by computation, in the
+    module's order; each loop, branch and call is one instruction of the computation holding it."""
+    module = _parsed(hlo_text)
+    roots = {name: next((line for line in lines if "ROOT " in line), "") for name, lines in module.bodies.items()}
+    out: dict[str, list[ScheduledInstruction]] = {}
+    pending, seen = [module.entry], set()
+    while pending:
+        computation = pending.pop()
+        if computation in seen or computation not in module.bodies:
+            continue
+        seen.add(computation)
+        instructions = out.setdefault(computation, [])
+        for line in module.bodies[computation]:
+            definition = _DEFINITION.match(line)
+            if definition is None:
+                continue
+            op = definition["op"]
+            callees = tuple(c["name"] for c in _CALLEE.finditer(line))
+            branches = _BRANCHES.search(line)
+            callees += tuple(b.strip().lstrip("%") for b in branches["names"].split(",")) if branches else ()
+            if op in ("while", "conditional", "call"):
+                pending.extend(callees)
+            control = op in ("while", "conditional", "call")
+            wrapped = roots.get(callees[0], "") if op in ("fusion", "async-start") and callees else ""
+            while " fusion(" in wrapped and (inner := _CALLEE.search(wrapped)):  # an async op wrapping a fusion
+                wrapped = roots.get(inner["name"], "")
+            instructions.append(
+                ScheduledInstruction(
+                    computation,
+                    definition["name"],
+                    op,
+                    definition["shape"],
+                    tuple(module.shapes.get(name, "") for name in _operands(definition)),
+                    0.0 if control else module.line_flops(line),
+                    callees,
+                    _trip_count(line, module.bodies) if op == "while" else 1,
+                    wrapped,
+                    _operands(definition)[0] if op.endswith("-done") and _operands(definition) else "",
+                )
+            )
+    return out
+
+
+def num_partitions(hlo_text: str) -> int:
+    """The SPMD partitions a module runs on (its header's `num_partitions`, 1 if unset)."""
+    partitions = _NUM_PARTITIONS.search(hlo_text.split("\n", 1)[0])
+    return int(partitions["n"]) if partitions else 1
+
+
+def collective_of(line: str, partitions: int) -> Collective | None:
+    """The collective an instruction line runs (a plain or `-start` collective op), once."""
+    match, definition = _INSTRUCTION.search(line), _DEFINITION.match(line)
+    if match is None or definition is None or match["op"].removesuffix("-start") not in COLLECTIVES:
+        return None
+    op = match["op"].removesuffix("-start")
+    shape = tuple_elements(match["shape"])[-1] if match["op"].endswith("-start") else match["shape"]
+    return Collective(op, definition["name"], shape_bytes(shape), _replica_groups(line, partitions), 1)
 
 
 # --------------------------------------------------------------------------------------------

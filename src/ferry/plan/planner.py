@@ -23,7 +23,8 @@ from ferry.offload import Policy
 from ferry.plan.estimate import CollectiveTraffic, StepEstimate, collective_traffic
 from ferry.plan.hlo_stats import matmul_count, matmul_flops
 from ferry.plan.replay import LayerGroupTrace, read_by_backward
-from ferry.plan.targets import Target
+from ferry.plan.scheduler_costs import compile_with_costs
+from ferry.plan.targets import GpuTarget, Target
 from ferry.plan.transfers import Transfer, TransferSummary, time_transfers, transfers_json
 from ferry.schedule import TransferSchedule, model_schedule
 from ferry.sharding import MESH_AXES, MeshConfig, batch_sharded
@@ -65,6 +66,7 @@ class MemoryPlan:
     peak_flops: float = 0.0  # the target's dense bf16 peak, per device
     extrapolated: str | None = None  # how `ferry.plan.extrapolate` made it from shallow compiles; None: compiled whole
     pipeline_bytes: int = 0  # offloaded values a pipelined schedule keeps in HBM (`TransferSchedule.pipeline_bytes`)
+    scheduler_costs: str = "xla"  # who timed the ops for XLA's scheduler: ferry's cost model or XLA's estimates
 
     @property
     def device_bytes(self) -> int:
@@ -119,6 +121,7 @@ def plan_memory(
     capacity_bytes: int | None = None,
     xla_flags: Mapping[str, object] | None = None,
     host_capacity_bytes: int | None = None,
+    scheduler_costs: bool = False,
 ) -> MemoryPlan:
     """Compile the train step of `config` under `policy` for `target` with the XLA flags a real
     run on it uses (`xla_flags`, from its platform preset) and report its memory and host
@@ -126,7 +129,9 @@ def plan_memory(
     offload was dropped somewhere, and a plan that silently keeps it on device would be a lie.
     The program is then verified (`ferry.plan.verify`): every offloaded tensor's copies are in
     it, and every host slice in a loop walks the way its index goes; a failed check is a
-    `CompiledProgramError` naming the tensor, its layer group and what the program does instead."""
+    `CompiledProgramError` naming the tensor, its layer group and what the program does instead.
+    `scheduler_costs`: on a GPU target, XLA's scheduler times the ops with ferry's cost model
+    (`ferry.plan.scheduler_costs`, as `platform.scheduler_costs=ferry` runs do)."""
     from ferry.plan.verify import verify_program  # verify subclasses this module's PlanError
 
     mesh = compile_only_mesh(target, config.mesh)
@@ -155,9 +160,11 @@ def plan_memory(
         return body(eqx.combine(arrays, layout.static), tokens)
 
     options = target.compile_options(dict(xla_flags or {}))
+    priced = scheduler_costs and isinstance(target, GpuTarget)
     started = time.perf_counter()
     with jax.set_mesh(mesh):
-        compiled = jax.jit(step, donate_argnums=0).lower(sharded, batch).compile(options)
+        lowered = jax.jit(step, donate_argnums=0).lower(sharded, batch)
+        compiled = compile_with_costs(lowered, options, target)[0] if priced else lowered.compile(options)
     compile_seconds = time.perf_counter() - started
     memory = compiled.memory_analysis()
     host = (  # a host-resident state is an argument aliased to its output: counted once
@@ -199,6 +206,7 @@ def plan_memory(
         capacity_bytes=target.hbm_bytes if capacity_bytes is None else capacity_bytes,
         host_capacity_bytes=host_capacity_bytes,
         compile_options=tuple(sorted(options.items())),
+        scheduler_costs="ferry" if priced else "xla",
         transfers=transfers,
         transfer_summary=summary,
         compile_seconds=compile_seconds,

@@ -102,7 +102,8 @@ def run_plan(
         at = dataclasses.replace(config, model=model, offload=offload)
         shown = "" if depths is None else " (" + ", ".join(f"{g} {d} layers" for g, d in depths.items()) + ")"
         console.print(f"compiling the train step for {config.mesh.num_devices} x {target.description}: {name}{shown}")
-        return plan_memory(at, target, policy, name, capacity, dict(platform.xla_flags), host_capacity)
+        costs = platform.scheduler_costs == "ferry"
+        return plan_memory(at, target, policy, name, capacity, dict(platform.xla_flags), host_capacity, costs)
 
     compiled: dict[tuple, MemoryPlan] = {}  # auto's all-on-device candidate is `minimal`, say: compile once
 
@@ -196,6 +197,7 @@ def format_seconds(seconds: float) -> str:
 def plan_table(plans: list[MemoryPlan], config: FerryConfig) -> Table:
     first = plans[0]
     pool = "" if first.host_capacity_bytes is None else f"; pinned host pool {format_bytes(first.host_capacity_bytes)}"
+    pool += f"; scheduler costs: {first.scheduler_costs}"
     table = Table(
         title=f"{config.model_name} on {first.target} x {config.mesh.num_devices} ({first.mesh}), "
         f"batch {config.train.global_batch_size} x {config.train.seq_len}: per device",

@@ -1,0 +1,116 @@
+"""ferry's cost model handed to XLA:GPU's latency-hiding scheduler (`ferry.plan.scheduler_costs`):
+every instruction the scheduler orders gets a time from the compiled program and the target, and
+with them the scheduler hides the reloads its own fixed estimates leave exposed on an FSDP mesh."""
+
+import collections
+
+import pytest
+
+import ferry.plan.scheduler_costs as scheduler_costs
+from ferry.models.registry import abstract_model
+from ferry.plan.hlo_stats import collectives, host_copies, scheduled_instructions
+from ferry.plan.planner import plan_memory
+from ferry.plan.scheduler_costs import (
+    COLLECTIVE_LATENCY_US,
+    CostProfile,
+    SchedulerCostsError,
+    cost_profile,
+    scheduler_target,
+)
+from ferry.plan.targets import TARGETS
+from ferry.platform import PlatformConfig
+from tests.conftest import GPU_FLAGS, compose_config, needs_cuda_plugin
+
+H200 = TARGETS["h200"]
+
+
+def planned(model: str, preset: str, *overrides: str, costs: bool = False, xla_flags=None):
+    config = compose_config(f"model={model}", f"offload={preset}", *overrides)
+    policy = config.offload.policy(abstract_model(config.model).tagged_names())
+    return plan_memory(config, H200, policy, preset, xla_flags=GPU_FLAGS | (xla_flags or {}), scheduler_costs=costs)
+
+
+def compiled_and_scheduled(tmp_path):
+    """llama_tiny's train step on 2 compile-only H200s (FSDP), its layer inputs offloaded: the final
+    program and the module XLA's scheduler received (its dump before `latency-hiding-scheduler`)."""
+    dump = {"xla_dump_to": str(tmp_path), "xla_dump_hlo_pass_re": "latency-hiding-scheduler"}
+    planned("llama_tiny", "decoder_input_offload", "train.seq_len=256", "mesh.fsdp=2", xla_flags=dump)
+    (scheduled,) = tmp_path.glob("*before_latency-hiding-scheduler.txt")
+    (final,) = tmp_path.glob("*gpu_after_optimizations.txt")
+    return final.read_text(), scheduled.read_text()
+
+
+@needs_cuda_plugin
+def test_every_instruction_the_scheduler_orders_is_priced_from_the_program(tmp_path):
+    final, scheduled = compiled_and_scheduled(tmp_path)
+    profile = cost_profile(scheduled, H200)
+    assert profile.unpriced(scheduled) == []
+    # read from the final program by the planner's own parser: the host copies take their bytes
+    # over the host link, the collectives their ring bytes over NVLink (the estimate's formula)
+    link = sorted(round(c.bytes / H200.host_link_bandwidth * 1e6, 3) for c in host_copies(final))
+    rings = [c for c in collectives(final) if c.executions and c.algorithmic_bytes]
+    ring = sorted(
+        round(c.algorithmic_bytes / H200.collective_bandwidth(c.groups) * 1e6 + COLLECTIVE_LATENCY_US, 3) for c in rings
+    )
+    latencies = sorted(round(us, 3) for us in profile.latencies.values())
+    assert link and ring
+    assert collections.Counter(link) <= collections.Counter(latencies)
+    assert collections.Counter(ring) <= collections.Counter(latencies)
+    # a loop takes its body's time once per trip
+    computations = scheduled_instructions(scheduled)
+    loops = [i for instructions in computations.values() for i in instructions if i.op == "while"]
+    assert any(loop.trip_count > 1 for loop in loops)
+    for loop in loops:
+        body = sum(profile.costs.get(i.name, 0.0) for c in loop.callees for i in computations[c])
+        assert profile.costs[loop.name] == pytest.approx(loop.trip_count * body)
+
+
+@needs_cuda_plugin
+@pytest.mark.parametrize("preset", ["qkv_offload", "decoder_input_offload"])
+def test_with_ferrys_costs_the_reloads_hide_on_an_fsdp_mesh(preset):
+    """Llama 3.1 8B's layer shapes, 3 layers x 2048 tokens x 8 rows on 8 H200 (FSDP): the goal of
+    the pipelined schedule, exposed <= max(0, link - matmul) + 5% of matmul, holds with ferry's
+    costs. With XLA's fixed estimates the scheduler issues each reload next to the layer's last
+    reduce-scatter, with a few matmuls under it: for qkv_offload more exposed than the goal allows."""
+    overrides = ("model.num_layers=3", "train.seq_len=2048", "train.global_batch_size=8", "mesh.fsdp=8")
+    xla = planned("llama3_1_8b", preset, *overrides)
+    ferry = planned("llama3_1_8b", preset, *overrides, costs=True)
+    assert (ferry.scheduler_costs, xla.scheduler_costs) == ("ferry", "xla")
+
+    def goal(plan) -> float:
+        matmul = plan.flops / H200.bf16_peak_flops
+        return max(0.0, plan.transfer_summary.link_seconds - matmul) + 0.05 * matmul
+
+    assert ferry.transfer_summary.link_seconds == xla.transfer_summary.link_seconds  # the same copies
+    assert ferry.transfer_summary.exposed_seconds <= goal(ferry)
+    assert ferry.transfer_summary.exposed_seconds < xla.transfer_summary.exposed_seconds
+    if preset == "qkv_offload":
+        assert xla.transfer_summary.exposed_seconds > goal(xla)
+    assert ferry.temp_bytes <= xla.temp_bytes * 1.01  # hiding the copies costs no HBM
+
+
+@needs_cuda_plugin
+def test_a_profile_that_misses_an_instruction_is_refused(monkeypatch):
+    """The second compile must be the program that was priced: a profile missing one of its
+    instructions is an error naming it, never a schedule built on XLA's fallback estimates."""
+    dropped = []
+
+    def less_one(hlo_text, target):
+        profile = cost_profile(hlo_text, target)
+        name = next(name for name in profile.costs if name.startswith("custom-call") or "fusion" in name)
+        dropped.append(name)
+        return CostProfile({k: v for k, v in profile.costs.items() if k != name}, profile.latencies)
+
+    monkeypatch.setattr(scheduler_costs, "cost_profile", less_one)
+    with pytest.raises(SchedulerCostsError, match="platform.scheduler_costs=xla") as error:
+        planned("llama_tiny", "qkv_offload", "train.seq_len=128", costs=True)
+    assert dropped[0] in str(error.value)
+
+
+def test_a_run_prices_its_step_only_on_a_gpu_ferry_knows():
+    gpu = PlatformConfig(name="gpu", scheduler_costs="ferry")
+    assert scheduler_target(gpu, "NVIDIA H200") is TARGETS["h200"]
+    assert scheduler_target(gpu, "NVIDIA GB200") is TARGETS["gb200"]
+    assert scheduler_target(PlatformConfig(name="gpu"), "NVIDIA A100-SXM4-80GB") is None  # xla's estimates
+    with pytest.raises(SchedulerCostsError, match="A100.*platform.scheduler_costs=xla"):
+        scheduler_target(gpu, "NVIDIA A100-SXM4-80GB")
