@@ -90,6 +90,26 @@ def test_with_ferrys_costs_the_reloads_hide_on_an_fsdp_mesh(preset):
 
 
 @needs_cuda_plugin
+def test_the_module_is_priced_from_a_compile_stopped_before_scheduling(tmp_path, monkeypatch, capfd):
+    """The first compile stops at XLA's check of a profile (an empty one, a miss an error), just
+    before the scheduler: the module it dumps there is the one a whole compile schedules, and the
+    thousands of lines XLA logs about the empty profile's misses are kept off standard error."""
+    read, stopped = [], scheduler_costs._module_before_scheduling
+
+    def reading(lowered, options, directory):
+        read.append(stopped(lowered, options, directory))
+        assert not list(directory.glob("*after_optimizations.txt"))  # it stopped: no program was made
+        return read[-1]
+
+    monkeypatch.setattr(scheduler_costs, "_module_before_scheduling", reading)
+    planned("llama_tiny", "decoder_input_offload", "train.seq_len=256", "mesh.fsdp=2", costs=True)
+    _, scheduled = compiled_and_scheduled(tmp_path)
+    assert len(read) == 1
+    assert cost_profile(read[0], H200) == cost_profile(scheduled, H200)  # every instruction, priced alike
+    assert "profile_guided_latency_estimator" not in capfd.readouterr().err
+
+
+@needs_cuda_plugin
 def test_a_profile_that_misses_an_instruction_is_refused(monkeypatch):
     """The second compile must be the program that was priced: a profile missing one of its
     instructions is an error naming it, never a schedule built on XLA's fallback estimates."""

@@ -125,4 +125,3 @@ def check_step_fits(memory: CompiledMemory, advice: str) -> None:
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
-

@@ -10,17 +10,22 @@ XLA also accepts a profile of measured costs (its profile-guided latency estimat
 of a measurement, in the same terms as the plan's estimate: a kernel takes its matrix FLOPs at the
 target's dense peak or its bytes at the HBM bandwidth, whichever is longer; a host copy its bytes
 over the host link; a collective its ring bytes over the links its groups span
-(`Collective.algorithmic_bytes`); a loop its body times its trip count. The step is compiled once,
-the module the scheduler received is read back (XLA's dump before `latency-hiding-scheduler`),
-priced, and compiled again with the profile, which must name every instruction of the second
-compile: a profile that misses one is an error, not a silently worse schedule.
+(`Collective.algorithmic_bytes`); a loop its body times its trip count. The step is compiled as
+far as the scheduler (XLA's dump of the module it would receive; the compile stops there), priced,
+and compiled again with the profile, which must name every instruction of the second compile: a
+profile that misses one is an error, not a silently worse schedule.
 """
 
 import dataclasses
+import os
+import sys
 import tempfile
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import jax
 
 from ferry.errors import FerryError
 from ferry.hardware import accelerator_name
@@ -39,6 +44,7 @@ from ferry.platform import PlatformConfig
 KERNEL_LAUNCH_US = 2.0  # a kernel's fixed cost on top of its FLOPs or bytes
 COLLECTIVE_LATENCY_US = 10.0  # a collective's fixed cost on top of its bytes (NCCL's setup and hops)
 _PRE_SCHEDULE = "*before_latency-hiding-scheduler.txt"  # XLA's dump of the module the scheduler gets
+_CHECKED = "*before_pgle-accuracy-checker.txt"  # the same module, dumped before XLA checks a profile against it
 
 
 class SchedulerCostsError(FerryError, RuntimeError):
@@ -178,8 +184,7 @@ def compile_with_costs(lowered: Any, options: Mapping[str, object], target: GpuT
     was priced (`SchedulerCostsError` otherwise)."""
     with tempfile.TemporaryDirectory(prefix="ferry-costs-") as scratch:
         first, second = Path(scratch) / "first", Path(scratch) / "second"
-        lowered.compile(dict(options) | _dump_options(first))
-        profile = cost_profile(_pre_schedule_module(first), target)
+        profile = cost_profile(_module_before_scheduling(lowered, options, first), target)
         path = Path(scratch) / "costs.pbtxt"
         path.write_text(profile.to_text())
         priced = {"xla_gpu_pgle_profile_file_or_directory_path": str(path)}
@@ -194,16 +199,78 @@ def compile_with_costs(lowered: Any, options: Mapping[str, object], target: GpuT
     return compiled, profile
 
 
-def _dump_options(directory: Path) -> dict[str, object]:
+def _module_before_scheduling(lowered: Any, options: Mapping[str, object], directory: Path) -> str:
+    """The module XLA's scheduler would receive, without compiling the rest of the program.
+
+    XLA checks a cost profile against the module just before scheduling (its PGLE accuracy
+    checker). Given an empty profile and told to fail on a miss, the compile stops there, before
+    scheduling, buffer assignment and code generation (about half of a compile), with the module
+    dumped. Should a compile go through anyway, its dump before the scheduler is the same module."""
+    empty = directory / "empty.pbtxt"
+    empty.parent.mkdir(parents=True, exist_ok=True)
+    empty.write_text("")
+    stop = _dump_options(directory, "pgle-accuracy-checker|latency-hiding-scheduler") | {
+        "xla_gpu_pgle_profile_file_or_directory_path": str(empty),
+        "xla_gpu_pgle_accuracy_checker": "PGLE_STRICTNESS_LEVEL_ERROR",
+    }
+    try:
+        with _WITHOUT_PGLE_LOGS:  # XLA logs each instruction the empty profile lacks
+            lowered.compile(dict(options) | stop)
+    except jax.errors.JaxRuntimeError as error:
+        if "missing instructions" not in str(error):
+            raise
+    return _pre_schedule_module(directory, _CHECKED, _PRE_SCHEDULE)
+
+
+class _StderrWithout:
+    """While entered (by any number of threads at once), the process's standard error (file
+    descriptor 2, where XLA logs) goes to a file; when the last thread leaves, its lines are written
+    back to standard error, less those logged from the named source files."""
+
+    def __init__(self, *sources: str):
+        self.sources = tuple(s.encode() for s in sources)
+        self.lock = threading.Lock()
+        self.users = 0
+        self.saved_fd = -1
+        self.capture: Any = None
+
+    def __enter__(self) -> None:
+        with self.lock:
+            if self.users == 0:
+                sys.stderr.flush()
+                self.capture = tempfile.TemporaryFile()
+                self.saved_fd = os.dup(2)
+                os.dup2(self.capture.fileno(), 2)
+            self.users += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self.lock:
+            self.users -= 1
+            if self.users:
+                return
+            os.dup2(self.saved_fd, 2)
+            os.close(self.saved_fd)
+            self.capture.seek(0)
+            for line in self.capture:
+                if not any(source in line for source in self.sources):
+                    os.write(2, line)
+            self.capture.close()
+
+
+_WITHOUT_PGLE_LOGS = _StderrWithout("profile_guided_latency_estimator.cc", "pgle_accuracy_checker.cc")
+
+
+def _dump_options(directory: Path, passes: str = "latency-hiding-scheduler") -> dict[str, object]:
     return {
         "xla_dump_to": str(directory),
-        "xla_dump_hlo_pass_re": "latency-hiding-scheduler",
+        "xla_dump_hlo_pass_re": passes,
         "xla_dump_hlo_as_text": True,
     }
 
 
-def _pre_schedule_module(directory: Path) -> str:
-    dumps = sorted(directory.glob(_PRE_SCHEDULE))
+def _pre_schedule_module(directory: Path, *patterns: str) -> str:
+    """The module XLA dumped before scheduling, by the first of `patterns` it wrote."""
+    dumps = next((found for pattern in patterns or (_PRE_SCHEDULE,) if (found := sorted(directory.glob(pattern)))), [])
     if len(dumps) != 1:
         raise SchedulerCostsError(
             f"expected one module before latency-hiding scheduling in XLA's dump, found {len(dumps)}: "
