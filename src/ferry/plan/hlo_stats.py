@@ -436,6 +436,13 @@ def overlapped_flops(hlo_text: str, copies: list[HostCopy]) -> dict[str, float]:
     }
 
 
+def computation_flops(hlo_text: str, names: set[str]) -> dict[str, float]:
+    """The matmul FLOPs of one run of each named computation, the loops it runs included (their
+    bodies times their trip counts)."""
+    module = _parsed(hlo_text)
+    return {name: module.computation_flops(name) for name in names}
+
+
 # --------------------------------------------------------------------------------------------
 # The instructions XLA's latency-hiding scheduler orders, for the cost profile ferry gives it
 # (`ferry.plan.scheduler_costs`). Read from the module as the scheduler receives it (XLA's dump

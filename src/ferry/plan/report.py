@@ -262,6 +262,11 @@ def transfer_table(plan: MemoryPlan) -> Table:
         f"back; link busy {format_seconds(summary.link_seconds)}, compute overlapping copies "
         f"{format_seconds(summary.overlapped_compute_seconds)}, exposed {format_seconds(summary.exposed_seconds)}"
     )
+    if summary.floor_seconds:
+        caption += (
+            f" (at least {format_seconds(summary.floor_seconds)} in any order: a loop iteration's copies outlast "
+            "all its matrix work, and no copy outlives its iteration)"
+        )
     if plan.pipeline_bytes:
         caption += (
             f"; pipelined one layer apart, for {format_bytes(plan.pipeline_bytes)} of offloaded values in HBM "
