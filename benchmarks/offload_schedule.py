@@ -4,18 +4,25 @@
 - ferry: copies one layer apart, in Python (`ferry.offload_scan`, the default);
 - XLA: XLA's pipelined host offloading (`xla_gpu_enable_pipelined_host_offloading`) on the
   per-layer program;
-- both: ferry's schedule compiled with XLA's pass on.
+- both: ferry's schedule compiled with XLA's pass on;
+
+each ordered by XLA's latency-hiding scheduler twice: with its own fixed estimates
+(`platform.scheduler_costs=xla`) and timing every op with ferry's cost model
+(`platform.scheduler_costs=ferry`, the default on GPU; `ferry.plan.scheduler_costs`).
 
 For each preset and schedule it prints the planner's reading of the compiled program: link time,
-exposed copy time, matmul time, HBM temporaries and total, the goal of the copy schedule
-(exposed <= max(0, link - matmul) + 5% of matmul) and the ratios to the per-layer schedule. All
-numbers come from deviceless compiles (`mode=plan`), not from a GPU.
+exposed copy time, the least any order of its computations could expose (floor: a copy cannot
+outlive its loop iteration), matmul time, HBM temporaries and total, the goal of the copy schedule
+(exposed <= max(0, link - matmul) + 5% of matmul) and the ratios to the per-layer schedule with
+XLA's estimates. All numbers come from deviceless compiles (`mode=plan`), not from a GPU.
+`--fsdp N` plans N GPUs of one FSDP mesh, a row of the batch each.
 
     python benchmarks/offload_schedule.py [--model llama3_1_8b] [--layers 4] [--seq-len 4096]
-        [--presets qkv_offload minimal_offloaded decoder_input_offload] [--target h200]
+        [--presets qkv_offload minimal_offloaded decoder_input_offload] [--target h200] [--fsdp 1]
 """
 
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -25,6 +32,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from ferry.plan.transfers import TransferSummary
+
 ROOT = Path(__file__).resolve().parent.parent
 SCHEDULES = {  # name: (offload.pipelined, xla_gpu_enable_pipelined_host_offloading)
     "per layer": (False, False),
@@ -32,11 +41,12 @@ SCHEDULES = {  # name: (offload.pipelined, xla_gpu_enable_pipelined_host_offload
     "XLA": (False, True),
     "both": (True, True),
 }
+COSTS = ("xla", "ferry")  # platform.scheduler_costs: XLA's fixed estimates, ferry's cost model
 
 
-def plan(args: argparse.Namespace, preset: str, pipelined: bool, xla: bool, out: Path) -> dict:
+def plan(args: argparse.Namespace, preset: str, pipelined: bool, xla: bool, costs: str, out: Path) -> dict:
     """One `mode=plan` of `preset` under one schedule: its plan.json entry."""
-    run_dir = out / f"{preset}-{int(pipelined)}{int(xla)}"
+    run_dir = out / f"{preset}-{int(pipelined)}{int(xla)}-{costs}"
     command = [
         sys.executable,
         str(ROOT / "launch" / "run.py"),
@@ -45,12 +55,14 @@ def plan(args: argparse.Namespace, preset: str, pipelined: bool, xla: bool, out:
         f"model={args.model}",
         f"model.num_layers={args.layers}",
         f"train.seq_len={args.seq_len}",
-        "train.global_batch_size=1",
+        f"train.global_batch_size={args.fsdp}",
+        f"mesh.fsdp={args.fsdp}",
         "platform=gpu",
         f"offload={preset}",
         f"plan.presets=[{preset}]",
         f"offload.pipelined={str(pipelined).lower()}",
         f"platform.xla_flags.xla_gpu_enable_pipelined_host_offloading={str(xla).lower()}",
+        f"platform.scheduler_costs={costs}",
         f"run.dir={run_dir}",
     ]
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
@@ -66,30 +78,35 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--presets", nargs="+", default=["qkv_offload", "minimal_offloaded", "decoder_input_offload"])
     parser.add_argument("--target", default="h200")
+    parser.add_argument("--fsdp", type=int, default=1, help="GPUs of one FSDP mesh, one row of the batch each")
     args = parser.parse_args()
     table = Table(
-        title=f"copy schedules: {args.model}, {args.layers} layers x {args.seq_len} tokens, {args.target} "
-        "(per device and step; deviceless compiles)"
+        title=f"copy schedules: {args.model}, {args.layers} layers x {args.seq_len} tokens, "
+        f"{args.fsdp} x {args.target} (per device and step; deviceless compiles)"
     )
-    columns = ("preset", "schedule", "link", "matmuls", "exposed", "goal", "meets", "temp GiB", "HBM GiB")
+    columns = ("preset", "schedule", "costs", "link", "matmuls", "exposed", "floor", "goal", "meets")
+    columns += ("temp GiB", "HBM GiB")
     for column in (*columns, "exposed / per layer", "HBM / per layer"):
-        table.add_column(column, justify="left" if column in ("preset", "schedule", "meets") else "right")
+        table.add_column(column, justify="left" if column in ("preset", "schedule", "costs", "meets") else "right")
     with tempfile.TemporaryDirectory() as out:
         for preset in args.presets:
             reference = None
-            for name, (pipelined, xla) in SCHEDULES.items():
-                p = plan(args, preset, pipelined, xla, Path(out))
+            for (name, (pipelined, xla)), costs in itertools.product(SCHEDULES.items(), COSTS):
+                p = plan(args, preset, pipelined, xla, costs, Path(out))
                 per_step = p["transfers"]["per_step"]
-                link, exposed = per_step["link_seconds"], per_step["exposed_seconds"]
+                summary = TransferSummary(**per_step)
+                link, exposed = summary.link_seconds, summary.exposed_seconds
                 matmul = p["flops"] / p["peak_flops"]
-                goal = max(0.0, link - matmul) + 0.05 * matmul
+                goal = summary.goal_seconds(matmul)
                 reference = reference or (exposed, p["device_bytes"])
                 table.add_row(
                     preset,
                     name,
+                    costs,
                     f"{link * 1e3:.2f} ms",
                     f"{matmul * 1e3:.2f} ms",
                     f"{exposed * 1e3:.2f} ms",
+                    f"{summary.floor_seconds * 1e3:.2f} ms",
                     f"{goal * 1e3:.2f} ms",
                     "yes" if exposed <= goal else "no",
                     f"{p['temp_bytes'] / 2**30:.3f}",
