@@ -101,6 +101,7 @@ def extrapolated_plan(
         temp_bytes=line(lambda p: p.temp_bytes),
         host_bytes=line(lambda p: p.host_bytes),
         flops=line(lambda p: p.flops),
+        flops_bound=None if base.flops_bound is None else line(lambda p: p.flops_bound),
         matmuls=line(lambda p: p.matmuls),
         transfers=_transfers(base, steps, extra),
         transfer_summary=TransferSummary(

@@ -12,6 +12,8 @@ from collections import Counter
 
 import numpy as np
 
+from ferry.expected_work import expected_fraction
+
 COLLECTIVES: tuple[str, ...] = (
     "all-gather",
     "all-reduce",
@@ -229,9 +231,12 @@ def _dims(shape: str) -> list[int]:
 class _Module:
     """A compiled module's computations, parsed once: instruction lines in schedule order (a
     scheduled module prints each computation in the order it runs), every value's shape, and the
-    matmul FLOPs of a computation including the computations it calls."""
+    matmul FLOPs of a computation including the computations it calls: as they run where the
+    model marked an op's static work as partly skipped (`expected`, `ferry.expected_work`), or
+    the static count, an upper bound."""
 
-    def __init__(self, hlo_text: str):
+    def __init__(self, hlo_text: str, expected: bool = True):
+        self.expected = expected  # weigh each matmul by the share of it that runs (`ferry.expected_work`)
         self.bodies, self.entry = _computations(hlo_text)
         self.shapes: dict[str, str] = {}
         for lines in self.bodies.values():
@@ -292,15 +297,25 @@ class _Module:
         return 2.0 * float(np.prod(_dims(shape), dtype=np.int64)) * reduced * window_taps(line)
 
     def line_flops(self, line: str) -> float:
-        """The line's own FLOPs plus those of what it calls (loop bodies times their trip count)."""
+        """The line's own FLOPs plus those of what it calls (loop bodies times their trip count;
+        `loop_share` of them where this module counts what runs)."""
         total = self.own_flops(line)
         for callee in _CALLEE.finditer(line):
-            repeat = _trip_count(line, self.bodies) if callee["kind"] == "body" else 1
+            repeat = _trip_count(line, self.bodies) * self.loop_share(line) if callee["kind"] == "body" else 1
             total += repeat * self.computation_flops(callee["name"])
         branches = _BRANCHES.search(line)
         for branch in branches["names"].split(",") if branches else []:
             total += self.computation_flops(branch.strip().lstrip("%"))
         return total
+
+    def loop_share(self, line: str) -> float:
+        """Of a loop's trips, the share that does its work: the model marks a loop sized for the
+        worst case (`ferry.expected_work`) on the loop itself, whose instruction is its own where
+        XLA may share one body between loops (op names inside it can be another loop's)."""
+        if not self.expected:
+            return 1.0
+        name = _OP_NAME.search(line)
+        return expected_fraction(name["name"]) if name else 1.0
 
     def computation_flops(self, name: str) -> float:
         if name not in self._flops:
@@ -339,19 +354,21 @@ def _is_float(shape: str) -> bool:
     return match is not None and match["dtype"][0] in "fb"  # f32, bf16, f8e4m3fn...
 
 
-@functools.lru_cache(maxsize=2)
-def _parsed(hlo_text: str) -> "_Module":
+@functools.lru_cache(maxsize=4)
+def _parsed(hlo_text: str, expected: bool = True) -> "_Module":
     """The planner reads FLOPs, host copies and their overlap from one program: parse it once."""
-    return _Module(hlo_text)
+    return _Module(hlo_text, expected)
 
 
-def matmul_flops(hlo_text: str) -> float:
+def matmul_flops(hlo_text: str, bound: bool = False) -> float:
     """FLOPs of every matrix product in a compiled module (`dot`, cuBLAS GEMM custom calls,
     `ragged-dot` counted as dense, TPU `convolution`s, and kernels: Pallas custom calls by their
     cost estimate, grouped GEMMs by their shapes), weighted by how often its computation runs:
     what `cost_analysis()` does not report for compile-only GPU devices. 2 x output elements x
-    the contracted size; elementwise work is not counted."""
-    module = _parsed(hlo_text)
+    the contracted size; elementwise work is not counted. Of a product the model marked as run
+    in part (a MoE's tiles, `ferry.expected_work`), the share that runs; with `bound`, all of it
+    (the program's static count, an upper bound)."""
+    module = _parsed(hlo_text, expected=not bound)
     return module.computation_flops(module.entry)
 
 
@@ -469,6 +486,7 @@ class ScheduledInstruction:
     flops: float  # its matrix work, a fusion's included (`matmul_flops`'s count); 0 for loops and calls
     callees: tuple[str, ...]  # loop body and condition, branches, called or wrapped computation
     trip_count: int  # a loop's; 1 for everything else
+    share: float  # of a loop's trips, the share that does its work (`_Module.loop_share`); 1 for everything else
     wrapped: str  # the root line of what an async-start or fusion runs, inside any fusion it wraps ("" if none)
     start: str  # an async-done's start ("" for anything else)
 
@@ -542,6 +560,7 @@ def scheduled_instructions(hlo_text: str) -> dict[str, list[ScheduledInstruction
                     0.0 if control else module.line_flops(line),
                     callees,
                     _trip_count(line, module.bodies) if op == "while" else 1,
+                    module.loop_share(line) if op == "while" else 1.0,
                     wrapped,
                     _operands(definition)[0] if op.endswith("-done") and _operands(definition) else "",
                 )
@@ -595,7 +614,7 @@ def op_names(hlo_text: str) -> dict[str, str]:
 def matmul_count(hlo_text: str) -> int:
     """How many matrix products (`dot`, cuBLAS GEMM, `ragged-dot`, TPU `convolution`) one call of
     the program runs: each counted once per execution of its computation, fusions included."""
-    module = _parsed(hlo_text)
+    module = _parsed(hlo_text, expected=False)  # every product the program holds, run or not
     counts = _execution_counts(module.bodies, module.entry)
     return sum(
         counts.get(name, 0) * sum(1 for line in lines if module.own_flops(line) > 0)

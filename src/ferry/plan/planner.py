@@ -52,7 +52,7 @@ class MemoryPlan:
     alias_bytes: int
     temp_bytes: int
     host_bytes: int  # pinned host: temporaries, arguments and outputs
-    flops: float  # matrix products per device per step, from the compiled HLO (`matmul_flops`)
+    flops: float  # matrix products per device per step as they run, from the compiled HLO (`matmul_flops`)
     matmuls: int  # how many matrix products run per device per step (`matmul_count`)
     capacity_bytes: int
     host_capacity_bytes: int | None  # the pinned host pool a run sets up, where the platform sizes one
@@ -67,6 +67,9 @@ class MemoryPlan:
     extrapolated: str | None = None  # how `ferry.plan.extrapolate` made it from shallow compiles; None: compiled whole
     pipeline_bytes: int = 0  # offloaded values a pipelined schedule keeps in HBM (`TransferSchedule.pipeline_bytes`)
     scheduler_costs: str = "xla"  # who timed the ops for XLA's scheduler: ferry's cost model or XLA's estimates
+    # the program's static count of them, an upper bound: a MoE's tiles as if every slot of a device
+    # routed to one device's experts (`ferry.expected_work`); None: no work is marked, `flops`
+    flops_bound: float | None = None
 
     @property
     def device_bytes(self) -> int:
@@ -180,6 +183,7 @@ def plan_memory(
             "in pinned host memory: the offload was dropped"
         )
     hlo = compiled.as_text()
+    flops, bound = matmul_flops(hlo), matmul_flops(hlo, bound=True)
     schedule = _schedule(config, model_config, policy, mesh)
     writes = state_writes(layout.model, layout.placement, sharding.model)
     copy_names = _offloaded_bytes(schedule) | {name: write.bytes for name, write in writes.items()}
@@ -201,7 +205,8 @@ def plan_memory(
         alias_bytes=memory.alias_size_in_bytes,
         temp_bytes=memory.temp_size_in_bytes,
         host_bytes=host,
-        flops=matmul_flops(hlo),
+        flops=flops,
+        flops_bound=None if bound == flops else bound,
         matmuls=matmul_count(hlo),
         capacity_bytes=target.hbm_bytes if capacity_bytes is None else capacity_bytes,
         host_capacity_bytes=host_capacity_bytes,

@@ -21,6 +21,7 @@ import numpy as np
 from jax.extend import core as jex
 from jax.sharding import Mesh
 
+from ferry.expected_work import expected_fraction
 from ferry.offload import LAYER_INPUT, Policy, offloaded, record_tags, tagged_names
 from ferry.precision import cast_floating
 
@@ -63,8 +64,8 @@ class _Needed:
     """The equations the gradients need, counted with the trip counts of the loops around them."""
 
     host_copies: int = 0  # device_puts to pinned host
-    matmuls: float = 0.0
-    matmul_flops: float = 0.0
+    matmuls: float = 0.0  # every execution the program holds
+    matmul_flops: float = 0.0  # of work marked as run in part (`ferry.expected_work`), what runs
 
 
 def dot_flops(eqn: Any) -> float:
@@ -77,20 +78,28 @@ def dot_flops(eqn: Any) -> float:
     return 2.0 * out * math.prod(lhs[d] for d in contract)
 
 
-def total_dot_flops(jaxpr: Any) -> float:
-    """Matmul FLOPs of every equation of a jaxpr, needed or not, a scan's body counted by its length."""
+def _share(eqn: Any) -> float:
+    """The share of an equation's work that runs (`ferry.expected_work`; the scopes of its inner
+    jaxprs' equations are relative to it, so the share passes down to them)."""
+    return expected_fraction(str(eqn.source_info.name_stack))
+
+
+def total_dot_flops(jaxpr: Any, share: float = 1.0) -> float:
+    """Matmul FLOPs of every equation of a jaxpr, needed or not, a scan's body counted by its
+    length; of work the model marked as run in part (`ferry.expected_work`), what runs."""
     total = 0.0
     for eqn in jaxpr.eqns:
+        runs = share * _share(eqn)
         if eqn.primitive.name in _MATMULS:
-            total += dot_flops(eqn)
+            total += runs * dot_flops(eqn)
         repeat = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
-        total += repeat * sum(total_dot_flops(inner) for inner in _inner_jaxprs(eqn))
+        total += repeat * sum(total_dot_flops(inner, runs) for inner in _inner_jaxprs(eqn))
     return total
 
 
-def _walk(jaxpr: Any, needed_out: list[bool], found: _Needed, times: float) -> list[bool]:
+def _walk(jaxpr: Any, needed_out: list[bool], found: _Needed, times: float, share: float = 1.0) -> list[bool]:
     """Mark what `jaxpr` needs to produce the outputs flagged in `needed_out`; returns which of
-    its inputs are needed."""
+    its inputs are needed. `times`: how often it runs; `share`: of its marked work, what runs."""
     needed = {v for v, n in zip(jaxpr.outvars, needed_out, strict=True) if n and isinstance(v, jex.Var)}
     for eqn in reversed(jaxpr.eqns):
         outs = [isinstance(o, jex.Var) and not isinstance(o, jex.DropVar) and o in needed for o in eqn.outvars]
@@ -98,6 +107,7 @@ def _walk(jaxpr: Any, needed_out: list[bool], found: _Needed, times: float) -> l
             continue
         name = eqn.primitive.name
         inner = _inner_jaxprs(eqn)
+        runs = share * _share(eqn)
         ins = [True] * len(eqn.invars)
         if name in _ONE_TO_ONE and len(eqn.invars) == len(eqn.outvars):
             ins = outs
@@ -107,18 +117,18 @@ def _walk(jaxpr: Any, needed_out: list[bool], found: _Needed, times: float) -> l
                 )
         elif name in _MATMULS:
             found.matmuls += times
-            found.matmul_flops += times * dot_flops(eqn)
+            found.matmul_flops += times * runs * dot_flops(eqn)
         elif (
             name not in _LOOPS
             and len(inner) == 1
             and len(inner[0].invars) == len(eqn.invars)
             and len(inner[0].outvars) == len(eqn.outvars)
         ):
-            ins = _walk(inner[0], outs, found, times)
+            ins = _walk(inner[0], outs, found, times, runs)
         else:
             repeat = eqn.params.get("length", 1) if name == "scan" else 1
             for sub in inner:
-                _walk(sub, [True] * len(sub.outvars), found, times * repeat)
+                _walk(sub, [True] * len(sub.outvars), found, times * repeat, runs)
         needed.update(v for v, n in zip(eqn.invars, ins, strict=True) if n and isinstance(v, jex.Var))
     return [isinstance(v, jex.Var) and v in needed for v in jaxpr.invars]
 

@@ -198,10 +198,16 @@ def plan_table(plans: list[MemoryPlan], config: FerryConfig) -> Table:
     first = plans[0]
     pool = "" if first.host_capacity_bytes is None else f"; pinned host pool {format_bytes(first.host_capacity_bytes)}"
     pool += f"; scheduler costs: {first.scheduler_costs}"
+    bound = (
+        "; matmul TFLOP: the MoE's tiles a balanced router fills (the program's static count, every slot of a "
+        "device routed to one device's experts, in parentheses)"
+        if any(plan.flops_bound is not None for plan in plans)
+        else ""
+    )
     table = Table(
         title=f"{config.model_name} on {first.target} x {config.mesh.num_devices} ({first.mesh}), "
         f"batch {config.train.global_batch_size} x {config.train.seq_len}: per device",
-        caption="compile options: " + ", ".join(f"{k}={v}" for k, v in first.compile_options) + pool,
+        caption="compile options: " + ", ".join(f"{k}={v}" for k, v in first.compile_options) + pool + bound,
     )
     columns = ("preset", "arguments", "outputs", "temp", "HBM total", "capacity", "verdict", "pinned host")
     for column in (*columns, "matmul TFLOP", "copies exposed", "compile", "planned"):
@@ -217,7 +223,7 @@ def plan_table(plans: list[MemoryPlan], config: FerryConfig) -> Table:
             format_bytes(plan.capacity_bytes),
             "FITS" if plan.fits else "OOM",
             format_bytes(plan.host_bytes),
-            f"{plan.flops / 1e12:.4f}",
+            f"{plan.flops / 1e12:.4f}" + ("" if plan.flops_bound is None else f" (<= {plan.flops_bound / 1e12:.4f})"),
             format_seconds(summary.exposed_seconds) if plan.transfers else "-",
             f"{plan.compile_seconds:.0f} s",
             "compiled whole" if plan.extrapolated is None else f"EXTRAPOLATED: {plan.extrapolated}",

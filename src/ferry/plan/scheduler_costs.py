@@ -10,10 +10,11 @@ XLA also accepts a profile of measured costs (its profile-guided latency estimat
 of a measurement, in the same terms as the plan's estimate: a kernel takes its matrix FLOPs at the
 target's dense peak or its bytes at the HBM bandwidth, whichever is longer; a host copy its bytes
 over the host link; a collective its ring bytes over the links its groups span
-(`Collective.algorithmic_bytes`); a loop its body times its trip count. The step is compiled as
-far as the scheduler (XLA's dump of the module it would receive; the compile stops there), priced,
-and compiled again with the profile, which must name every instruction of the second compile: a
-profile that misses one is an error, not a silently worse schedule.
+(`Collective.algorithmic_bytes`); a loop its body times its trip count (the trips that do work,
+where the model marked a loop sized for the worst case: `ferry.expected_work`). The step is
+compiled as far as the scheduler (XLA's dump of the module it would receive; the compile stops
+there), priced, and compiled again with the profile, which must name every instruction of the
+second compile: a profile that misses one is an error, not a silently worse schedule.
 """
 
 import dataclasses
@@ -94,7 +95,7 @@ def cost_profile(hlo_text: str, target: GpuTarget) -> CostProfile:
         if instruction.is_nop or _is_start(instruction) or _is_done(instruction):
             return 0.0  # issuing or awaiting an asynchronous op; its latency is priced on its own
         if instruction.op == "while":
-            return instruction.trip_count * sum(computation_us(c) for c in instruction.callees)
+            return instruction.trip_count * instruction.share * sum(computation_us(c) for c in instruction.callees)
         if instruction.op == "conditional":
             return max((computation_us(c) for c in instruction.callees), default=0.0)
         if instruction.op == "call":

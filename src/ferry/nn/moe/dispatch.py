@@ -20,6 +20,9 @@ class Dispatch(eqx.Module):
     group_sizes: Int[Array, " local_experts"]
     layout: TileLayout | None  # None: a grouped kernel (`kernel`)
     kernel: str = eqx.field(static=True, default="ragged_dot")  # without a layout: "ragged_dot" or "megablox"
+    # the rows a router spreading slots evenly over the experts fills (the first: rows are sorted by
+    # expert, other devices' slots last); the planner counts the tiles they need (`expected_work`)
+    balanced_rows: int | None = eqx.field(static=True, default=None)  # None: every row
 
     def window(self, start: int, stop: int) -> "Dispatch":
         """Rows [start, stop) as a dispatch of their own. Its tiles are those that can hold
@@ -33,7 +36,17 @@ class Dispatch(eqx.Module):
             row = layout.row[first * tile_rows : last * tile_rows]
             row = jnp.where((row >= start) & (row < stop), row - start, stop - start)
             layout = TileLayout(row, layout.tile_expert[first:last], tile_rows)
-        return Dispatch(self.row_token[start:stop], self.row_weight[start:stop], group_sizes, layout, self.kernel)
+        balanced = None if self.balanced_rows is None else max(0, min(self.balanced_rows, stop) - start)
+        return Dispatch(
+            self.row_token[start:stop], self.row_weight[start:stop], group_sizes, layout, self.kernel, balanced
+        )
+
+    def expected_tiles(self) -> int:
+        """Of the tile layout's tiles, those the balanced rows fill: each local expert's share of
+        them, rounded up to whole tiles."""
+        tiles, experts = self.layout.tile_expert.shape[0], self.group_sizes.shape[0]
+        rows = self.row_token.shape[0] if self.balanced_rows is None else self.balanced_rows
+        return min(tiles, experts * -(-rows // (experts * self.layout.tile_rows)))
 
 
 def dispatch(
@@ -45,12 +58,14 @@ def dispatch(
     capacity: int | None = None,
     queue_start: Int[Array, " local_experts"] | int = 0,
     kernel: str = "ragged_dot",
+    balanced_rows: int | None = None,
 ) -> Dispatch:
     """Sort the slots routed to experts [first_expert, first_expert + num_local_experts) by
     expert. With a `capacity`, a slot whose place in its expert's queue (after `queue_start`
     slots queued elsewhere) is `capacity` or later gets weight zero (dropped), as
     capacity-based trainers do. Only index arrays: the tokens are read by the matmul itself.
-    Without `tile_rows` the grouped matmul is `kernel` (`grouped_matmul`)."""
+    Without `tile_rows` the grouped matmul is `kernel` (`grouped_matmul`). `balanced_rows`: how
+    many slots a router spreading them evenly sends these experts (None: every slot is theirs)."""
     tokens, k = indices.shape
     local_expert = indices.reshape(-1) - first_expert
     is_local = (local_expert >= 0) & (local_expert < num_local_experts)
@@ -64,7 +79,7 @@ def dispatch(
         expert = jnp.minimum(sort_key[order], num_local_experts - 1)
         row_weight = jnp.where(jnp.arange(tokens * k) - starts[expert] < capacity, row_weight, 0)
     layout = None if tile_rows is None else tile_layout(group_sizes, tokens * k, tile_rows)
-    return Dispatch(jnp.where(in_group, order // k, tokens), row_weight, group_sizes, layout, kernel)
+    return Dispatch(jnp.where(in_group, order // k, tokens), row_weight, group_sizes, layout, kernel, balanced_rows)
 
 
 def grouped_matmul(
@@ -85,7 +100,7 @@ def grouped_matmul(
     source = d.layout.row
     if gather:
         source = d.row_token.at[source].get(mode="fill", fill_value=x.shape[0])
-    return tiled_matmul(num_rows, x, weights, source, d.layout)
+    return tiled_matmul(num_rows, d.expected_tiles(), x, weights, source, d.layout)
 
 
 def combine(out: Float[Array, "rows dim"], d: Dispatch, num_tokens: int) -> Float[Array, "tokens dim"]:

@@ -108,7 +108,8 @@ def _receive_and_dispatch(
         queue_start = _queue_start(indices, (position + shift) % group, first, num_local, num_experts)
     if shift:
         x, indices, weights = (_from_device_ahead(a, shift, group) for a in (x, indices, weights))
-    d = dispatch(indices, weights, first, num_local, tile_rows, capacity, queue_start, kernel)
+    balanced = -(-indices.size // group)  # the slots of one device a balanced router sends each device
+    d = dispatch(indices, weights, first, num_local, tile_rows, capacity, queue_start, kernel, balanced)
     return x, tagged_windows(d, tagged_rows)
 
 

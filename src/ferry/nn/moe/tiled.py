@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from ferry.expected_work import expected_work
+
 
 class TileLayout(eqx.Module):
     """The expert-sorted rows of a dispatch padded so that each expert's rows fill whole tiles:
@@ -72,9 +74,10 @@ def _cotangent_of(gradient: jax.Array, primal: jax.Array) -> jax.Array:
     return gradient.astype(primal.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def tiled_matmul(
     num_out_rows: int,
+    expected_tiles: int,
     x: Float[Array, "n d_in"],
     weights: Float[Array, "experts d_in d_out"],
     source: Int[Array, " padded"],
@@ -83,11 +86,14 @@ def tiled_matmul(
     """Tile by tile, x's rows at `source` times the tile's expert matrix, written to the output
     rows `layout.row`. Nothing is materialised per tile but the tile (neither the gathered rows
     nor a copy of the expert's matrix), and a tile with no output row (padding) is skipped at
-    run time (its FLOPs stay in the static HLO count: an upper bound)."""
-    return _tiled_forward(num_out_rows, x, weights, source, layout)
+    run time: the program's static count of the tiles' FLOPs is an upper bound, of which
+    `expected_tiles` run where the router balances the experts (`ferry.expected_work`)."""
+    return _tiled_forward(num_out_rows, expected_tiles, x, weights, source, layout)
 
 
-def _tiled_forward(num_out_rows: int, x: jax.Array, weights: jax.Array, source: jax.Array, layout: TileLayout):
+def _tiled_forward(
+    num_out_rows: int, expected_tiles: int, x: jax.Array, weights: jax.Array, source: jax.Array, layout: TileLayout
+):
     tile_rows, d_out = layout.tile_rows, weights.shape[-1]
     dtype = jnp.result_type(x.dtype, weights.dtype)
     operands = (x, weights, source, layout.row, layout.tile_expert)
@@ -102,14 +108,18 @@ def _tiled_forward(num_out_rows: int, x: jax.Array, weights: jax.Array, source: 
         return out.at[destination].set(y, mode="drop"), None
 
     out = _carry_zeros((num_out_rows, d_out), dtype, *operands)
-    return jax.lax.scan(one_tile, out, jnp.arange(layout.tile_expert.shape[0]))[0]
+    tiles = layout.tile_expert.shape[0]
+    with expected_work(expected_tiles, tiles):  # on the loop: XLA may share one body between loops
+        return jax.lax.scan(one_tile, out, jnp.arange(tiles))[0]
 
 
-def _tiled_fwd(num_out_rows: int, x: jax.Array, weights: jax.Array, source: jax.Array, layout: TileLayout):
-    return _tiled_forward(num_out_rows, x, weights, source, layout), (x, weights, source, layout)
+def _tiled_fwd(
+    num_out_rows: int, expected_tiles: int, x: jax.Array, weights: jax.Array, source: jax.Array, layout: TileLayout
+):
+    return _tiled_forward(num_out_rows, expected_tiles, x, weights, source, layout), (x, weights, source, layout)
 
 
-def _tiled_bwd(num_out_rows: int, residuals: tuple, cotangent: jax.Array) -> tuple:
+def _tiled_bwd(num_out_rows: int, expected_tiles: int, residuals: tuple, cotangent: jax.Array) -> tuple:
     """The same walk over the tiles: each tile's input gradient is added to the rows it read,
     its weight gradient to its expert's, both accumulated in at least float32."""
     x, weights, source, layout = residuals
@@ -139,7 +149,9 @@ def _tiled_bwd(num_out_rows: int, residuals: tuple, cotangent: jax.Array) -> tup
         return (dx.at[rows].add(dx_tile, mode="drop"), dw.at[expert].add(dw_tile)), None
 
     init = (_carry_zeros(x.shape, dx_dtype, *operands), _carry_zeros(weights.shape, dw_dtype, *operands))
-    (dx, dw), _ = jax.lax.scan(one_tile, init, jnp.arange(layout.tile_expert.shape[0]))
+    tiles = layout.tile_expert.shape[0]
+    with expected_work(expected_tiles, tiles):
+        (dx, dw), _ = jax.lax.scan(one_tile, init, jnp.arange(tiles))
     return _cotangent_of(dx, x), _cotangent_of(dw, weights), None, None
 
 
