@@ -41,6 +41,7 @@ pytestmark = needs_cuda_plugin
 H200 = TARGETS["h200"]
 
 
+@functools.cache  # tests share compiles: llama_tiny's minimal_offloaded at 256 tokens, save_all on FSDP 8
 def plan(model: str, preset: str, *overrides: str, target=H200, seq_len=256, **kwargs):
     config = compose_config(f"model={model}", f"offload={preset}", f"train.seq_len={seq_len}", *overrides)
     policy = config.offload.policy(abstract_model(config.model).tagged_names())  # the preset, overridden
@@ -86,7 +87,7 @@ def test_a_dropped_offload_is_an_error(monkeypatch):
     would silently keep the values on device; the planner refuses such a program."""
     monkeypatch.setattr(offload, "has_memory_kinds", lambda mesh: True)
     with pytest.raises(PlanError, match="keeps no bytes in pinned host memory: the offload was dropped"):
-        plan("llama_tiny", "minimal_offloaded")
+        plan.__wrapped__("llama_tiny", "minimal_offloaded")  # a fresh compile, not the cached one
 
 
 def test_launcher_plans_and_flips_the_verdict(tmp_path):
@@ -128,6 +129,20 @@ def test_tpu_v5p_plan_offloads_to_pinned_host():
     assert TARGETS["v5p"].topology(128) == "v5p:4x4x8" and TARGETS["v6e"].topology(32) == "v6e:4x8"
 
 
+_compiled_plans = {}
+
+
+def plan_at_capacity(config, target, policy, name: str, capacity_bytes: int, host_capacity_bytes: int | None):
+    """`plan_memory` with these capacities, which only label the plan it returns (`fits` and the
+    headroom are read from them): the tests of auto share the compile of each program, auto's
+    first candidate (everything on device) being the same in three of them."""
+    key = (repr(config), target, policy, name)
+    if key not in _compiled_plans:
+        _compiled_plans[key] = plan_memory(config, target, policy, name, None, GPU_FLAGS, None)
+    capacities = {"capacity_bytes": capacity_bytes, "host_capacity_bytes": host_capacity_bytes}
+    return dataclasses.replace(_compiled_plans[key], **capacities)
+
+
 def auto_choice(
     target,
     capacity_gib: float,
@@ -145,7 +160,7 @@ def auto_choice(
     host = None if host_capacity_gib is None else int(host_capacity_gib * 2**30)
 
     def compile_policy(policy, name, placed=config):
-        return plan_memory(placed, target, policy, name, int(capacity_gib * 2**30), GPU_FLAGS, host)
+        return plan_at_capacity(placed, target, policy, name, int(capacity_gib * 2**30), host)
 
     def compile_choice(policy, values):
         state = state_of(values)
