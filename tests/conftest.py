@@ -1,6 +1,7 @@
 """Shared fixtures: the tiny model and the offload presets, loaded from configs/ as a user's run
 would load them."""
 
+import contextlib
 import importlib.util
 import os
 import subprocess
@@ -38,6 +39,27 @@ needs_libtpu = pytest.mark.skipif(
     reason='the planner needs libtpu for TPU targets: pip install -e ".[plan]"',
 )
 GPU_FLAGS = {"xla_gpu_enable_latency_hiding_scheduler": True}  # what configs/platform/gpu.yaml turns on
+
+
+@contextlib.contextmanager
+def compilation_cache(directory: Path):
+    """A persistent compilation cache in `directory` for the block, in this process: runs that
+    compile the same programs (the init, the eval step, the checkpoint fingerprints, a resumed
+    run's step) compile each once. Cached executables are the same code."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    saved = {name: getattr(jax.config, name) for name in names}
+    cc.set_cache_dir(str(directory))
+    jax.config.update(names[1], 0)
+    cc.reset_cache()
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            jax.config.update(name, value)
+        cc.reset_cache()
 
 
 def load_model_config(name: str, **overrides):

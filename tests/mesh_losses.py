@@ -4,7 +4,9 @@
         --run "mesh.data=2 mesh.fsdp=2 mesh.tensor=2" --run "mesh.fsdp=2 mesh.expert=4"
 
 Each run composes the Hydra config from the common and its own overrides and goes through
-`prepare` and `train`; the virtual CPU devices are created once, before JAX starts.
+`prepare` and `train`; the virtual CPU devices are created once, before JAX starts. Runs on the
+same mesh compile the same init and checkpoint fingerprints: a persistent compilation cache in
+DIR compiles each once.
 """
 
 import argparse
@@ -20,6 +22,7 @@ from ferry.platform import PlatformConfig, apply_platform
 from ferry.train.config import load_config
 from ferry.train.prepare import prepare
 from ferry.train.run import train
+from tests.conftest import compilation_cache
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -33,7 +36,7 @@ def main() -> None:
     args = parser.parse_args()
     apply_platform(PlatformConfig("cpu", cpu_devices=args.cpu_devices))
     losses = []
-    with initialize_config_dir(str(CONFIGS), version_base=None):
+    with compilation_cache(args.root / "jax_cache"), initialize_config_dir(str(CONFIGS), version_base=None):
         for index, run in enumerate(args.run):
             overrides = shlex.split(args.common) + shlex.split(run) + [f"run.dir={args.root / str(index)}"]
             cfg = compose("train", overrides=[*overrides, f"platform.cpu_devices={args.cpu_devices}"])

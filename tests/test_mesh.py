@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT, Background, start_launcher
+from tests.conftest import ROOT, Background
 from tests.test_launch import read_metrics
 
 COMMON = (
@@ -45,6 +45,17 @@ MESHES = {
 }
 
 
+@pytest.fixture(scope="module")
+def llama_one_device(tmp_path_factory):
+    """llama_tiny with minimal_offloaded trained on one device: the reference of both tests below,
+    started by the first of them (it runs alongside that test's own runs)."""
+    common = f"model=llama_tiny offload=minimal_offloaded {COMMON}"
+    background = start_mesh_losses(1, common, [""], tmp_path_factory.mktemp("one"))
+    yield background
+    if background.process.poll() is None:  # neither test waited for it
+        background.process.kill()
+
+
 @pytest.mark.parametrize(
     "model, preset",
     [
@@ -54,10 +65,13 @@ MESHES = {
         pytest.param("deepseek_v3_tiny", "moe_offload", marks=pytest.mark.slow),
     ],
 )
-def test_meshes_train_like_one_device(model, preset, tmp_path):
+def test_meshes_train_like_one_device(model, preset, tmp_path, request):
     common = f"model={model} offload={preset} {COMMON}"
     runs = MESHES[model]
-    one_device = start_mesh_losses(1, common, [""], tmp_path / "one")  # both processes run at once
+    if model == "llama_tiny":
+        one_device = request.getfixturevalue("llama_one_device")
+    else:
+        one_device = start_mesh_losses(1, common, [""], tmp_path / "one")  # both processes run at once
     sharded = losses_of(start_mesh_losses(8, common, runs, tmp_path / "eight"))
     (reference,) = losses_of(one_device)
     assert len(reference) == 10
@@ -65,11 +79,10 @@ def test_meshes_train_like_one_device(model, preset, tmp_path):
         np.testing.assert_allclose(losses, reference, rtol=1e-5)
 
 
-def test_two_processes_train_like_one(tmp_path):
+def test_two_processes_train_like_one(tmp_path, llama_one_device):
     """Two processes on localhost with one CPU device each, one mesh over both (CPU collectives
     through gloo), train like a single process on one device."""
     common = [*COMMON.split(), "model=llama_tiny", "offload=minimal_offloaded"]
-    single = start_launcher(*common, f"run.dir={tmp_path / 'single'}", log_dir=tmp_path / "logs")  # alongside
     two = subprocess.run(
         [sys.executable, str(ROOT / "launch" / "local.py"), "--processes=2", "--", *common, "mesh.data=2"]
         + [f"run.dir={tmp_path / 'two'}"],
@@ -79,9 +92,8 @@ def test_two_processes_train_like_one(tmp_path):
         timeout=600,
     )
     assert two.returncode == 0, two.stderr[-4000:] + two.stdout[-4000:]
-    code, _, stderr = single.wait()
-    assert code == 0, stderr[-4000:]
     assert "process 0 of 2" in two.stdout and "over 2 cpu devices in 2 process(es)" in " ".join(two.stdout.split())
-    losses = [[r["loss"] for r in read_metrics(tmp_path / name) if "loss" in r] for name in ("single", "two")]
-    assert len(losses[0]) == 10
-    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+    (single,) = losses_of(llama_one_device)
+    assert len(single) == 10
+    two_losses = [r["loss"] for r in read_metrics(tmp_path / "two") if "loss" in r]
+    np.testing.assert_allclose(two_losses, single, rtol=1e-5)

@@ -23,7 +23,7 @@ from ferry.data.tokenizer import ByteTokenizer, load_tokenizer
 from ferry.train.preemption import SigtermStop
 from ferry.train.prepare import prepare
 from ferry.train.run import train
-from tests.conftest import ROOT, compose_config
+from tests.conftest import ROOT, compilation_cache, compose_config
 
 # 300 documents of 40 to 240 bytes, in one file, separated by blank lines
 DOCUMENTS = [f"doc {i}: " + "lorem ipsum dolor sit amet " * (1 + i % 8) for i in range(300)]
@@ -285,23 +285,13 @@ def hf_tokenizer_file(tmp_path_factory):
 
 
 @pytest.fixture
-def compilation_cache(tmp_path):
+def shared_compiles(tmp_path):
     """The three runs compile the same programs: a persistent compilation cache compiles each once."""
-    import jax
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-    saved = {name: getattr(jax.config, name) for name in names}
-    cc.set_cache_dir(str(tmp_path / "jax_cache"))
-    jax.config.update(names[1], 0)
-    cc.reset_cache()
-    yield
-    for name, value in saved.items():
-        jax.config.update(name, value)
-    cc.reset_cache()
+    with compilation_cache(tmp_path / "jax_cache"):
+        yield
 
 
-def test_training_on_prepared_documents_resumes_bit_for_bit(big_text, tmp_path, monkeypatch, compilation_cache):
+def test_training_on_prepared_documents_resumes_bit_for_bit(big_text, tmp_path, monkeypatch, shared_compiles):
     """A run on a prepared corpus with document masking, preempted after step 2 and resumed,
     logs the losses of the uninterrupted run exactly."""
     directory = tmp_path / "prepared"

@@ -26,7 +26,14 @@ from ferry.train.state_memory import (
     with_memory_kinds,
 )
 from ferry.train.step import LossSettings, init_state, make_train_step, train_step_body
-from tests.conftest import compose_config, load_model_config, needs_cuda_plugin, needs_libtpu, preset_policy
+from tests.conftest import (
+    compilation_cache,
+    compose_config,
+    load_model_config,
+    needs_cuda_plugin,
+    needs_libtpu,
+    preset_policy,
+)
 
 PLACEMENTS = [StatePlacement("host", "device"), StatePlacement("device", "host"), StatePlacement("host", "host")]
 
@@ -200,9 +207,10 @@ def run_with_state_on_host(run_dir, steps: int, *overrides: str) -> str:
 
 def test_a_run_with_its_state_on_host_checkpoints_and_resumes_exactly(tmp_path):
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    run_with_state_on_host(whole, 4)
-    run_with_state_on_host(resumed, 2)
-    output = run_with_state_on_host(resumed, 4)
+    with compilation_cache(tmp_path / "jax_cache"):  # the runs compile the same init, fingerprints, 4-step step
+        run_with_state_on_host(whole, 4)
+        run_with_state_on_host(resumed, 2)
+        output = run_with_state_on_host(resumed, 4)
     assert "resuming from step 2" in output
     assert "optimizer moments on host, master weights on host" in output
     assert "AdamW moments" in output and "master weights" in output  # the schedule table's rows

@@ -30,7 +30,7 @@ from ferry.train.optimizer import make_optimizer
 from ferry.train.prepare import prepare
 from ferry.train.run import train
 from ferry.train.state import state_layout
-from tests.conftest import compose_config, start_launcher
+from tests.conftest import compilation_cache, compose_config, start_launcher
 
 STEPS = 8
 COMMON = (
@@ -113,22 +113,11 @@ def poison_batch_loss(monkeypatch, step):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
+def shared_compiles(tmp_path_factory):
     """The runs here compile the same programs (the init, the eval step, a resumed run's step):
-    a persistent compilation cache compiles each once. Cached executables are the same code."""
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
-    saved = {name: getattr(jax.config, name) for name in ("jax_compilation_cache_dir", CACHE_MIN_TIME)}
-    cc.set_cache_dir(str(tmp_path_factory.mktemp("jax_cache")))
-    jax.config.update(CACHE_MIN_TIME, 0)
-    cc.reset_cache()
-    yield
-    for name, value in saved.items():
-        jax.config.update(name, value)
-    cc.reset_cache()
-
-
-CACHE_MIN_TIME = "jax_persistent_cache_min_compile_time_secs"
+    a persistent compilation cache compiles each once."""
+    with compilation_cache(tmp_path_factory.mktemp("jax_cache")):
+        yield
 
 
 @pytest.fixture(scope="module")
