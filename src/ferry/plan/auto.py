@@ -10,8 +10,8 @@ it, traced: `replay.recompute_flops`) or host copies (exposed where a layer's co
 compute: the forward pass for the copies out, the backward pass, twice the forward, for the copies
 back). A branch-and-bound search over every combination finds the candidate of the least predicted
 step time that is predicted to fit; it is compiled, and its compiled program decides whether it
-fits and what its estimate is. The bytes the compiled candidates freed (or took on host) against
-their predictions rescale the limits (`calibrated_limits`), and the search runs again, until no
+fits and what its estimate is. From then on each candidate is predicted from the compiled program
+nearest to it (`anchored`: the fewest decisions apart), and the search runs again, until no
 candidate left is predicted faster than the fastest compiled one that fits, or `MAX_CHECKS`
 compiles are spent. Where nothing is predicted to fit, the candidate freeing the most HBM is
 compiled: the closest.
@@ -143,8 +143,8 @@ class Decision:
 
 @dataclasses.dataclass(frozen=True)
 class Baseline:
-    """The compiled all-on-device step that predictions start from, and the layers behind each
-    group's copies."""
+    """The all-on-device step that predictions start from (compiled, or as a compiled candidate
+    implies it: `anchored`), and the layers behind each group's copies."""
 
     hbm_bytes: float
     host_bytes: float
@@ -239,6 +239,23 @@ def predict(baseline: Baseline, decisions: list[Decision], values: tuple[str, ..
     return _prediction(baseline, values, *_totals(chosen), target)
 
 
+def anchored(baseline: Baseline, predicted: Prediction, compiled: Prediction) -> Baseline:
+    """The baseline a compiled candidate implies: predicting that candidate from it gives its
+    compiled program (`compiled`: its HBM, host bytes and estimate; `predicted`: the same candidate
+    predicted from `baseline`), and predicting another adds what their placements differ by. Where
+    the all-on-device program is far over HBM, XLA rematerialises in it on its own, so what a
+    placement frees is not what it frees there (the DeepSeek-V3 seed: every preset predicted 190
+    to 214 GiB above its compiled program); from a compiled candidate a few decisions away the
+    prediction rests on a program that fits, or nearly."""
+    return dataclasses.replace(
+        baseline,
+        hbm_bytes=baseline.hbm_bytes + compiled.hbm_bytes - predicted.hbm_bytes,
+        host_bytes=baseline.host_bytes + compiled.host_bytes - predicted.host_bytes,
+        matmul_seconds=baseline.matmul_seconds + compiled.estimate.matmul_seconds - predicted.estimate.matmul_seconds,
+        collective_seconds=compiled.estimate.collective_seconds,
+    )
+
+
 def _totals(chosen: list[Option]) -> tuple[float, float, float, dict[str, int], float]:
     copies: dict[str, int] = {}
     for option in chosen:
@@ -277,12 +294,23 @@ def fastest_fitting(
     hbm_limit: float,
     host_limit: float | None,
     exclude: frozenset[tuple[str, ...]] = frozenset(),
+    anchors: Sequence[tuple[tuple[str, ...], Baseline]] = (),
 ) -> Prediction | None:
     """The candidate of the least predicted step time (`Prediction.rank`) predicted within both
-    limits (None if none is), not one of `exclude`: a depth-first branch and bound. Every option
-    adds time and host bytes and frees HBM, so a partial choice is dropped once it is no faster
-    than the best found, its host bytes are over, or even freeing the most of every decision left
-    leaves HBM over."""
+    limits (None if none is), not one of `exclude`: a depth-first branch and bound. Each candidate
+    is predicted from the anchor (a compiled candidate's values and `anchored` baseline) the fewest
+    decisions away, the one predicting more HBM where two are as near; without anchors, from
+    `baseline`. Every option adds time and host bytes and frees HBM, so a partial choice is dropped
+    once, from the most favourable anchor, it is no faster than the best found, its host bytes are
+    over, or even freeing the most of every decision left leaves HBM over."""
+    anchors = list(anchors) or [(tuple(d.options[0].value for d in decisions), baseline)]
+    bound = dataclasses.replace(
+        baseline,
+        hbm_bytes=min(a.hbm_bytes for _, a in anchors),
+        host_bytes=min(a.host_bytes for _, a in anchors),
+        matmul_seconds=min(a.matmul_seconds for _, a in anchors),
+        collective_seconds=min(a.collective_seconds for _, a in anchors),
+    )
     order = sorted(range(len(decisions)), key=lambda i: -max(o.freed_bytes for o in decisions[i].options))
     most_left = [0.0] * (len(order) + 1)
     for depth in range(len(order) - 1, -1, -1):
@@ -290,10 +318,16 @@ def fastest_fitting(
     best: list[Prediction | None] = [None]
     chosen: list[Option] = []
 
+    def nearest(values: tuple[str, ...]) -> Baseline:
+        def apart(anchor: tuple[tuple[str, ...], Baseline]) -> tuple[int, float]:
+            return sum(a != v for a, v in zip(anchor[0], values, strict=True)), -anchor[1].hbm_bytes
+
+        return min(anchors, key=apart)[1]
+
     def visit(depth: int) -> None:
         totals = _totals(chosen)
         values_so_far = tuple(o.value for o in chosen)
-        partial = _prediction(baseline, values_so_far, *totals, target)
+        partial = _prediction(bound, values_so_far, *totals, target)
         if best[0] is not None and partial.rank >= best[0].rank:
             return
         if host_limit is not None and partial.host_bytes > host_limit:
@@ -304,8 +338,12 @@ def fastest_fitting(
             values = [""] * len(decisions)
             for i, option in zip(order, chosen, strict=True):
                 values[i] = option.value
-            if partial.hbm_bytes <= hbm_limit and tuple(values) not in exclude:
-                best[0] = dataclasses.replace(partial, values=tuple(values))
+            if tuple(values) in exclude:
+                return
+            full = _prediction(nearest(tuple(values)), tuple(values), *totals, target)
+            fits = full.hbm_bytes <= hbm_limit and (host_limit is None or full.host_bytes <= host_limit)
+            if fits and (best[0] is None or full.rank < best[0].rank):
+                best[0] = full
             return
         for option in decisions[order[depth]].options:
             chosen.append(option)
@@ -334,29 +372,12 @@ class Tried:
     def fits(self) -> bool:
         return fits_with_headroom(self.plan)
 
-
-def calibrated_limits(
-    baseline: Baseline, tried: list[Tried], hbm_limit: float, host_limit: float | None
-) -> tuple[float, float | None]:
-    """The limits on predicted bytes that the compiled candidates imply: where a program freed
-    (or took on host) k times the bytes predicted, the prediction is held to the limit scaled by
-    the least favourable k seen, so the next candidate is chosen as if predicted that well."""
-    freed = [
-        (baseline.hbm_bytes - t.plan.device_bytes) / (baseline.hbm_bytes - t.predicted.hbm_bytes)
-        for t in tried
-        if t.predicted.hbm_bytes < baseline.hbm_bytes
-    ]
-    hosted = [
-        (t.plan.host_bytes - baseline.host_bytes) / (t.predicted.host_bytes - baseline.host_bytes)
-        for t in tried
-        if t.predicted.host_bytes > baseline.host_bytes
-    ]
-    freeing = min(freed, default=1.0)
-    if freeing > 0:
-        hbm_limit = baseline.hbm_bytes - (baseline.hbm_bytes - hbm_limit) / freeing
-    if host_limit is not None and max(hosted, default=1.0) > 0:
-        host_limit = baseline.host_bytes + (host_limit - baseline.host_bytes) / max(hosted, default=1.0)
-    return hbm_limit, host_limit
+    @property
+    def compiled(self) -> Prediction:
+        """What the compiled program says, in a prediction's terms."""
+        return Prediction(
+            self.predicted.values, float(self.plan.device_bytes), float(self.plan.host_bytes), self.plan.estimate
+        )
 
 
 def policy_of(choices: list[Choice]) -> Policy:
@@ -419,8 +440,14 @@ def auto_plan(
         fitting = [t for t in tried if t.fits]
         best = min(fitting, key=lambda t: t.plan.estimate.rank, default=None)
         exclude = frozenset(t.predicted.values for t in tried)
-        hbm_room, host_room = calibrated_limits(baseline, tried[1:], hbm_limit, host_limit)
-        candidate = fastest_fitting(baseline, decisions, target, hbm_room, host_room, exclude)
+        anchors = [
+            (
+                t.predicted.values,
+                anchored(baseline, predict(baseline, decisions, t.predicted.values, target), t.compiled),
+            )
+            for t in tried
+        ]
+        candidate = fastest_fitting(baseline, decisions, target, hbm_limit, host_limit, exclude, anchors)
         if candidate is None and best is None:  # nothing is predicted to fit: compile the least HBM, the closest
             least = tuple(max(d.options, key=lambda o: (o.freed_bytes, -o.host_bytes)).value for d in decisions)
             candidate = None if least in exclude else predict(baseline, decisions, least, target)
