@@ -162,7 +162,14 @@ def test_interrupted_start_then_retry_then_resume_after_a_dead_holder(tmp_path):
     command = [*COMMON, "train.steps=100000", "train.log_every=1", "checkpoint.every=0", f"run.dir={run_dir}"]
     with open(tmp_path / "stdout.txt", "w") as out, open(tmp_path / "stderr.txt", "w") as err:
         first = subprocess.Popen(
-            [sys.executable, str(ROOT / "launch" / "run.py"), *command], cwd=ROOT, stdout=out, stderr=err, env=env
+            [sys.executable, str(ROOT / "launch" / "run.py"), *command],
+            cwd=ROOT,
+            stdout=out,
+            stderr=err,
+            env=env,
+            # Ctrl-C as a terminal delivers it: a shell's background job (CI run with `&`) starts
+            # its children ignoring SIGINT, and Python then never raises KeyboardInterrupt
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
     deadline = time.monotonic() + 240
     metrics = run_dir / "metrics.jsonl"
