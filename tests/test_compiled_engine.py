@@ -6,6 +6,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import Mesh
 
 from ferry.models.llama import llama_decoder_layer
@@ -43,15 +44,18 @@ def compile_one_layer(policy: Policy, num_layers: int = 1):
         return lowered.compile(GPU_FLAGS)
 
 
-def test_remat_frees_memory_outside_a_scan():
+@pytest.mark.parametrize(
+    # one layer alone is the same barrier in a smaller margin (slow: 40 s more)
+    ("num_layers", "ratio"),
+    [(3, 0.6), pytest.param(1, 0.95, marks=pytest.mark.slow)],
+)
+def test_remat_frees_memory_outside_a_scan(num_layers, ratio):
     """Without the barrier XLA merges the replay with the forward pass of an unscanned layer and
-    full_remat needs as much as save_all; with it, the layer's activations are recomputed."""
-    save_all = compile_one_layer(Policy.save_all()).memory_analysis().temp_size_in_bytes
-    full_remat = compile_one_layer(Policy({})).memory_analysis().temp_size_in_bytes
-    assert full_remat < 0.95 * save_all  # measured 103.2 vs 115.1 MiB
-    save_all = compile_one_layer(Policy.save_all(), num_layers=3).memory_analysis().temp_size_in_bytes
-    full_remat = compile_one_layer(Policy({}), num_layers=3).memory_analysis().temp_size_in_bytes
-    assert full_remat < 0.6 * save_all  # measured 129.1 vs 279.2 MiB
+    full_remat needs as much as save_all; with it, the layer's activations are recomputed
+    (measured 129.1 vs 279.2 MiB for 3 layers, 103.2 vs 115.1 MiB for one)."""
+    save_all = compile_one_layer(Policy.save_all(), num_layers=num_layers).memory_analysis().temp_size_in_bytes
+    full_remat = compile_one_layer(Policy({}), num_layers=num_layers).memory_analysis().temp_size_in_bytes
+    assert full_remat < ratio * save_all
 
 
 def test_remat_without_the_barrier_saves_nothing(monkeypatch):

@@ -81,11 +81,13 @@ def test_expert_parallelism_moves_the_experts_work_and_adds_none():
     experts; an expert group of 8 runs a ring whose every step is sized for all of a device's
     slots routed to this device's experts. With the router balanced, both layouts run the same
     tiles per device: the plans' matmul FLOPs are equal to the FLOP, while the ring's static count
-    (its worst case, an upper bound) is more than 3x that."""
-    common = ("train.seq_len=64", "train.global_batch_size=8")
+    (its worst case, an upper bound) is several times that. One dense and one MoE layer, no MTP."""
+    common = ("train.seq_len=64", "train.global_batch_size=8", "model.num_layers=2", "model.mtp_depth=0")
     fsdp, group = (
         planned("deepseek_v3_tiny", "save_all", *common, *mesh) for mesh in (("mesh.fsdp=8",), ("mesh.expert=8",))
     )
     assert fsdp.flops == group.flops
     assert fsdp.flops < fsdp.flops_bound < group.flops_bound
-    assert group.flops_bound > 3 * group.flops
+    # the ring's worst case against what runs: 2.89x with one dense and one MoE layer (the dense
+    # layer, attention and the head are counted once in both); 3.5x with two MoE layers and MTP
+    assert group.flops_bound > 2.5 * group.flops

@@ -87,15 +87,15 @@ def test_deepseek_v3_tiny_trains_with_moe_offload(tmp_path):
     result = run_launcher(
         "model=deepseek_v3_tiny",
         "offload=moe_offload",
-        "train.steps=40",
-        "train.eval_every=40",
-        "train.log_every=20",
+        "train.steps=24",
+        "train.eval_every=24",
+        "train.log_every=12",
         f"run.dir={run_dir}",
     )
     assert result.returncode == 0, result.stderr + result.stdout
     records = read_metrics(run_dir)
     evals = {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}
-    assert evals[40] < 0.75 * evals[0], evals
+    assert evals[24] < 0.75 * evals[0], evals  # measured 3.32 against 5.58
     last = records[-1]
     for field in ("mtp_loss", "balance_loss", "expert_load_min", "expert_load_max", "expert_load_cv"):
         assert field in last

@@ -156,7 +156,14 @@ def gradients(moe, x, indices, weights, experts, cotangent):
     return jax.grad(lambda x, w, e: jnp.sum(moe(x, indices, w, e) * cotangent), (0, 1, 2))(x, weights, experts)
 
 
-def check_expert_parallel_equals_dense():
+# (tile_rows, tag_capacity_factor, kernel) of the ring checks: the tiled ring with and without tag
+# capacity and ragged_dot's in CI; megablox's and one-row tiles' local products, which the
+# one-device tests above check against dense masking, in the ring only in the slow run
+RING_CASES = ((None, 1.0, "ragged_dot"), (8, 1.0, None), (8, None, None))
+SLOW_RING_CASES = ((None, 1.0, "megablox"), (1, 1.0, None))
+
+
+def check_expert_parallel_equals_dense(cases=RING_CASES):
     """Run in a process of 8 CPU devices (`test_expert_parallel_ring_equals_dense_masking`): on
     a mesh of fsdp 2 x expert 4, the ring's values, capacity drops and float64 gradients (of the
     tokens, the routing weights and the experts) equal dense masking's on one device, with the
@@ -180,13 +187,7 @@ def check_expert_parallel_equals_dense():
             jax.random.normal(jax.random.key(9), x.shape, jnp.float64),
         )
         want_grads = gradients(dense_moe, *problem64)
-    for tile_rows, tag_capacity_factor, kernel in (
-        (None, 1.0, "ragged_dot"),
-        (None, 1.0, "megablox"),
-        (1, 1.0, None),
-        (8, 1.0, None),
-        (8, None, None),
-    ):
+    for tile_rows, tag_capacity_factor, kernel in cases:
         moe = functools.partial(
             dropless_moe, tile_rows=tile_rows, tag_capacity_factor=tag_capacity_factor, kernel=kernel or "ragged_dot"
         )
@@ -204,11 +205,13 @@ def check_expert_parallel_equals_dense():
             np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
 
 
-def test_expert_parallel_ring_equals_dense_masking():
+@pytest.mark.parametrize("cases", ["RING_CASES", pytest.param("SLOW_RING_CASES", marks=pytest.mark.slow)])
+def test_expert_parallel_ring_equals_dense_masking(cases):
     code = (
         "from ferry.platform import PlatformConfig, apply_platform; "
         "apply_platform(PlatformConfig('cpu', cpu_devices=8)); "
-        "from tests.test_moe import check_expert_parallel_equals_dense; check_expert_parallel_equals_dense()"
+        f"from tests.test_moe import {cases}, check_expert_parallel_equals_dense; "
+        f"check_expert_parallel_equals_dense({cases})"
     )
     result = run_python(code, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]

@@ -66,7 +66,8 @@ def test_every_instruction_the_scheduler_orders_is_priced_from_the_program(tmp_p
 
 
 @needs_cuda_plugin
-@pytest.mark.parametrize("preset", ["qkv_offload", "decoder_input_offload"])
+# decoder_input_offload's reloads hide by the same cost profile as qkv_offload's (slow: 35 s more)
+@pytest.mark.parametrize("preset", ["qkv_offload", pytest.param("decoder_input_offload", marks=pytest.mark.slow)])
 def test_with_ferrys_costs_the_reloads_hide_on_an_fsdp_mesh(preset):
     """Llama 3.1 8B's layer shapes, 3 layers x 2048 tokens x 8 rows on 8 H200 (FSDP): the goal of
     the pipelined schedule, exposed <= max(0, link - matmul) + 5% of matmul, holds with ferry's
