@@ -232,11 +232,10 @@ class _Module:
     """A compiled module's computations, parsed once: instruction lines in schedule order (a
     scheduled module prints each computation in the order it runs), every value's shape, and the
     matmul FLOPs of a computation including the computations it calls: as they run where the
-    model marked an op's static work as partly skipped (`expected`, `ferry.expected_work`), or
+    model marked an op's static work as partly skipped (`ferry.expected_work`), or with `bound`
     the static count, an upper bound."""
 
-    def __init__(self, hlo_text: str, expected: bool = True):
-        self.expected = expected  # weigh each matmul by the share of it that runs (`ferry.expected_work`)
+    def __init__(self, hlo_text: str):
         self.bodies, self.entry = _computations(hlo_text)
         self.shapes: dict[str, str] = {}
         for lines in self.bodies.values():
@@ -247,7 +246,7 @@ class _Module:
         for name, shape in list(self.shapes.items()):  # `%name#index`, as a module before scheduling writes it
             if shape.startswith("("):
                 self.shapes |= {f"{name}#{i}": element for i, element in enumerate(tuple_elements(shape))}
-        self._flops: dict[str, float] = {}
+        self._flops: dict[tuple[str, bool], float] = {}
 
     def own_flops(self, line: str) -> float:
         """2 x output elements x contracted size of a `dot`, cuBLAS GEMM or `ragged-dot` line; a
@@ -296,31 +295,30 @@ class _Module:
         reduced = lhs_dims[labels["lhs"].index("f")] // (int(groups["n"]) if groups else 1)
         return 2.0 * float(np.prod(_dims(shape), dtype=np.int64)) * reduced * window_taps(line)
 
-    def line_flops(self, line: str) -> float:
-        """The line's own FLOPs plus those of what it calls (loop bodies times their trip count;
-        `loop_share` of them where this module counts what runs)."""
+    def line_flops(self, line: str, bound: bool = False) -> float:
+        """The line's own FLOPs plus those of what it calls (loop bodies times their trip count,
+        `loop_share` of it unless `bound`)."""
         total = self.own_flops(line)
         for callee in _CALLEE.finditer(line):
-            repeat = _trip_count(line, self.bodies) * self.loop_share(line) if callee["kind"] == "body" else 1
-            total += repeat * self.computation_flops(callee["name"])
+            share = 1.0 if bound else self.loop_share(line)
+            repeat = _trip_count(line, self.bodies) * share if callee["kind"] == "body" else 1
+            total += repeat * self.computation_flops(callee["name"], bound)
         branches = _BRANCHES.search(line)
         for branch in branches["names"].split(",") if branches else []:
-            total += self.computation_flops(branch.strip().lstrip("%"))
+            total += self.computation_flops(branch.strip().lstrip("%"), bound)
         return total
 
     def loop_share(self, line: str) -> float:
         """Of a loop's trips, the share that does its work: the model marks a loop sized for the
         worst case (`ferry.expected_work`) on the loop itself, whose instruction is its own where
         XLA may share one body between loops (op names inside it can be another loop's)."""
-        if not self.expected:
-            return 1.0
         name = _OP_NAME.search(line)
         return expected_fraction(name["name"]) if name else 1.0
 
-    def computation_flops(self, name: str) -> float:
-        if name not in self._flops:
-            self._flops[name] = sum(self.line_flops(line) for line in self.bodies.get(name, []))
-        return self._flops[name]
+    def computation_flops(self, name: str, bound: bool = False) -> float:
+        if (name, bound) not in self._flops:
+            self._flops[name, bound] = sum(self.line_flops(line, bound) for line in self.bodies.get(name, []))
+        return self._flops[name, bound]
 
 
 def window_taps(line: str) -> int:
@@ -354,10 +352,10 @@ def _is_float(shape: str) -> bool:
     return match is not None and match["dtype"][0] in "fb"  # f32, bf16, f8e4m3fn...
 
 
-@functools.lru_cache(maxsize=4)
-def _parsed(hlo_text: str, expected: bool = True) -> "_Module":
+@functools.lru_cache(maxsize=2)
+def _parsed(hlo_text: str) -> "_Module":
     """The planner reads FLOPs, host copies and their overlap from one program: parse it once."""
-    return _Module(hlo_text, expected)
+    return _Module(hlo_text)
 
 
 def matmul_flops(hlo_text: str, bound: bool = False) -> float:
@@ -368,8 +366,8 @@ def matmul_flops(hlo_text: str, bound: bool = False) -> float:
     the contracted size; elementwise work is not counted. Of a product the model marked as run
     in part (a MoE's tiles, `ferry.expected_work`), the share that runs; with `bound`, all of it
     (the program's static count, an upper bound)."""
-    module = _parsed(hlo_text, expected=not bound)
-    return module.computation_flops(module.entry)
+    module = _parsed(hlo_text)
+    return module.computation_flops(module.entry, bound)
 
 
 HOST_MEMORY_SPACE = "S(5)"  # the layout annotation of a buffer in pinned host memory
@@ -614,7 +612,7 @@ def op_names(hlo_text: str) -> dict[str, str]:
 def matmul_count(hlo_text: str) -> int:
     """How many matrix products (`dot`, cuBLAS GEMM, `ragged-dot`, TPU `convolution`) one call of
     the program runs: each counted once per execution of its computation, fusions included."""
-    module = _parsed(hlo_text, expected=False)  # every product the program holds, run or not
+    module = _parsed(hlo_text)  # every product the program holds, run or not
     counts = _execution_counts(module.bodies, module.entry)
     return sum(
         counts.get(name, 0) * sum(1 for line in lines if module.own_flops(line) > 0)
