@@ -334,11 +334,36 @@ def test_tpu_v5p_programs_copy_what_the_schedule_lists(model):
 
 def test_no_recompute_check_against_programs_over_hbm():
     """A program over HBM is rematerialised by XLA on its own (DeepSeek-V3 at the seed: 845,840
-    matmuls more than save_all with nothing rematerialised): no reference for the check."""
+    matmuls more than save_all with nothing rematerialised): no reference for the check. A
+    save_all over HBM stops the check before it compiles anything more."""
     from tests.test_extrapolate import synthetic_plan
 
-    over = dataclasses.replace(synthetic_plan({"moe": 6}), capacity_bytes=1)
-    plans = [dataclasses.replace(over, policy="save_all"), dataclasses.replace(over, policy="minimal")]
-    policies = [Policy.save_all(), Policy.from_dict({"mlpwo": "device"})]
-    with pytest.raises(verify.RecomputeNotChecked, match="save_all, minimal exceed HBM"):
-        verify.recompute_checked(plans, policies, frozenset({"mlpwo"}), lambda p, n: over, lambda p: None, "here")
+    fitting = synthetic_plan({"moe": 6})
+    over = dataclasses.replace(fitting, capacity_bytes=1)
+    assert fitting.fits
+    tagged = frozenset({"mlpwo"})
+    device, remat = Policy.from_dict({"mlpwo": "device"}), Policy.from_dict({"mlpwo": "remat"})
+    reference = dataclasses.replace(fitting, policy="save_all")
+    compiled = []
+
+    def compile_policy(policy, name):
+        compiled.append(name)
+        return dataclasses.replace(fitting, policy=name)
+
+    with pytest.raises(verify.RecomputeNotChecked, match="^minimal exceeds HBM"):
+        plans = [reference, dataclasses.replace(over, policy="minimal")]
+        verify.recompute_checked(plans, [Policy.save_all(), device], tagged, compile_policy, lambda p: None, "here")
+    plans = [dataclasses.replace(over, policy="save_all"), dataclasses.replace(fitting, policy="full_remat")]
+    with pytest.raises(verify.RecomputeNotChecked, match="^save_all exceeds HBM"):
+        verify.recompute_checked(plans, [Policy.save_all(), remat], tagged, compile_policy, lambda p: None, "here")
+    assert compiled == []
+    with pytest.raises(verify.RecomputeNotChecked, match="^save_all exceeds HBM"):  # not among the plans
+        verify.recompute_checked(
+            plans[1:],
+            [remat],
+            tagged,
+            lambda p, n: compiled.append(n) or dataclasses.replace(over, policy=n),
+            print,
+            "here",
+        )
+    assert compiled == ["save_all"]
