@@ -4,8 +4,8 @@
   sequence 4096, global batch 1024: every preset that applies to it, and offload=auto;
 - Llama 3.1 405B on 128 GB200 (FSDP 16 x tensor 8), the same batch: the same, with Q/K/V offload;
 
-each preset compiled for the real target on this machine (the `compile` column is its time here;
-the deep stacks are extrapolated from shallow compiles, `plan.extrapolate`), with the XLA flags of
+each preset compiled whole for the real target on this machine (the `compile` column is its time
+here), with the XLA flags of
 configs/platform/gpu.yaml and a 200 GiB pinned host pool per GPU, and each one's step-time
 estimate ranked against full_remat. `offload=auto` chooses the train state's placement with the
 rest; `--state-on-host` plans every preset with AdamW's moments and the float32 master weights in

@@ -12,7 +12,6 @@ from ferry.plan.extrapolate import (
     extrapolated_plan,
     group_depths,
     probe_depths,
-    should_extrapolate,
     with_depths,
 )
 from ferry.plan.planner import MemoryPlan, model_flops_per_device, plan_memory
@@ -79,8 +78,7 @@ def test_depths_by_family_and_the_default():
     assert with_depths(deepseek, {"dense": 3, "moe": 6}).num_layers == 9
     llama = load_model_config("llama3_1_8b")
     assert group_depths(with_depths(llama, {"decoder": 3})) == {"decoder": 3}
-    assert should_extrapolate(None, llama) and not should_extrapolate(None, load_model_config("llama_tiny"))
-    assert not should_extrapolate(False, llama) and should_extrapolate(True, load_model_config("llama_tiny"))
+    assert compose_config().plan.extrapolate is False  # whole compiles unless asked
 
 
 def extrapolated_and_whole(model: str, preset: str, *overrides: str, target=H200) -> tuple[MemoryPlan, MemoryPlan]:

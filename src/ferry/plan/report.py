@@ -31,7 +31,6 @@ from ferry.plan.extrapolate import (
     extrapolated_plan,
     group_depths,
     probe_depths,
-    should_extrapolate,
     with_depths,
 )
 from ferry.plan.planner import (
@@ -92,7 +91,7 @@ def run_plan(
     capacity = None if config.plan.capacity_gib is None else int(config.plan.capacity_gib * 2**30)
 
     host_capacity = None if pool is None else int(pool) * 2**30
-    extrapolate = should_extrapolate(config.plan.extrapolate, config.model)
+    extrapolate = config.plan.extrapolate
 
     def compile_at(
         policy: Policy, name: str, state: StatePlacement, depths: dict[str, int] | None = None
@@ -176,6 +175,14 @@ def run_plan(
         )
         plans.append(auto_result)
     console.print(plan_table(plans, config))
+    for plan in plans:
+        if plan.xla_rematerialised:
+            console.print(
+                f"{plan.policy}: XLA rematerialised {plan.xla_rematerialised} instructions on its own (its memory "
+                "estimate exceeded its limit, platform.xla_flags.xla_gpu_memory_limit_slop_factor); the matmul "
+                "count includes that recomputation",
+                highlight=False,
+            )
     console.print(estimate_table(plans))
     for plan in plans:
         if plan.transfers:

@@ -231,12 +231,13 @@ class InitConfig:
 class PlanConfig:
     """`mode=plan`: the target to compile for, and the presets to compare (default: save_all,
     full_remat and the run's own `offload`). `capacity_gib` overrides the target's HBM.
-    `extrapolate` plans a deep model from shallow compiles (`ferry.plan.extrapolate`); null: for
-    models over 8 layers."""
+    `extrapolate` plans a deep model from shallow compiles (`ferry.plan.extrapolate`) instead of
+    compiling it whole: off by default, since a whole scanned stack compiles as fast as one probe
+    and the probes' line under-estimated DeepSeek-V3's temporaries at the seed by 27 GB."""
 
     presets: tuple[str, ...] | None = None
     capacity_gib: float | None = None
-    extrapolate: bool | None = None
+    extrapolate: bool = False
 
     def __post_init__(self) -> None:
         if self.presets is not None:
