@@ -609,6 +609,17 @@ def op_names(hlo_text: str) -> dict[str, str]:
     return names
 
 
+_REMATERIALISED = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]*\.remat[\w.\-]*\s*=", re.MULTILINE)
+
+
+def xla_rematerialised(hlo_text: str) -> int:
+    """How many instructions XLA's own rematerialisation pass added to the program (it names each
+    clone `<original>.remat`). The pass runs when its estimate of the program's memory exceeds its
+    limit (`xla_gpu_memory_limit_slop_factor` percent of 80% of HBM, less the outputs); its
+    recomputation is in the program's matmul count."""
+    return len(_REMATERIALISED.findall(hlo_text))
+
+
 def matmul_count(hlo_text: str) -> int:
     """How many matrix products (`dot`, cuBLAS GEMM, `ragged-dot`, TPU `convolution`) one call of
     the program runs: each counted once per execution of its computation, fusions included."""

@@ -21,7 +21,7 @@ from ferry.errors import FerryError
 from ferry.models.registry import abstract_model
 from ferry.offload import Policy
 from ferry.plan.estimate import CollectiveTraffic, StepEstimate, collective_traffic
-from ferry.plan.hlo_stats import matmul_count, matmul_flops
+from ferry.plan.hlo_stats import matmul_count, matmul_flops, xla_rematerialised
 from ferry.plan.replay import LayerGroupTrace, read_by_backward
 from ferry.plan.scheduler_costs import compile_with_costs
 from ferry.plan.targets import GpuTarget, Target
@@ -70,6 +70,7 @@ class MemoryPlan:
     # the program's static count of them, an upper bound: a MoE's tiles as if every slot of a device
     # routed to one device's experts (`ferry.expected_work`); None: no work is marked, `flops`
     flops_bound: float | None = None
+    xla_rematerialised: int = 0  # instructions XLA's own rematerialisation added (`hlo_stats.xla_rematerialised`)
 
     @property
     def device_bytes(self) -> int:
@@ -208,6 +209,7 @@ def plan_memory(
         flops=flops,
         flops_bound=None if bound == flops else bound,
         matmuls=matmul_count(hlo),
+        xla_rematerialised=xla_rematerialised(hlo),
         capacity_bytes=target.hbm_bytes if capacity_bytes is None else capacity_bytes,
         host_capacity_bytes=host_capacity_bytes,
         compile_options=tuple(sorted(options.items())),
