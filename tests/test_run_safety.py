@@ -152,6 +152,15 @@ def test_a_device_step_is_checked_against_the_device():
 # --- Ctrl-C, retries, and logs in a file ------------------------------------------------------
 
 
+# The launcher with Ctrl-C as a terminal delivers it: a shell's background job (CI run with `&`)
+# starts its children ignoring SIGINT, and Python then never raises KeyboardInterrupt. Set in the
+# child itself (a `preexec_fn` would fork a threaded process).
+WITH_CTRL_C = (
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
 def test_interrupted_start_then_retry_then_resume_after_a_dead_holder(tmp_path):
     """Ctrl-C before the first checkpoint exits 130 saying so, in a launcher whose output goes to a
     file: the tables are whole and there is no CUDA or libtpu start-up noise. The same run.dir
@@ -162,14 +171,11 @@ def test_interrupted_start_then_retry_then_resume_after_a_dead_holder(tmp_path):
     command = [*COMMON, "train.steps=100000", "train.log_every=1", "checkpoint.every=0", f"run.dir={run_dir}"]
     with open(tmp_path / "stdout.txt", "w") as out, open(tmp_path / "stderr.txt", "w") as err:
         first = subprocess.Popen(
-            [sys.executable, str(ROOT / "launch" / "run.py"), *command],
+            [sys.executable, "-c", WITH_CTRL_C, str(ROOT / "launch" / "run.py"), *command],
             cwd=ROOT,
             stdout=out,
             stderr=err,
             env=env,
-            # Ctrl-C as a terminal delivers it: a shell's background job (CI run with `&`) starts
-            # its children ignoring SIGINT, and Python then never raises KeyboardInterrupt
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
     deadline = time.monotonic() + 240
     metrics = run_dir / "metrics.jsonl"
