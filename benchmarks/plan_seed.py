@@ -9,9 +9,11 @@ here), with the XLA flags of
 configs/platform/gpu.yaml and a 200 GiB pinned host pool per GPU, and each one's step-time
 estimate ranked against full_remat. `offload=auto` chooses the train state's placement with the
 rest; `--state-on-host` plans every preset with AdamW's moments and the float32 master weights in
-pinned host memory (`offload.optimizer=host offload.params=host`).
+pinned host memory (`offload.optimizer=host offload.params=host`); `--without-xla-remat` holds
+XLA's own rematerialisation off (its memory limit raised tenfold: at the seed its estimate counts
+pinned host buffers as HBM and it recomputes in programs that fit; README, "The seed").
 
-    python benchmarks/plan_seed.py [--only deepseek|llama] [--state-on-host] [--out DIR]
+    python benchmarks/plan_seed.py [--only deepseek|llama] [--state-on-host] [--without-xla-remat] [--out DIR]
 """
 
 import argparse
@@ -25,6 +27,7 @@ BATCH = ("train.micro_batch_size=8", "train.seq_len=4096", "train.global_batch_s
 # a GB200 superchip has 480 GB of LPDDR5X for its two GPUs: a 200 GiB pinned pool per GPU
 HOST_POOL = ("platform=gpu", "platform.env.XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=200")
 STATE_ON_HOST = ("offload.optimizer=host", "offload.params=host")
+WITHOUT_XLA_REMAT = ("platform.xla_flags.xla_gpu_memory_limit_slop_factor=1000",)
 SEEDS = {
     "deepseek": (
         "model=deepseek_v3",
@@ -47,6 +50,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=sorted(SEEDS))
     parser.add_argument("--state-on-host", action="store_true", help="the train state in pinned host memory")
+    parser.add_argument("--without-xla-remat", action="store_true", help="XLA's own rematerialisation held off")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "plan_seed")
     args = parser.parse_args()
     for name, overrides in SEEDS.items():
@@ -61,8 +65,11 @@ def main() -> int:
             *BATCH,
             *HOST_POOL,
             *(STATE_ON_HOST if args.state_on_host else ()),
+            *(WITHOUT_XLA_REMAT if args.without_xla_remat else ()),
         ]
-        command.append(f"run.dir={args.out / (name + '-state-on-host' if args.state_on_host else name)}")
+        suffix = "-state-on-host" if args.state_on_host else ""
+        suffix += "-without-xla-remat" if args.without_xla_remat else ""
+        command.append(f"run.dir={args.out / (name + suffix)}")
         print("$ " + " ".join(command[1:]), flush=True)
         started = time.perf_counter()
         result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)

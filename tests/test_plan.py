@@ -29,7 +29,7 @@ from ferry.plan.auto import (
     tensor_costs,
     tensor_decisions,
 )
-from ferry.plan.hlo_stats import matmul_flops
+from ferry.plan.hlo_stats import matmul_flops, xla_rematerialised
 from ferry.plan.planner import PlanError, compile_only_mesh, for_target, plan_memory
 from ferry.plan.replay import LayerGroupTrace, recompute_flops
 from ferry.plan.targets import TARGETS
@@ -447,6 +447,8 @@ def test_xla_rescue_rematerialisation_is_counted():
     small = dataclasses.replace(H200, hbm_bytes=64 * 2**20)
     rescued = plan_memory(config, small, config.offload.policy(frozenset()), "save_all", xla_flags=GPU_FLAGS)
     assert plain.xla_rematerialised == 0 < rescued.xla_rematerialised
+    other_pass = "%loop_broadcast_fusion.4.rematerialized.1 = bf16[8]{0} fusion(), kind=kLoop, calls=%f"
+    assert xla_rematerialised(other_pass + "\n  %fusion.6.remat = f32[8]{0} fusion(%p), calls=%g") == 1
     assert rescued.flops > plain.flops and rescued.temp_bytes < plain.temp_bytes
 
 
