@@ -91,7 +91,6 @@ def run_plan(
     capacity = None if config.plan.capacity_gib is None else int(config.plan.capacity_gib * 2**30)
 
     host_capacity = None if pool is None else int(pool) * 2**30
-    extrapolate = config.plan.extrapolate
 
     def compile_at(
         policy: Policy, name: str, state: StatePlacement, depths: dict[str, int] | None = None
@@ -114,7 +113,7 @@ def run_plan(
         return dataclasses.replace(compiled[key], policy=name)
 
     def compile_new(policy: Policy, name: str, state: StatePlacement) -> MemoryPlan:
-        if not extrapolate:
+        if not config.plan.extrapolate:
             return compile_at(policy, name, state)
         try:
             return extrapolated_plan(
@@ -127,7 +126,7 @@ def run_plan(
             return compile_at(policy, name, state)
 
     # XLA compiles one program on one core: the presets compile side by side, a core per compile
-    per_plan = 1 + len(probe_depths(group_depths(config.model))[1]) if extrapolate else 1
+    per_plan = 1 + len(probe_depths(group_depths(config.model))[1]) if config.plan.extrapolate else 1
     workers = max(1, min(len(policies), (os.cpu_count() or 1) // per_plan))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         plans = list(pool.map(lambda item: compile_policy(item[1], item[0]), policies.items()))

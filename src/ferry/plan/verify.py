@@ -417,7 +417,7 @@ def _check_fits(plans: list[MemoryPlan]) -> None:
     if over:
         raise RecomputeNotChecked(
             f"{', '.join(over)} {'exceeds' if len(over) == 1 else 'exceed'} HBM, and XLA then rematerialises on its "
-            "own: its matmuls are no reference"
+            f"own: {'its' if len(over) == 1 else 'their'} matmuls are no reference"
         )
 
 
