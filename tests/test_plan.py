@@ -18,9 +18,13 @@ from ferry.models.registry import abstract_model
 from ferry.nn.attention import QUERY_CHUNK
 from ferry.plan.auto import (
     MAX_CHECKS,
+    MIN_GAIN,
     Baseline,
     anchored,
     auto_plan,
+    banded_rank,
+    faster,
+    fastest,
     fastest_fitting,
     fits_with_headroom,
     predict,
@@ -29,6 +33,7 @@ from ferry.plan.auto import (
     tensor_costs,
     tensor_decisions,
 )
+from ferry.plan.estimate import StepEstimate
 from ferry.plan.hlo_stats import matmul_flops, xla_rematerialised
 from ferry.plan.planner import PlanError, compile_only_mesh, for_target, plan_memory
 from ferry.plan.replay import LayerGroupTrace, recompute_flops
@@ -232,6 +237,10 @@ def test_the_search_finds_the_fastest_predicted_candidate_within_both_memories(s
         assert "offload" in placements.values()
     excluded = fastest_fitting(baseline, decisions, target, hbm_limit, host_limit, frozenset({found.values}))
     assert excluded is not None and excluded.values != found.values and excluded.rank >= found.rank
+    # around a compiled step's best estimate, best estimates within MIN_GAIN of it tie: the worst decides
+    banded = fastest_fitting(baseline, decisions, target, hbm_limit, host_limit, fastest_best=found.seconds)
+    assert banded is not None
+    assert banded_rank(banded.estimate, found.seconds) == min(banded_rank(p.estimate, found.seconds) for p in fitting)
 
 
 def test_a_candidate_is_predicted_from_the_nearest_compiled_one():
@@ -270,13 +279,33 @@ def test_auto_picks_the_fastest_estimate_that_fits_both_memories():
     estimated step time whose program fits HBM and the pinned host pool with 5% to spare."""
     measured, choices, tried = auto_choice(H200, 0.055, host_capacity_gib=0.01, seq_len=256)
     fitting = [t for t in tried if fits_with_headroom(t.plan)]
-    assert fitting and measured is min(fitting, key=lambda t: t.plan.estimate.rank).plan
+    assert fitting and measured is fastest(fitting).plan
     assert measured.device_bytes <= 0.95 * measured.capacity_bytes
     assert measured.host_bytes <= 0.95 * measured.host_capacity_bytes
     assert not fits_with_headroom(tried[0].plan)  # everything on device does not fit
     placements = {c.name: c.placement for c in choices}
     assert "remat" in placements.values() and placements["decoder_layer_input"] != "remat"
     assert len(tried) <= 1 + MAX_CHECKS
+
+
+def test_a_prediction_within_min_gain_of_the_fastest_is_a_tie():
+    """A prediction within `MIN_GAIN` of the fastest compiled step is no reason to compile another
+    candidate, in the best estimate or, where the best estimates tie, in the worst; among compiled
+    ones, best estimates that close tie and the worst decides."""
+    compiled = StepEstimate(1.0, 0.0, 0.0, 1.0)
+    within = dataclasses.replace(compiled, matmul_seconds=1 - MIN_GAIN / 2)
+    beyond = dataclasses.replace(compiled, matmul_seconds=1 - 2 * MIN_GAIN)
+    assert not faster(compiled, compiled) and not faster(within, compiled) and faster(beyond, compiled)
+    collective_bound = dataclasses.replace(compiled, collective_seconds=10.0)
+    less_recompute = dataclasses.replace(collective_bound, matmul_seconds=0.5)
+    assert less_recompute.best_seconds == collective_bound.best_seconds  # the best estimates tie
+    assert faster(less_recompute, collective_bound) and not faster(collective_bound, less_recompute)
+    # the seed's pick: collectives 0.3% apart no longer outrank 0.66 s of recompute
+    fewer_collectives = StepEstimate(5.0, 0.0, 12.44, 1.0)  # best 12.44 s, worst 17.44 s
+    less_compute = StepEstimate(4.3, 0.0, 12.48, 1.0)  # best 12.48 s, worst 16.78 s
+    assert fewer_collectives.rank < less_compute.rank
+    assert banded_rank(less_compute, 12.44) < banded_rank(fewer_collectives, 12.44)
+    assert banded_rank(StepEstimate(4.3, 0.0, 12.6, 1.0), 12.44) > banded_rank(fewer_collectives, 12.44)
 
 
 def test_auto_weighs_the_presets_planned_beside_it():
@@ -287,7 +316,7 @@ def test_auto_weighs_the_presets_planned_beside_it():
     assert set(presets) == {"full_remat", "minimal_offloaded"}
     fitting = [p for p in presets.values() if fits_with_headroom(p)]
     assert fitting and fits_with_headroom(measured) and measured.policy == "auto"
-    assert measured.estimate.best_seconds <= min(p.estimate.best_seconds for p in fitting)
+    assert measured.estimate.best_seconds <= (1 + MIN_GAIN) * min(p.estimate.best_seconds for p in fitting)
     assert {c.name: c.placement for c in choices}["decoder_layer_input"] != "remat"
 
 

@@ -1,6 +1,6 @@
 """`offload=auto`: choose where each tagged tensor waits for the backward pass (device, offload,
 remat), and any further placement choice (`Decision`), for the shortest estimated step
-(`ferry.plan.estimate`; the best estimate, then the worst: `StepEstimate.rank`) that fits the
+(`ferry.plan.estimate`; the best estimate, then the worst: `banded_rank`) that fits the
 target's HBM and its pinned host pool, each with `HEADROOM` to spare.
 
 The compiler decides: the all-on-device policy is compiled first; it gives the HBM, the matmul time
@@ -12,9 +12,9 @@ back). A branch-and-bound search over every combination finds the candidate of t
 step time that is predicted to fit; it is compiled, and its compiled program decides whether it
 fits and what its estimate is. From then on each candidate is predicted from the compiled program
 nearest to it (`anchored`: the fewest decisions apart), and the search runs again, until no
-candidate left is predicted faster than the fastest compiled one that fits, or `MAX_CHECKS`
-compiles are spent. Where nothing is predicted to fit, the candidate freeing the most HBM is
-compiled: the closest.
+candidate left is predicted faster than the fastest compiled one that fits by more than `MIN_GAIN`
+of its step (closer is a tie the estimate cannot resolve), or `MAX_CHECKS` compiles are spent.
+Where nothing is predicted to fit, the candidate freeing the most HBM is compiled: the closest.
 """
 
 import dataclasses
@@ -46,6 +46,10 @@ from ferry.train.state_memory import (
 )
 
 MAX_CHECKS = 6  # candidates compiled after the all-on-device one, at most
+# step estimates this close are a tie: the estimate cannot resolve them (at the DeepSeek-V3 seed two
+# placements' collectives, 12.44 s and 12.48 s, decided the pick over 0.66 s of recompute); mirror
+# images (`mlpwi_1` offloaded for `mlpwi_0`) predict within it, so one compiled stops the search
+MIN_GAIN = 0.005
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,8 +299,10 @@ def fastest_fitting(
     host_limit: float | None,
     exclude: frozenset[tuple[str, ...]] = frozenset(),
     anchors: Sequence[tuple[tuple[str, ...], Baseline]] = (),
+    fastest_best: float | None = None,
 ) -> Prediction | None:
-    """The candidate of the least predicted step time (`Prediction.rank`) predicted within both
+    """The candidate of the least predicted step time (`banded_rank` around `fastest_best`, the
+    fastest compiled candidate's best estimate) predicted within both
     limits (None if none is), not one of `exclude`: a depth-first branch and bound. Each candidate
     is predicted from the anchor (a compiled candidate's values and `anchored` baseline) the fewest
     decisions away, the one predicting more HBM where two are as near; without anchors, from
@@ -318,6 +324,9 @@ def fastest_fitting(
     best: list[Prediction | None] = [None]
     chosen: list[Option] = []
 
+    def rank(prediction: Prediction) -> tuple[float, float]:
+        return banded_rank(prediction.estimate, fastest_best)
+
     def nearest(values: tuple[str, ...]) -> Baseline:
         def apart(anchor: tuple[tuple[str, ...], Baseline]) -> tuple[int, float]:
             return sum(a != v for a, v in zip(anchor[0], values, strict=True)), -anchor[1].hbm_bytes
@@ -328,7 +337,7 @@ def fastest_fitting(
         totals = _totals(chosen)
         values_so_far = tuple(o.value for o in chosen)
         partial = _prediction(bound, values_so_far, *totals, target)
-        if best[0] is not None and partial.rank >= best[0].rank:
+        if best[0] is not None and rank(partial) >= rank(best[0]):
             return
         if host_limit is not None and partial.host_bytes > host_limit:
             return
@@ -342,7 +351,7 @@ def fastest_fitting(
                 return
             full = _prediction(nearest(tuple(values)), tuple(values), *totals, target)
             fits = full.hbm_bytes <= hbm_limit and (host_limit is None or full.host_bytes <= host_limit)
-            if fits and (best[0] is None or full.rank < best[0].rank):
+            if fits and (best[0] is None or rank(full) < rank(best[0])):
                 best[0] = full
             return
         for option in decisions[order[depth]].options:
@@ -352,6 +361,28 @@ def fastest_fitting(
 
     visit(0)
     return best[0]
+
+
+def banded_rank(estimate: StepEstimate, fastest_best: float | None) -> tuple[float, float]:
+    """`StepEstimate.rank` (the best estimate, then the worst) with every best estimate within
+    `MIN_GAIN` of `fastest_best` counted as equal to it, so the worst decides between them: the
+    estimate cannot tell such steps apart (at the DeepSeek-V3 seed, collectives of 12.44 s against
+    12.48 s picked a worst estimate of 17.90 s over 17.24 s). Monotone in the best estimate, so a
+    branch and bound may prune by it."""
+    best = estimate.best_seconds
+    if fastest_best is not None and abs(best - fastest_best) <= MIN_GAIN * fastest_best:
+        best = fastest_best
+    return best, estimate.worst_seconds
+
+
+def faster(predicted: StepEstimate, fastest: StepEstimate) -> bool:
+    """Whether a candidate is predicted faster than the fastest compiled one by more than
+    `MIN_GAIN` of its step: in the best estimate, or, where the best estimates tie within it (the
+    collectives' time, say), in the worst."""
+    if predicted.best_seconds < (1 - MIN_GAIN) * fastest.best_seconds:
+        return True
+    tied = predicted.best_seconds <= (1 + MIN_GAIN) * fastest.best_seconds
+    return tied and predicted.worst_seconds < (1 - MIN_GAIN) * fastest.worst_seconds
 
 
 def fits_with_headroom(plan: MemoryPlan) -> bool:
@@ -378,6 +409,12 @@ class Tried:
         return Prediction(
             self.predicted.values, float(self.plan.device_bytes), float(self.plan.host_bytes), self.plan.estimate
         )
+
+
+def fastest(fitting: Sequence[Tried]) -> Tried | None:
+    """The fastest compiled candidate by `banded_rank` around the least best estimate of them."""
+    least = min((t.plan.estimate.best_seconds for t in fitting), default=None)
+    return min(fitting, key=lambda t: banded_rank(t.plan.estimate, least), default=None)
 
 
 def policy_of(choices: list[Choice]) -> Policy:
@@ -437,8 +474,8 @@ def auto_plan(
     hbm_limit = (1 - HEADROOM) * first.capacity_bytes
     host_limit = None if first.host_capacity_bytes is None else (1 - HEADROOM) * first.host_capacity_bytes
     for _ in range(MAX_CHECKS):
-        fitting = [t for t in tried if t.fits]
-        best = min(fitting, key=lambda t: t.plan.estimate.rank, default=None)
+        best = fastest([t for t in tried if t.fits])
+        fastest_best = None if best is None else best.plan.estimate.best_seconds
         exclude = frozenset(t.predicted.values for t in tried)
         anchors = [
             (
@@ -447,16 +484,16 @@ def auto_plan(
             )
             for t in tried
         ]
-        candidate = fastest_fitting(baseline, decisions, target, hbm_limit, host_limit, exclude, anchors)
+        candidate = fastest_fitting(baseline, decisions, target, hbm_limit, host_limit, exclude, anchors, fastest_best)
         if candidate is None and best is None:  # nothing is predicted to fit: compile the least HBM, the closest
             least = tuple(max(d.options, key=lambda o: (o.freed_bytes, -o.host_bytes)).value for d in decisions)
             candidate = None if least in exclude else predict(baseline, decisions, least, target)
-        if candidate is None or (best is not None and candidate.rank >= best.plan.estimate.rank):
+        if candidate is None or (best is not None and not faster(candidate.estimate, best.plan.estimate)):
             break
         plan = compile_candidate(candidate.values)
         tried.append(Tried(dict(zip(names, candidate.values, strict=True)), candidate, plan))
     fitting = [t for t in tried if t.fits]
-    pick = min(fitting, key=lambda t: t.plan.estimate.rank, default=None)
+    pick = fastest(fitting)
     if pick is None:
         pick = min(tried, key=lambda t: t.plan.device_bytes / t.plan.capacity_bytes)
     plan = pick.plan if pick.plan.policy == "auto" else dataclasses.replace(pick.plan, policy="auto")

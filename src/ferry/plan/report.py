@@ -17,6 +17,7 @@ from ferry.models.registry import abstract_model
 from ferry.offload import Policy
 from ferry.plan.auto import (
     HEADROOM,
+    MIN_GAIN,
     STATE_DECISIONS,
     Choice,
     Tried,
@@ -356,7 +357,8 @@ def candidate_table(tried: list[Tried]) -> Table:
     table = Table(
         title="offload=auto: candidates compiled (per device; step times are ESTIMATES)",
         caption=f"fits: HBM and the pinned host pool each keep {HEADROOM:.0%} free; "
-        "the fastest is the least best estimate, then the least worst",
+        f"the fastest is the least best estimate (within {MIN_GAIN:.1%} of the least counts as a tie), "
+        "then the least worst",
     )
     columns = (
         "#",
