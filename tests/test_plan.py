@@ -320,6 +320,18 @@ def test_auto_weighs_the_presets_planned_beside_it():
     assert {c.name: c.placement for c in choices}["decoder_layer_input"] != "remat"
 
 
+def test_auto_starts_from_minimal_instead_of_compiling_it_again():
+    """`minimal` (every tag on device) is the program of auto's all-on-device candidate: auto
+    starts from the preset's compile (at the DeepSeek-V3 seed, 180 s saved); save_all, which keeps
+    the untagged values too, is another program and no start."""
+    measured, choices, tried = auto_choice(H200, 0.055, seq_len=256, known=("save_all", "minimal"))
+    assert tried[0].plan.policy == "minimal" and all(t.plan.policy == "auto" for t in tried[1:])
+    alone = auto_choice(H200, 0.055, seq_len=256)[2]  # compiled by auto itself
+    assert alone[0].plan.policy == "auto" and alone[0].plan.device_bytes == tried[0].plan.device_bytes
+    assert alone[0].plan.flops == tried[0].plan.flops
+    assert measured.estimate.rank == fastest([t for t in alone if t.fits]).plan.estimate.rank  # the same search
+
+
 def test_an_expert_axis_shards_the_dense_weights_as_fsdp_does():
     """Compiled for 8 H200s, llama_tiny's arguments (weights and AdamW moments) take the same bytes
     per device on an expert-8 mesh as on an FSDP-8 one: the expert axis shards every parameter,

@@ -447,7 +447,12 @@ def auto_plan(
         policy = Policy.from_dict({d.name: v for d, v in zip(decisions, values, strict=True) if d.tensor})
         return compile_values(policy, {d.name: v for d, v in zip(decisions, values, strict=True) if not d.tensor})
 
-    first = compile_candidate(all_device)
+    # a preset with every tensor on device (`minimal`) is this candidate's program: not compiled twice
+    # (save_all, which keeps the untagged values too, is not)
+    same = (
+        plan for policy, plan in known if not policy.keep_all and known_values(decisions, policy, config) == all_device
+    )
+    first = next(same, None) or compile_candidate(all_device)
     estimate = first.estimate
     model = abstract_model(for_target(config.model, target))
     baseline = Baseline(
