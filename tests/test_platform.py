@@ -17,11 +17,11 @@ def test_gpu_flags_and_host_pool():
     gpu = load_platform("gpu")
     assert gpu.flag_string() == (
         "--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_pipelined_host_offloading=false "
-        "--xla_gpu_memory_limit_slop_factor=95"
+        "--xla_gpu_memory_limit_slop_factor=112"
     )
     env = gpu.environment({"XLA_FLAGS": "--xla_dump_to=/tmp/dump"})
     assert env["XLA_FLAGS"].endswith(" --xla_dump_to=/tmp/dump")  # the user's own flags are kept, read last
-    assert env["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] == "64"
+    assert env["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] == "64" and env["XLA_CLIENT_MEM_FRACTION"] == "0.95"
     assert load_platform("tpu").flag_variable == "LIBTPU_INIT_ARGS"
     assert load_platform("cpu").environment({}) == {}
 
@@ -48,7 +48,8 @@ def test_launcher_prints_the_platform_and_refuses_a_gpu_it_does_not_have(tmp_pat
     result = run_launcher("platform=gpu", "train.steps=1", "train.warmup_steps=0", f"run.dir={tmp_path / 'run'}")
     assert result.returncode == 2, result.stderr + result.stdout
     assert (
-        "platform gpu: XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=64, XLA_FLAGS=--xla_gpu_enable_latency_hiding" in result.stdout
+        "platform gpu: XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=64, XLA_CLIENT_MEM_FRACTION=0.95, XLA_FLAGS=--xla_gpu_enable"
+        in result.stdout
     )
     assert "platform=gpu but JAX cannot start a GPU backend" in result.stdout and "platform=cpu" in result.stdout
     assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()

@@ -195,6 +195,16 @@ def test_mode_plan_prints_and_writes_the_verification(mode_plan):
     assert {c["status"] for c in checked["copies"]} == {"copied", DEAD}
 
 
+def test_mode_plan_holds_a_gpu_step_to_the_pool_jax_allocates(mode_plan):
+    """A GPU run's step gets the HBM pool JAX's allocator takes (`XLA_CLIENT_MEM_FRACTION`, 95%
+    in configs/platform/gpu.yaml; JAX's own default, 75%, would refuse at start-up a step planned
+    against the whole HBM), and the plan holds each step to that pool."""
+    stdout, record = mode_plan
+    hbm = TARGETS["h200"].hbm_bytes
+    assert {p["capacity_bytes"] for p in record["plans"]} == {int(0.95 * hbm)}
+    assert "capacity: 95% of the" in stdout and "XLA_CLIENT_MEM_FRACTION" in stdout
+
+
 def test_llama_all_saved_recomputes_no_saved_value(mode_plan, llama_h200):
     """minimal_offloaded rematerialises nothing, so mode=plan checks it as its own all-saved form
     against save_all, compiled beside it. It runs one matmul per layer more than save_all: the

@@ -50,6 +50,9 @@ from ferry.train.config import FerryConfig, OffloadConfig, check_mesh_shape
 from ferry.train.state_memory import StatePlacement
 
 HOST_POOL_VARIABLE = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"  # GiB of pinned host XLA's GPU client sets up
+# the share of a GPU's HBM JAX's allocator takes, and its default where a platform leaves it unset: a
+# program is planned against that pool, as a run's memory check (its `memory_stats()` limit) holds it
+HBM_POOL_VARIABLE, DEFAULT_HBM_POOL = "XLA_CLIENT_MEM_FRACTION", 0.75
 
 
 def plan_presets(config: FerryConfig) -> tuple[str, ...]:
@@ -90,6 +93,8 @@ def run_plan(
     platform = target_platform(config, target, load_platform)
     pool = platform.env.get(HOST_POOL_VARIABLE) if target.platform == "gpu" else None
     capacity = None if config.plan.capacity_gib is None else int(config.plan.capacity_gib * 2**30)
+    if capacity is None and target.platform == "gpu":
+        capacity = int(float(platform.env.get(HBM_POOL_VARIABLE, DEFAULT_HBM_POOL)) * target.hbm_bytes)
 
     host_capacity = None if pool is None else int(pool) * 2**30
 
@@ -204,6 +209,13 @@ def format_seconds(seconds: float) -> str:
 def plan_table(plans: list[MemoryPlan], config: FerryConfig) -> Table:
     first = plans[0]
     pool = "" if first.host_capacity_bytes is None else f"; pinned host pool {format_bytes(first.host_capacity_bytes)}"
+    target = TARGETS[first.target]
+    if target.platform == "gpu" and first.capacity_bytes != target.hbm_bytes:
+        share = first.capacity_bytes / target.hbm_bytes
+        pool += (
+            f"; capacity: {share:.0%} of the {format_bytes(target.hbm_bytes)} of HBM (the pool JAX's allocator "
+            f"holds, {HBM_POOL_VARIABLE}, or plan.capacity_gib)"
+        )
     pool += f"; scheduler costs: {first.scheduler_costs}"
     bound = (
         "; matmul TFLOP: the MoE's tiles a balanced router fills (the program's static count, every slot of a "
