@@ -10,8 +10,8 @@ configs/platform/gpu.yaml and a 200 GiB pinned host pool per GPU, and each one's
 estimate ranked against full_remat. `offload=auto` chooses the train state's placement with the
 rest; `--state-on-host` plans every preset with AdamW's moments and the float32 master weights in
 pinned host memory (`offload.optimizer=host offload.params=host`); `--without-xla-remat` holds
-XLA's own rematerialisation off (its memory limit raised tenfold: at the seed its estimate counts
-pinned host buffers as HBM and it recomputes in programs that fit; README, "The seed").
+XLA's own rematerialisation off (its slop factor at 1000: at the seed its estimate counts pinned
+host buffers as HBM and it recomputes in programs that fit; README, "The seed, in memory terms").
 
     python benchmarks/plan_seed.py [--only deepseek|llama] [--state-on-host] [--without-xla-remat] [--out DIR]
 """
