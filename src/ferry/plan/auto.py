@@ -379,10 +379,10 @@ def faster(predicted: StepEstimate, fastest: StepEstimate) -> bool:
     """Whether a candidate is predicted faster than the fastest compiled one by more than
     `MIN_GAIN` of its step: in the best estimate, or, where the best estimates tie within it (the
     collectives' time, say), in the worst."""
-    if predicted.best_seconds < (1 - MIN_GAIN) * fastest.best_seconds:
-        return True
-    tied = predicted.best_seconds <= (1 + MIN_GAIN) * fastest.best_seconds
-    return tied and predicted.worst_seconds < (1 - MIN_GAIN) * fastest.worst_seconds
+    best, worst = banded_rank(predicted, fastest.best_seconds)  # the tie band has one definition
+    if best != fastest.best_seconds:
+        return best < fastest.best_seconds
+    return worst < (1 - MIN_GAIN) * fastest.worst_seconds
 
 
 def fits_with_headroom(plan: MemoryPlan) -> bool:
