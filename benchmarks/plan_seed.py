@@ -9,11 +9,11 @@ here), with the XLA flags of
 configs/platform/gpu.yaml and a 200 GiB pinned host pool per GPU, and each one's step-time
 estimate ranked against full_remat. `offload=auto` chooses the train state's placement with the
 rest; `--state-on-host` plans every preset with AdamW's moments and the float32 master weights in
-pinned host memory (`offload.optimizer=host offload.params=host`); `--without-xla-remat` holds
-XLA's own rematerialisation off (its slop factor at 1000: at the seed its estimate counts pinned
-host buffers as HBM and it recomputes in programs that fit; README, "The seed, in memory terms").
+pinned host memory (`offload.optimizer=host offload.params=host`); `--with-xla-remat` turns XLA's
+own rematerialisation pass back on (gpu.yaml turns it off: its estimate counts pinned host buffers
+as HBM and it recomputes in programs that fit; README, "The seed, in memory terms").
 
-    python benchmarks/plan_seed.py [--only deepseek|llama] [--state-on-host] [--without-xla-remat] [--out DIR]
+    python benchmarks/plan_seed.py [--only deepseek|llama] [--state-on-host] [--with-xla-remat] [--out DIR]
 """
 
 import argparse
@@ -27,7 +27,7 @@ BATCH = ("train.micro_batch_size=8", "train.seq_len=4096", "train.global_batch_s
 # a GB200 superchip has 480 GB of LPDDR5X for its two GPUs: a 200 GiB pinned pool per GPU
 HOST_POOL = ("platform=gpu", "platform.env.XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=200")
 STATE_ON_HOST = ("offload.optimizer=host", "offload.params=host")
-WITHOUT_XLA_REMAT = ("platform.xla_flags.xla_gpu_memory_limit_slop_factor=1000",)
+WITH_XLA_REMAT = ("~platform.xla_flags.xla_disable_hlo_passes",)
 SEEDS = {
     "deepseek": (
         "model=deepseek_v3",
@@ -50,7 +50,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=sorted(SEEDS))
     parser.add_argument("--state-on-host", action="store_true", help="the train state in pinned host memory")
-    parser.add_argument("--without-xla-remat", action="store_true", help="XLA's own rematerialisation held off")
+    parser.add_argument("--with-xla-remat", action="store_true", help="XLA's own rematerialisation pass on")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "plan_seed")
     args = parser.parse_args()
     for name, overrides in SEEDS.items():
@@ -65,10 +65,10 @@ def main() -> int:
             *BATCH,
             *HOST_POOL,
             *(STATE_ON_HOST if args.state_on_host else ()),
-            *(WITHOUT_XLA_REMAT if args.without_xla_remat else ()),
+            *(WITH_XLA_REMAT if args.with_xla_remat else ()),
         ]
         suffix = "-state-on-host" if args.state_on_host else ""
-        suffix += "-without-xla-remat" if args.without_xla_remat else ""
+        suffix += "-with-xla-remat" if args.with_xla_remat else ""
         command.append(f"run.dir={args.out / (name + suffix)}")
         print("$ " + " ".join(command[1:]), flush=True)
         started = time.perf_counter()

@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 
 from ferry.config import from_dict
 from ferry.models.registry import model_config
+from ferry.platform import PlatformConfig
 from ferry.train.config import FerryConfig, OffloadConfig, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,7 +39,7 @@ needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
     reason='the planner needs libtpu for TPU targets: pip install -e ".[plan]"',
 )
-GPU_FLAGS = {"xla_gpu_enable_latency_hiding_scheduler": True}  # what configs/platform/gpu.yaml turns on
+GPU_FLAGS = {"xla_gpu_enable_latency_hiding_scheduler": True}  # the scheduler gpu.yaml turns on; XLA defaults else
 
 
 @contextlib.contextmanager
@@ -76,6 +77,10 @@ def compose_config(*overrides: str) -> FerryConfig:
 
 def load_preset(name: str) -> OffloadConfig:
     return from_dict(OffloadConfig, OmegaConf.to_container(OmegaConf.load(CONFIGS / "offload" / f"{name}.yaml")))
+
+
+def load_platform(name: str) -> PlatformConfig:
+    return from_dict(PlatformConfig, OmegaConf.to_container(OmegaConf.load(CONFIGS / "platform" / f"{name}.yaml")))
 
 
 def preset_policy(name: str, model):

@@ -2,22 +2,16 @@
 
 import jax
 import pytest
-from omegaconf import OmegaConf
 
-from ferry.config import from_dict
-from ferry.platform import PlatformConfig, apply_platform
-from tests.conftest import CONFIGS, run_launcher, run_python
-
-
-def load_platform(name: str) -> PlatformConfig:
-    return from_dict(PlatformConfig, OmegaConf.to_container(OmegaConf.load(CONFIGS / "platform" / f"{name}.yaml")))
+from ferry.platform import apply_platform
+from tests.conftest import load_platform, run_launcher, run_python
 
 
 def test_gpu_flags_and_host_pool():
     gpu = load_platform("gpu")
     assert gpu.flag_string() == (
-        "--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_pipelined_host_offloading=false "
-        "--xla_gpu_memory_limit_slop_factor=112"
+        "--xla_disable_hlo_passes=rematerialization --xla_gpu_enable_latency_hiding_scheduler=true "
+        "--xla_gpu_enable_pipelined_host_offloading=false --xla_gpu_memory_limit_slop_factor=112"
     )
     env = gpu.environment({"XLA_FLAGS": "--xla_dump_to=/tmp/dump"})
     assert env["XLA_FLAGS"].endswith(" --xla_dump_to=/tmp/dump")  # the user's own flags are kept, read last
@@ -48,8 +42,8 @@ def test_launcher_prints_the_platform_and_refuses_a_gpu_it_does_not_have(tmp_pat
     result = run_launcher("platform=gpu", "train.steps=1", "train.warmup_steps=0", f"run.dir={tmp_path / 'run'}")
     assert result.returncode == 2, result.stderr + result.stdout
     assert (
-        "platform gpu: XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=64, XLA_CLIENT_MEM_FRACTION=0.95, XLA_FLAGS=--xla_gpu_enable"
-        in result.stdout
+        "platform gpu: XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=64, XLA_CLIENT_MEM_FRACTION=0.95, "
+        "XLA_FLAGS=--xla_disable_hlo_passes=rematerialization" in result.stdout
     )
     assert "platform=gpu but JAX cannot start a GPU backend" in result.stdout and "platform=cpu" in result.stdout
     assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()

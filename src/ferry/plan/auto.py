@@ -247,10 +247,11 @@ def anchored(baseline: Baseline, predicted: Prediction, compiled: Prediction) ->
     """The baseline a compiled candidate implies: predicting that candidate from it gives its
     compiled program (`compiled`: its HBM, host bytes and estimate; `predicted`: the same candidate
     predicted from `baseline`), and predicting another adds what their placements differ by. Where
-    the all-on-device program is far over HBM, XLA rematerialises in it on its own, so what a
-    placement frees is not what it frees there (the DeepSeek-V3 seed: every preset predicted 190
-    to 214 GiB above its compiled program); from a compiled candidate a few decisions away the
-    prediction rests on a program that fits, or nearly."""
+    the all-on-device program is far over HBM, what a placement frees there is not what it frees
+    in a program that fits, since XLA packs the buffers otherwise (the DeepSeek-V3 seed: presets
+    predicted 6 to 16 GiB above their compiled programs; 190 to 214 GiB with XLA's own
+    rematerialisation on); from a compiled candidate a few decisions away the prediction rests on
+    a program that fits, or nearly."""
     return dataclasses.replace(
         baseline,
         hbm_bytes=baseline.hbm_bytes + compiled.hbm_bytes - predicted.hbm_bytes,

@@ -13,10 +13,10 @@ Temporaries are the exception: they are the peak of XLA's buffer assignment, whi
 differently at small depths (Llama 3.1 8B at 2 x 64 tokens: 0.73 GB more from 2 to 3 layers, 0.08
 GB less from 4 to 5, then 0.8725 GB per layer, its float32 gradients, from 6 on within a few MB).
 Probes at 2 and 3 layers under-estimate them by 11% at 32 layers; probes at 6 and 8 over-estimate
-by 0.04% there, by 0.45% for DeepSeek-V3 tiny stretched to 12 layers. A program near its HBM
-limit is not on the line either: XLA rematerialises to relieve the pressure (Llama 3.1 8B's 124 GB
-on an H200: 1.4 layers' matmuls more than the line at 32 layers); the shallow probes are far from
-it, so the plan shows what the step needs without that rescue.
+by 0.04% there, by 0.45% for DeepSeek-V3 tiny stretched to 12 layers. With XLA's own
+rematerialisation pass on (gpu.yaml turns it off), a program near its HBM limit is not on the line
+either: XLA recomputes to relieve the pressure (Llama 3.1 8B's 124 GB on an H200: 1.4 layers'
+matmuls more than the line at 32 layers), where the shallow probes, far from it, do not.
 
 That is why it is not the default (`plan.extrapolate=false`): at the DeepSeek-V3 seed (moe_offload,
 128 GB200) the line through 6 and 8 MoE layers gives 90.2 GB of temporaries at 58, where the whole

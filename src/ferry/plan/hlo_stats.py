@@ -615,9 +615,10 @@ _REMATERIALISED = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]*\.remat(?!erialized)[\w
 def xla_rematerialised(hlo_text: str) -> int:
     """How many instructions XLA's own rematerialisation pass added to the program (it names each
     clone `<original>.remat`; the `.rematerialized` broadcasts another pass clones into loops, a
-    few dozen in a DeepSeek-V3 step, are not its). The pass runs when its estimate of the
-    program's memory exceeds its limit (`xla_gpu_memory_limit_slop_factor` percent of 80% of HBM,
-    less the outputs); its recomputation is in the program's matmul count."""
+    few dozen in a DeepSeek-V3 step, are not its). The pass runs, where it is on (gpu.yaml turns it
+    off), when its estimate of the program's memory exceeds its limit
+    (`xla_gpu_memory_limit_slop_factor` percent of 80% of HBM, less the outputs); its estimate
+    counts pinned host buffers as HBM. Its recomputation is in the program's matmul count."""
     return len(_REMATERIALISED.findall(hlo_text))
 
 

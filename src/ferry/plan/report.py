@@ -183,9 +183,9 @@ def run_plan(
     for plan in plans:
         if plan.xla_rematerialised:
             console.print(
-                f"{plan.policy}: XLA rematerialised {plan.xla_rematerialised} instructions on its own (its memory "
-                "estimate exceeded its limit, platform.xla_flags.xla_gpu_memory_limit_slop_factor); the matmul "
-                "count includes that recomputation",
+                f"{plan.policy}: XLA rematerialised {plan.xla_rematerialised} instructions on its own (its "
+                "rematerialisation pass is on, and its memory estimate, which counts pinned host bytes as HBM, "
+                "exceeded its limit); the matmul count includes that recomputation",
                 highlight=False,
             )
     console.print(estimate_table(plans))
