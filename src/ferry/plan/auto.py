@@ -1,6 +1,6 @@
 """`offload=auto`: choose where each tagged tensor waits for the backward pass (device, offload,
 remat), and any further placement choice (`Decision`), for the shortest estimated step
-(`ferry.plan.estimate`; the best estimate, then the worst: `banded_rank`) that fits the
+(`ferry.plan.estimate`; the middle estimate, then the worst: `banded_rank`) that fits the
 target's HBM and its pinned host pool, each with `HEADROOM` to spare.
 
 The compiler decides: the all-on-device policy is compiled first; it gives the HBM, the matmul time
@@ -47,8 +47,8 @@ from ferry.train.state_memory import (
 
 MAX_CHECKS = 6  # candidates compiled after the all-on-device one, at most
 # step estimates this close are a tie: the estimate cannot resolve them (at the DeepSeek-V3 seed two
-# placements' collectives, 12.44 s and 12.48 s, decided the pick over 0.66 s of recompute); mirror
-# images (`mlpwi_1` offloaded for `mlpwi_0`) predict within it, so one compiled stops the search
+# placements' collectives, 12.44 s and 12.48 s, once decided the pick over 0.66 s of recompute);
+# mirror images (`mlpwi_1` offloaded for `mlpwi_0`) predict within it, so one compiled stops the search
 MIN_GAIN = 0.005
 
 
@@ -167,8 +167,8 @@ class Prediction:
 
     @property
     def seconds(self) -> float:
-        """The best estimate: collectives overlapped."""
-        return self.estimate.best_seconds
+        """The middle estimate, which candidates are ranked by."""
+        return self.estimate.middle_seconds
 
     @property
     def worst(self) -> float:
@@ -238,7 +238,7 @@ def state_decisions(config: FerryConfig, target: Target, mesh: Any) -> tuple[Dec
 
 
 def predict(baseline: Baseline, decisions: list[Decision], values: tuple[str, ...], target: Target) -> Prediction:
-    """The HBM, host bytes and best step-time estimate of one candidate, from the baseline."""
+    """The HBM, host bytes and step-time estimate of one candidate, from the baseline."""
     chosen = [next(o for o in d.options if o.value == v) for d, v in zip(decisions, values, strict=True)]
     return _prediction(baseline, values, *_totals(chosen), target)
 
@@ -300,10 +300,10 @@ def fastest_fitting(
     host_limit: float | None,
     exclude: frozenset[tuple[str, ...]] = frozenset(),
     anchors: Sequence[tuple[tuple[str, ...], Baseline]] = (),
-    fastest_best: float | None = None,
+    fastest_seconds: float | None = None,
 ) -> Prediction | None:
-    """The candidate of the least predicted step time (`banded_rank` around `fastest_best`, the
-    fastest compiled candidate's best estimate) predicted within both
+    """The candidate of the least predicted step time (`banded_rank` around `fastest_seconds`, the
+    fastest compiled candidate's middle estimate) predicted within both
     limits (None if none is), not one of `exclude`: a depth-first branch and bound. Each candidate
     is predicted from the anchor (a compiled candidate's values and `anchored` baseline) the fewest
     decisions away, the one predicting more HBM where two are as near; without anchors, from
@@ -326,7 +326,7 @@ def fastest_fitting(
     chosen: list[Option] = []
 
     def rank(prediction: Prediction) -> tuple[float, float]:
-        return banded_rank(prediction.estimate, fastest_best)
+        return banded_rank(prediction.estimate, fastest_seconds)
 
     def nearest(values: tuple[str, ...]) -> Baseline:
         def apart(anchor: tuple[tuple[str, ...], Baseline]) -> tuple[int, float]:
@@ -364,25 +364,24 @@ def fastest_fitting(
     return best[0]
 
 
-def banded_rank(estimate: StepEstimate, fastest_best: float | None) -> tuple[float, float]:
-    """`StepEstimate.rank` (the best estimate, then the worst) with every best estimate within
-    `MIN_GAIN` of `fastest_best` counted as equal to it, so the worst decides between them: the
-    estimate cannot tell such steps apart (at the DeepSeek-V3 seed, collectives of 12.44 s against
-    12.48 s picked a worst estimate of 17.90 s over 17.24 s). Monotone in the best estimate, so a
-    branch and bound may prune by it."""
-    best = estimate.best_seconds
-    if fastest_best is not None and abs(best - fastest_best) <= MIN_GAIN * fastest_best:
-        best = fastest_best
-    return best, estimate.worst_seconds
+def banded_rank(estimate: StepEstimate, fastest_seconds: float | None) -> tuple[float, float]:
+    """`StepEstimate.rank` (the middle estimate, then the worst) with every middle estimate within
+    `MIN_GAIN` of `fastest_seconds` counted as equal to it, so the worst decides between them: the
+    estimate cannot tell such steps apart (at the DeepSeek-V3 seed, ranked by the best estimate,
+    collectives of 12.44 s against 12.48 s once picked a worst estimate of 17.90 s over 17.24 s).
+    Monotone in the middle estimate, so a branch and bound may prune by it."""
+    middle = estimate.middle_seconds
+    if fastest_seconds is not None and abs(middle - fastest_seconds) <= MIN_GAIN * fastest_seconds:
+        middle = fastest_seconds
+    return middle, estimate.worst_seconds
 
 
 def faster(predicted: StepEstimate, fastest: StepEstimate) -> bool:
     """Whether a candidate is predicted faster than the fastest compiled one by more than
-    `MIN_GAIN` of its step: in the best estimate, or, where the best estimates tie within it (the
-    collectives' time, say), in the worst."""
-    best, worst = banded_rank(predicted, fastest.best_seconds)  # the tie band has one definition
-    if best != fastest.best_seconds:
-        return best < fastest.best_seconds
+    `MIN_GAIN` of its step: in the middle estimate, or, where those tie within it, in the worst."""
+    middle, worst = banded_rank(predicted, fastest.middle_seconds)  # the tie band has one definition
+    if middle != fastest.middle_seconds:
+        return middle < fastest.middle_seconds
     return worst < (1 - MIN_GAIN) * fastest.worst_seconds
 
 
@@ -413,8 +412,8 @@ class Tried:
 
 
 def fastest(fitting: Sequence[Tried]) -> Tried | None:
-    """The fastest compiled candidate by `banded_rank` around the least best estimate of them."""
-    least = min((t.plan.estimate.best_seconds for t in fitting), default=None)
+    """The fastest compiled candidate by `banded_rank` around the least middle estimate of them."""
+    least = min((t.plan.estimate.middle_seconds for t in fitting), default=None)
     return min(fitting, key=lambda t: banded_rank(t.plan.estimate, least), default=None)
 
 
@@ -481,7 +480,7 @@ def auto_plan(
     host_limit = None if first.host_capacity_bytes is None else (1 - HEADROOM) * first.host_capacity_bytes
     for _ in range(MAX_CHECKS):
         best = fastest([t for t in tried if t.fits])
-        fastest_best = None if best is None else best.plan.estimate.best_seconds
+        fastest_seconds = None if best is None else best.plan.estimate.middle_seconds
         exclude = frozenset(t.predicted.values for t in tried)
         anchors = [
             (
@@ -490,7 +489,9 @@ def auto_plan(
             )
             for t in tried
         ]
-        candidate = fastest_fitting(baseline, decisions, target, hbm_limit, host_limit, exclude, anchors, fastest_best)
+        candidate = fastest_fitting(
+            baseline, decisions, target, hbm_limit, host_limit, exclude, anchors, fastest_seconds
+        )
         if candidate is None and best is None:  # nothing is predicted to fit: compile the least HBM, the closest
             least = tuple(max(d.options, key=lambda o: (o.freed_bytes, -o.host_bytes)).value for d in decisions)
             candidate = None if least in exclude else predict(baseline, decisions, least, target)
@@ -520,7 +521,7 @@ def _choices(
     pick: Tried, costs: dict[str, TensorCost], decisions: list[Decision], fitting: list[Tried]
 ) -> list[Choice]:
     why = (
-        f"the fastest estimate ({pick.plan.estimate.best_seconds * 1e3:.2f} ms) of {len(fitting)} compiled "
+        f"the fastest estimate ({pick.plan.estimate.middle_seconds * 1e3:.2f} ms) of {len(fitting)} compiled "
         "candidates that fit with headroom"
         if pick in fitting
         else "nothing compiled fits with headroom: the closest"

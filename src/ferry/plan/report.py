@@ -256,11 +256,12 @@ def estimate_table(plans: list[MemoryPlan]) -> Table:
     table = Table(
         title=f"step-time ESTIMATE on {target} (per device; from the compiled program, not measured)",
         caption="estimate: matmuls at the dense bf16 peak + host copies left exposed + collectives over the "
-        "interconnect (targets.py); best overlaps collectives with compute, worst adds them; model TFLOPs "
-        f"by MaxText's convention; speed-up: {REFERENCE}'s best estimate over the preset's",
+        "interconnect (targets.py); best overlaps collectives with compute, worst adds them, middle is halfway "
+        f"(ranked by it, then the worst); model TFLOPs by MaxText's convention; speed-up: {REFERENCE}'s middle "
+        "estimate over the preset's",
     )
     columns = ("rank", "preset", "verdict", "matmuls", "copies exposed", "collectives")
-    for column in (*columns, "best", "worst", "TFLOPs/s/device", f"vs {REFERENCE}"):
+    for column in (*columns, "best", "middle", "worst", "TFLOPs/s/device", f"vs {REFERENCE}"):
         table.add_column(column, justify="left" if column in ("preset", "verdict") else "right")
     for rank, (name, estimate, speedup) in enumerate(ranked({p.policy: p.estimate for p in plans}), 1):
         plan = next(p for p in plans if p.policy == name)
@@ -272,6 +273,7 @@ def estimate_table(plans: list[MemoryPlan]) -> Table:
             format_seconds(estimate.exposed_copy_seconds),
             format_seconds(estimate.collective_seconds),
             format_seconds(estimate.best_seconds),
+            format_seconds(estimate.middle_seconds),
             format_seconds(estimate.worst_seconds),
             f"{estimate.best_tflops:.1f} - {estimate.worst_tflops:.1f}",
             "-" if speedup is None else f"{speedup:.3f}x",
@@ -369,8 +371,8 @@ def candidate_table(tried: list[Tried]) -> Table:
     table = Table(
         title="offload=auto: candidates compiled (per device; step times are ESTIMATES)",
         caption=f"fits: HBM and the pinned host pool each keep {HEADROOM:.0%} free; "
-        f"the fastest is the least best estimate (within {MIN_GAIN:.1%} of the least counts as a tie), "
-        "then the least worst",
+        f"the fastest is the least middle estimate (halfway between best and worst; within {MIN_GAIN:.1%} of the "
+        "least counts as a tie), then the least worst",
     )
     columns = (
         "#",
@@ -379,8 +381,9 @@ def candidate_table(tried: list[Tried]) -> Table:
         "HBM predicted",
         "HBM",
         "pinned host",
-        "best predicted",
+        "predicted (middle)",
         "best estimate",
+        "middle estimate",
         "worst estimate",
     )
     for column in (*columns, "fits"):
@@ -396,7 +399,8 @@ def candidate_table(tried: list[Tried]) -> Table:
             format_bytes(t.plan.host_bytes),
             format_seconds(t.predicted.seconds),
             format_seconds(t.plan.estimate.best_seconds),
-            format_seconds(t.plan.estimate.worst_seconds),  # breaks ties where collectives set the best
+            format_seconds(t.plan.estimate.middle_seconds),
+            format_seconds(t.plan.estimate.worst_seconds),  # breaks ties within the band
             "yes" if t.fits else "no",
         )
     return table
@@ -407,7 +411,8 @@ def choice_table(choices: list[Choice], plan: MemoryPlan) -> Table:
     table = Table(
         title=f"offload=auto for {plan.target}: {'FITS' if fits else 'nothing fits; the closest'}, "
         f"{format_bytes(plan.device_bytes)} of {format_bytes(plan.capacity_bytes)} HBM per device, "
-        f"estimated step {format_seconds(plan.estimate.best_seconds)}",
+        f"estimated step {format_seconds(plan.estimate.middle_seconds)} (best "
+        f"{format_seconds(plan.estimate.best_seconds)}, worst {format_seconds(plan.estimate.worst_seconds)})",
     )
     for column in ("tensor", "placement", "bytes per micro step", "recompute TFLOP", "why"):
         table.add_column(column, justify="right" if column in ("bytes per micro step", "recompute TFLOP") else "left")
