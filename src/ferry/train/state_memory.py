@@ -4,9 +4,10 @@
 weights, in pinned host memory (MaxText's `optimizer_memory_host_offload` and
 `parameter_memory_host_offload`). The forward and backward passes never read either: they read
 a compute-dtype copy of the weights that stays in HBM. The update streams the host-resident
-state through HBM one unit at a time (a `lax.scan` over each layer stack's layer axis; the
-unstacked parameters as one unit): bring layer k's master weights and moments to the device,
-apply AdamW, send them back, refresh layer k's compute copy. HBM holds one layer's state at once.
+state through HBM one unit at a time (a loop over each layer stack's layer axis; the unstacked
+parameters as one unit): bring layer k's master weights and moments to the device, apply AdamW,
+write them back into the host arrays they came from, refresh layer k's compute copy. HBM holds
+one layer's state at once, and pinned host nothing but the state.
 
 Which leaves move: the matrices (a layer's weights with two or more axes). Vectors (norm scales,
 router biases) are a rounding error of the state and stay in HBM, where `after_step` may update
@@ -187,6 +188,7 @@ class StreamedUpdate:
         new = [[None] * len(columns[0]) for _ in range(4)]  # params, mu, nu, compute copies
         g_norm = optax.tree.norm(grads)
         new_state = adam_state
+        host_params = self.smap.host_params
         for unit in [0, *sorted(set(self.smap.units) - {0})]:  # unit 0 (maybe empty) yields the counts
             index = self.smap.leaves_of(unit)
             inputs = [[column[i] for i in index] for column in columns]
@@ -194,7 +196,8 @@ class StreamedUpdate:
             if unit == 0:
                 outputs, new_state = update(inputs)
             else:
-                outputs = jax.lax.scan(lambda _, xs, update=update: (None, update(xs)[0]), None, inputs)[1]
+                host = [host_params[i] for i in index]
+                outputs = _in_place(update, inputs, self.smap.unit_layers[unit], self.compute_dtype, host)
             for column, values in zip(new, outputs, strict=True):
                 for i, value in zip(index, values, strict=True):
                     column[i] = value
@@ -247,6 +250,34 @@ class StreamedUpdate:
             return [back(new_p, host_p), back(new_mu, host_m), back(new_nu, host_m), compute], new_state
 
         return update
+
+
+def _in_place(
+    update: Callable[[list[list[jax.Array]]], tuple[list[list[Any]], Any]],
+    inputs: list[list[jax.Array]],
+    layers: int,
+    compute_dtype: Any,
+    host_params: list[bool],
+) -> list[list[Any]]:
+    """`update` applied to each layer of a stack's (params, grads, mu, nu) columns, each layer's
+    results written back into the arrays they came from: a loop carrying the stacks, where a
+    scan would collect new ones. The donated host-resident state is so updated where it lies; a
+    scan's outputs are new host buffers of the whole stack, copied into the donated ones after
+    the loop (on an H200, 21 host-to-host copies of 162 ms a step for 4 Llama 3.1 8B layers).
+    Returns the new params, mu, nu and compute copies (None where the master weights are in
+    HBM), stacked."""
+    params, grads, mu, nu = inputs
+    compute = [jnp.zeros(x.shape, compute_dtype) if host else None for x, host in zip(params, host_params, strict=True)]
+
+    def layer(k: jax.Array, carry: tuple[list[Any], ...]) -> tuple[list[Any], ...]:
+        take = lambda xs: [jax.lax.dynamic_index_in_dim(x, k, keepdims=False) for x in xs]  # noqa: E731
+        new = update([take(carry[0]), take(grads), take(carry[1]), take(carry[2])])[0]
+        return tuple(
+            [x if y is None else jax.lax.dynamic_update_index_in_dim(x, y, k, 0) for x, y in zip(xs, ys, strict=True)]
+            for xs, ys in zip(carry, new, strict=True)
+        )
+
+    return list(jax.lax.fori_loop(0, layers, layer, (params, mu, nu, compute)))
 
 
 def state_copies(model: Any, placement: StatePlacement, param_sharding: Any) -> tuple[StateCopy, ...]:
