@@ -3,6 +3,7 @@ every instruction the scheduler orders gets a time from the compiled program and
 with them the scheduler hides the reloads its own fixed estimates leave exposed on an FSDP mesh."""
 
 import collections
+from pathlib import Path
 
 import pytest
 
@@ -125,6 +126,24 @@ def test_the_module_is_priced_from_a_compile_stopped_before_scheduling(tmp_path,
     assert len(read) == 1
     assert cost_profile(read[0], H200) == cost_profile(scheduled, H200)  # every instruction, priced alike
     assert "profile_guided_latency_estimator" not in capfd.readouterr().err
+
+
+def test_where_xla_autotunes_the_module_is_read_from_a_whole_compile(tmp_path):
+    """On a GPU XLA compiles every kernel candidate with the step's options, and an empty profile
+    checked strictly fails them all ("No candidates could be compiled", seen on an H200 for every
+    preset): a compile that autotunes (training's) reads the module from a whole compile without a
+    profile; the planner's, which does not autotune, stops before the scheduler."""
+    compiles = []
+
+    class Lowered:  # what XLA does with the options: dump the module it schedules
+        def compile(self, options):
+            compiles.append(options)
+            Path(options["xla_dump_to"], "m.before_latency-hiding-scheduler.txt").write_text("HloModule m")
+
+    assert scheduler_costs._module_before_scheduling(Lowered(), {}, tmp_path / "run") == "HloModule m"
+    assert not any(name.startswith("xla_gpu_pgle") for name in compiles[0])
+    scheduler_costs._module_before_scheduling(Lowered(), H200.compile_options({}), tmp_path / "plan")
+    assert compiles[1]["xla_gpu_pgle_accuracy_checker"] == "PGLE_STRICTNESS_LEVEL_ERROR"
 
 
 @needs_cuda_plugin

@@ -206,9 +206,17 @@ def _module_before_scheduling(lowered: Any, options: Mapping[str, object], direc
     XLA checks a cost profile against the module just before scheduling (its PGLE accuracy
     checker). Given an empty profile and told to fail on a miss, the compile stops there, before
     scheduling, buffer assignment and code generation (about half of a compile), with the module
-    dumped. Should a compile go through anyway, its dump before the scheduler is the same module."""
+    dumped. Should a compile go through anyway, its dump before the scheduler is the same module.
+
+    On a GPU that autotunes (any compile but the planner's, which sets `xla_gpu_autotune_level`
+    to 0), XLA compiles every kernel candidate with the step's options, and the empty profile
+    fails them all ("No candidates could be compiled", seen on an H200): there the step is
+    compiled whole, dumped, and the autotuning it did is cached for the compile with the costs."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if options.get("xla_gpu_autotune_level", 1) != 0:
+        lowered.compile(dict(options) | _dump_options(directory))
+        return _pre_schedule_module(directory)
     empty = directory / "empty.pbtxt"
-    empty.parent.mkdir(parents=True, exist_ok=True)
     empty.write_text("")
     stop = _dump_options(directory, "pgle-accuracy-checker|latency-hiding-scheduler") | {
         "xla_gpu_pgle_profile_file_or_directory_path": str(empty),
