@@ -142,7 +142,7 @@ def _cotangent(out: Any) -> Any:
 def _needed(model: Any, group: LayerGroupTrace, policy: Policy) -> _Needed:
     """Trace the gradient of one layer of `group` under `policy` (through the engine, or plain
     autodiff for `save_all`) and count what it needs."""
-    mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("data",))  # memory kinds: host copies are device_puts
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))  # tracing only: any backend with memory kinds
     layer = group.run if policy.keep_all else offloaded(group.run, policy, check_names=False)
 
     def gradients(model: Any, x: jax.Array) -> Any:
