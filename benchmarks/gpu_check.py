@@ -341,7 +341,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(TINY_MODELS))
     parser.add_argument("--presets", nargs="+", default=PRESETS, help="presets of the self-check")
-    parser.add_argument("--slice-presets", nargs="+", default=list(SLICE_PRESETS))
+    parser.add_argument(
+        "--slice-presets", nargs="*", default=list(SLICE_PRESETS), help="parts 2 and 3; none: the self-check alone"
+    )
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--budget-s", type=float, default=480, help="stop starting slice presets after this")
@@ -366,9 +368,9 @@ def main() -> int:
     if args.plan_target:
         plan_slice_deviceless(args.plan_target, args.seq_len, tuple(args.slice_presets), console)
     ok = self_checks(tuple(args.models), args.presets, console)
-    if gpu:
+    if gpu and args.slice_presets:
         measure_all(tuple(args.slice_presets), args.seq_len, args.steps, started + args.budget_s, console)
-    else:
+    elif not gpu:
         console.print(
             "no GPU here: the memory peaks and the full_remat vs offload timing need one "
             f"(found {jax.devices()[0].platform}); the self-check above ran on this backend"

@@ -31,7 +31,7 @@ from ferry.sharding import MESH_AXES, MeshConfig, batch_sharded
 from ferry.train.config import FerryConfig
 from ferry.train.flops import training_flops
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer
-from ferry.train.state import run_state_layout
+from ferry.train.state import StateLayout, run_state_layout
 from ferry.train.state_memory import state_writes
 from ferry.train.step import LossSettings, train_step_body
 
@@ -117,28 +117,38 @@ def for_target(model_config: Any, target: Target) -> Any:
     return model_config.for_platform(target.platform)
 
 
-def plan_memory(
+@dataclasses.dataclass(frozen=True)
+class CompiledTrainStep:
+    """The train step of a config compiled for one mesh (compile-only devices, or a real GPU's):
+    what the planner reads, and what a GPU check runs."""
+
+    compiled: Any  # jax.stages.Compiled: (state arrays, tokens) -> (state, metrics), the state donated
+    layout: StateLayout
+    model_config: Any  # the model as compiled (`for_target`)
+    mesh: Mesh
+    options: dict[str, object]  # the per-compile XLA options
+    priced: bool  # XLA's scheduler timed the ops with ferry's cost model
+    seconds: float  # lowering and compiling on this machine
+
+    def run(self, arrays: Any, tokens: jax.Array) -> tuple[Any, dict[str, jax.Array]]:
+        """One step on a real mesh: the state's arrays (donated) and a batch in, the next state's
+        arrays and the metrics out."""
+        state, metrics = self.compiled(arrays, tokens)
+        return eqx.filter(state, eqx.is_array), metrics
+
+
+def compile_train_step(
     config: FerryConfig,
     target: Target,
     policy: Policy,
-    policy_name: str,
-    capacity_bytes: int | None = None,
-    xla_flags: Mapping[str, object] | None = None,
-    host_capacity_bytes: int | None = None,
+    mesh: Mesh,
+    options: Mapping[str, object],
     scheduler_costs: bool = False,
-) -> MemoryPlan:
-    """Compile the train step of `config` under `policy` for `target` with the XLA flags a real
-    run on it uses (`xla_flags`, from its platform preset) and report its memory and host
-    copies. An offloading policy whose program has no pinned host bytes is an error: the
-    offload was dropped somewhere, and a plan that silently keeps it on device would be a lie.
-    The program is then verified (`ferry.plan.verify`): every offloaded tensor's copies are in
-    it, and every host slice in a loop walks the way its index goes; a failed check is a
-    `CompiledProgramError` naming the tensor, its layer group and what the program does instead.
-    `scheduler_costs`: on a GPU target, XLA's scheduler times the ops with ferry's cost model
-    (`ferry.plan.scheduler_costs`, as `platform.scheduler_costs=ferry` runs do)."""
-    from ferry.plan.verify import verify_program  # verify subclasses this module's PlanError
-
-    mesh = compile_only_mesh(target, config.mesh)
+) -> CompiledTrainStep:
+    """Compile the step training runs (`train_step_body`) from the state's shapes alone, over
+    `mesh`, with the per-compile XLA `options`. `scheduler_costs`: on a GPU target, XLA's scheduler
+    times the ops with ferry's cost model (`ferry.plan.scheduler_costs`, as
+    `platform.scheduler_costs=ferry` runs do)."""
     optimizer = make_optimizer(config.train)
     data_parallel = config.mesh.data_parallel
     model_config = for_target(config.model, target)
@@ -148,8 +158,8 @@ def plan_memory(
     batch = jax.ShapeDtypeStruct(
         (config.train.global_batch_size, config.train.seq_len + 1), jnp.int32, sharding=batch_sharded(mesh)
     )
-    # traced under `jax.set_mesh` of the concrete mesh below, so the engine sees its devices have no
-    # memories (`has_memory_kinds`)
+    # traced under `jax.set_mesh` of the mesh below, so the engine sees whether its devices have
+    # memories (`has_memory_kinds`; compile-only devices have none)
     settings = LossSettings(policy, config.train.compute_dtype, config.train.z_loss_weight)
     body = train_step_body(
         optimizer,
@@ -163,13 +173,54 @@ def plan_memory(
     def step(arrays: Any, tokens: jax.Array) -> Any:
         return body(eqx.combine(arrays, layout.static), tokens)
 
-    options = target.compile_options(dict(xla_flags or {}))
     priced = scheduler_costs and isinstance(target, GpuTarget)
     started = time.perf_counter()
     with jax.set_mesh(mesh):
         lowered = jax.jit(step, donate_argnums=0).lower(sharded, batch)
-        compiled = compile_with_costs(lowered, options, target)[0] if priced else lowered.compile(options)
-    compile_seconds = time.perf_counter() - started
+        compiled = compile_with_costs(lowered, options, target)[0] if priced else lowered.compile(dict(options))
+    seconds = time.perf_counter() - started
+    return CompiledTrainStep(compiled, layout, model_config, mesh, dict(options), priced, seconds)
+
+
+def plan_memory(
+    config: FerryConfig,
+    target: Target,
+    policy: Policy,
+    policy_name: str,
+    capacity_bytes: int | None = None,
+    xla_flags: Mapping[str, object] | None = None,
+    host_capacity_bytes: int | None = None,
+    scheduler_costs: bool = False,
+) -> MemoryPlan:
+    """Compile the train step of `config` under `policy` for `target` with the XLA flags a real
+    run on it uses (`xla_flags`, from its platform preset), on compile-only devices, and read it
+    (`read_plan`). `scheduler_costs`: on a GPU target, XLA's scheduler times the ops with ferry's
+    cost model (`ferry.plan.scheduler_costs`, as `platform.scheduler_costs=ferry` runs do)."""
+    mesh = compile_only_mesh(target, config.mesh)
+    options = target.compile_options(dict(xla_flags or {}))
+    step = compile_train_step(config, target, policy, mesh, options, scheduler_costs)
+    return read_plan(step, config, target, policy, policy_name, capacity_bytes, host_capacity_bytes)
+
+
+def read_plan(
+    step: CompiledTrainStep,
+    config: FerryConfig,
+    target: Target,
+    policy: Policy,
+    policy_name: str,
+    capacity_bytes: int | None = None,
+    host_capacity_bytes: int | None = None,
+) -> MemoryPlan:
+    """What a compiled train step needs on `target`: its memory and host copies, timed on the
+    target. An offloading policy whose program has no pinned host bytes is an error: the
+    offload was dropped somewhere, and a plan that silently keeps it on device would be a lie.
+    The program is then verified (`ferry.plan.verify`): every offloaded tensor's copies are in
+    it, and every host slice in a loop walks the way its index goes; a failed check is a
+    `CompiledProgramError` naming the tensor, its layer group and what the program does instead."""
+    from ferry.plan.verify import verify_program  # verify subclasses this module's PlanError
+
+    compiled, layout, model_config, mesh = step.compiled, step.layout, step.model_config, step.mesh
+    data_parallel = config.mesh.data_parallel
     memory = compiled.memory_analysis()
     host = (  # a host-resident state is an argument aliased to its output: counted once
         memory.host_temp_size_in_bytes
@@ -186,7 +237,7 @@ def plan_memory(
     hlo = compiled.as_text()
     flops, bound = matmul_flops(hlo), matmul_flops(hlo, bound=True)
     schedule = _schedule(config, model_config, policy, mesh)
-    writes = state_writes(layout.model, layout.placement, sharding.model)
+    writes = state_writes(layout.model, layout.placement, layout.sharding.model)
     copy_names = _offloaded_bytes(schedule) | {name: write.bytes for name, write in writes.items()}
     transfers, summary = time_transfers(hlo, target, copy_names)
     verification = verify_program(
@@ -212,11 +263,11 @@ def plan_memory(
         xla_rematerialised=xla_rematerialised(hlo),
         capacity_bytes=target.hbm_bytes if capacity_bytes is None else capacity_bytes,
         host_capacity_bytes=host_capacity_bytes,
-        compile_options=tuple(sorted(options.items())),
-        scheduler_costs="ferry" if priced else "xla",
+        compile_options=tuple(sorted(step.options.items())),
+        scheduler_costs="ferry" if step.priced else "xla",
         transfers=transfers,
         transfer_summary=summary,
-        compile_seconds=compile_seconds,
+        compile_seconds=step.seconds,
         verification=verification,
         collectives=collective_traffic(hlo, target),
         model_flops=model_flops_per_device(config, target),
