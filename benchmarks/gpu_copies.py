@@ -19,9 +19,10 @@ offloading), `both`. A configuration is `PRESET[@SCHEDULE][+state-on-host]`.
 All configurations run in one process: they are compiled first, then run in the order of their
 predicted HBM, so the device's running peak after each is its own (a peak an earlier, larger
 configuration set would show as equal to it). `--out` gets `results.json` (rewritten after each
-configuration) and the profiler traces. Without a GPU it runs on the CPU with `--model
-llama_tiny`, which has no device memory statistics, no copy engines and no host memory: the
-offloading presets are refused there (the planner sees no pinned host bytes).
+configuration), the profiler traces and, with `--hlo`, each optimized program. Without a GPU it
+runs on the CPU with `--model llama_tiny`, which has no device memory statistics, no copy engines
+and no host memory: the offloading presets are refused there (the planner sees no pinned host
+bytes).
 """
 
 import argparse
@@ -153,6 +154,10 @@ def trace_exposure(xplane: Path, steps: int) -> dict[str, Any] | None:
     }
 
 
+def file_name(configuration: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", configuration)
+
+
 def compile_configuration(configuration: Configuration, args: argparse.Namespace) -> tuple[Any, Any, dict]:
     """The configuration's step compiled on this machine's first device and the planner's reading of it."""
     from ferry.models.registry import abstract_model
@@ -259,6 +264,7 @@ def main() -> int:
     parser.add_argument("--target", default="h200", help="the target the planner times copies and matmuls on")
     parser.add_argument("--budget-s", type=float, default=1e9, help="compile no more configurations after this")
     parser.add_argument("--out", type=Path, default=Path("runs/gpu_copies"))
+    parser.add_argument("--hlo", action="store_true", help="also write each optimized program to OUT/hlo/")
     parser.add_argument(
         "--runs-after",
         nargs="*",
@@ -293,6 +299,9 @@ def main() -> int:
             continue
         compiled[configuration.name] = (step, config)
         results[configuration.name] = reading
+        if args.hlo:  # the optimized program, to read where a number surprises (`memory_analysis` does not say why)
+            (args.out / "hlo").mkdir(exist_ok=True)
+            (args.out / "hlo" / f"{file_name(configuration.name)}.txt").write_text(step.compiled.as_text())
         print(json.dumps(reading), flush=True)
         save()
     waited = time.perf_counter()
@@ -300,7 +309,7 @@ def main() -> int:
         time.sleep(1)
     for name in sorted(compiled, key=lambda n: results[n]["predicted_bytes"]):
         step, config = compiled.pop(name)
-        trace_dir = args.out / "traces" / re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+        trace_dir = args.out / "traces" / file_name(name)
         results[name] |= run_configuration(step, config, args, trace_dir)
         del step
         print(json.dumps({k: v for k, v in results[name].items() if k != "measured"}), flush=True)
