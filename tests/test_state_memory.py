@@ -45,8 +45,8 @@ def in_hbm(stream: StreamedUpdate) -> StreamedUpdate:
     return dataclasses.replace(stream, moves=False)
 
 
-def train(model_name: str, placement: StatePlacement, steps: int, reference: bool = False):
-    config = load_model_config(model_name)
+def train(model_name: str, placement: StatePlacement, steps: int, reference: bool = False, **model_overrides):
+    config = load_model_config(model_name, **model_overrides)
     train = TrainConfig(steps=steps, warmup_steps=1, global_batch_size=4, micro_batch_size=2, seq_len=16)
     optimizer = make_optimizer(train)
     model = build_model(config, jax.random.key(0))
@@ -76,15 +76,18 @@ def train(model_name: str, placement: StatePlacement, steps: int, reference: boo
     return losses, state
 
 
-# both on host moves every kind of leaf; the single moves are the same code on fewer leaves
+# both on host moves every kind of leaf; the single moves are the same code on fewer leaves. At
+# a vocabulary of 4,096 the embedding and the head hold more state than a layer: they stream in
+# blocks of rows (`row_blocks`); at 256 they are updated whole.
+@pytest.mark.parametrize("vocab", [pytest.param(256, marks=pytest.mark.slow), 4096])
 @pytest.mark.parametrize(
     "placement",
     [pytest.param(p, marks=pytest.mark.slow) for p in PLACEMENTS[:2]] + PLACEMENTS[2:],
     ids=lambda p: f"optimizer_{p.optimizer}-params_{p.params}",
 )
-def test_host_resident_state_trains_bit_for_bit_as_in_hbm(placement):
-    expected, reference = train("llama_tiny", placement, 4, reference=True)
-    losses, state = train("llama_tiny", placement, 4)
+def test_host_resident_state_trains_bit_for_bit_as_in_hbm(placement, vocab):
+    expected, reference = train("llama_tiny", placement, 4, reference=True, vocab_size=vocab)
+    losses, state = train("llama_tiny", placement, 4, vocab_size=vocab)
     np.testing.assert_array_equal(np.array(losses), np.array(expected))
     weights = lambda s: jax.tree.leaves(eqx.filter(s.model, eqx.is_array))  # noqa: E731
     for got, want in zip(weights(state), weights(reference), strict=True):
@@ -93,7 +96,9 @@ def test_host_resident_state_trains_bit_for_bit_as_in_hbm(placement):
     assert "pinned_host" in kinds
 
 
-def compiled_state_step(target_name: str, model_name: str, placement: StatePlacement, **model_overrides) -> dict:
+def compiled_state_step(
+    target_name: str, model_name: str, placement: StatePlacement, mesh_config=None, **model_overrides
+) -> dict:
     """The train step of `model_name` compiled for `target_name` without its hardware (4 chips of
     a v5p slice with FSDP, one H200), the state placed by `placement`: its memory, how many of
     its inputs and outputs live in pinned host (S(5) in the entry layout), and per device the
@@ -106,7 +111,8 @@ def compiled_state_step(target_name: str, model_name: str, placement: StatePlace
     config = load_model_config(model_name, **model_overrides)
     train = TrainConfig(steps=10, warmup_steps=1, global_batch_size=4, seq_len=32)
     optimizer = make_optimizer(train)
-    mesh = compile_only_mesh(target, MeshConfig(fsdp=4) if target.platform == "tpu" else MeshConfig())
+    mesh_config = mesh_config or (MeshConfig(fsdp=4) if target.platform == "tpu" else MeshConfig())
+    mesh = compile_only_mesh(target, mesh_config)
     model = eqx.filter_eval_shape(build_model, config, jax.random.key(0))
     shapes, static = eqx.partition(
         eqx.filter_eval_shape(init_state, model, optimizer, placement, train.compute_dtype),
@@ -188,6 +194,43 @@ def test_on_v5p_the_update_writes_the_host_state_where_it_lies():
     assert shallow.host_temp_size_in_bytes == deep.host_temp_size_in_bytes == 0
     assert deep.host_output_size_in_bytes == deep.host_alias_size_in_bytes == deep.host_argument_size_in_bytes
     assert deep.temp_size_in_bytes <= shallow.temp_size_in_bytes
+
+
+def test_an_embedding_with_more_state_than_a_layer_streams_in_blocks_of_rows():
+    """llama_tiny at a vocabulary of 4,096: a layer's moved state is 49,152 parameters x 12 bytes,
+    the embedding's and the head's 262,144 x 12 each, so each streams in 8 blocks (the first count
+    above 5.3 that divides its rows) of at most a layer's state; split over devices along its rows,
+    a leaf stays whole."""
+    from ferry.sharding import MeshConfig, make_mesh, tree_shardings
+    from ferry.train.state_memory import float_params, row_blocks
+
+    model = eqx.filter_eval_shape(build_model, load_model_config("llama_tiny", vocab_size=4096), jax.random.key(0))
+    placement = StatePlacement("host", "host")
+    smap = state_map(model, placement)
+    leaves = jax.tree.leaves(float_params(model))
+    shardings = jax.tree.leaves(tree_shardings(float_params(model), make_mesh(MeshConfig())))
+    blocks = row_blocks(smap, leaves, shardings)
+    assert sorted(leaves[i].shape for i in blocks) == [(64, 4096), (4096, 64)] and set(blocks.values()) == {8}
+    layer = sum(math.prod(leaves[i].shape[1:]) for i in smap.leaves_of(1)) * 12
+    assert layer == 49152 * 12
+    assert all(math.prod(leaves[i].shape) * 12 // blocks[i] <= layer for i in blocks)
+    split = [sh.update(spec=PartitionSpec("fsdp")) for sh in shardings]  # rows over an fsdp axis of 1 device
+    assert row_blocks(smap, leaves, split) == blocks
+
+
+@needs_libtpu
+def test_on_v5p_an_embedding_streams_without_holding_its_whole_state_in_hbm():
+    """4 v5p chips, parameters replicated (mesh.data=4, as on one GPU), llama_tiny at a vocabulary
+    of 16,384: with the state on host the step's HBM temporaries are below the state-in-HBM
+    step's, where updating the embedding and head whole made them larger (53.5 against 41.8 MB;
+    now 16.8)."""
+    from ferry.sharding import MeshConfig
+
+    mesh = MeshConfig(data=4)
+    on_device = compiled_state_step("v5p", "llama_tiny", StatePlacement(), mesh, vocab_size=16384)["memory"]
+    on_host = compiled_state_step("v5p", "llama_tiny", StatePlacement("host", "host"), mesh, vocab_size=16384)
+    assert on_host["moved"] > 0 and on_host["memory"].host_temp_size_in_bytes == 0
+    assert on_host["memory"].temp_size_in_bytes < on_device.temp_size_in_bytes / 2
 
 
 @needs_cuda_plugin

@@ -4,10 +4,11 @@
 weights, in pinned host memory (MaxText's `optimizer_memory_host_offload` and
 `parameter_memory_host_offload`). The forward and backward passes never read either: they read
 a compute-dtype copy of the weights that stays in HBM. The update streams the host-resident
-state through HBM one unit at a time (a loop over each layer stack's layer axis; the unstacked
-parameters as one unit): bring layer k's master weights and moments to the device, apply AdamW,
-write them back into the host arrays they came from, refresh layer k's compute copy. HBM holds
-one layer's state at once, and pinned host nothing but the state.
+state through HBM one unit at a time (a loop over each layer stack's layer axis; an unstacked
+leaf with more state than a layer, such as an embedding, in blocks of rows; the rest as one
+unit): bring layer k's master weights and moments to the device, apply AdamW, write them back
+into the host arrays they came from, refresh layer k's compute copy. HBM holds about one layer's
+state at once, and pinned host nothing but the state.
 
 Which leaves move: the matrices (a layer's weights with two or more axes). Vectors (norm scales,
 router biases) are a rounding error of the state and stay in HBM, where `after_step` may update
@@ -189,15 +190,26 @@ class StreamedUpdate:
         g_norm = optax.tree.norm(grads)
         new_state = adam_state
         host_params = self.smap.host_params
-        for unit in [0, *sorted(set(self.smap.units) - {0})]:  # unit 0 (maybe empty) yields the counts
-            index = self.smap.leaves_of(unit)
+        # compile-only GPU devices drop the inputs' memory kind (README): there the update collects
+        # new arrays, as a scan, since it cannot write host slices into device-space inputs
+        collect = self.moves and not all(map(_in_host_memory, _moved_inputs(columns, self.smap)))
+        blocks = row_blocks(self.smap, columns[0], shardings)
+        units = [0, *sorted(set(self.smap.units) - {0})]  # unit 0 (maybe empty) yields the counts
+        pieces = [(unit, [i for i in self.smap.leaves_of(unit) if i not in blocks]) for unit in units]
+        pieces += [(None, [i]) for i in blocks]  # each large unstacked leaf, a block of rows at a time
+        for unit, index in pieces:
             inputs = [[column[i] for i in index] for column in columns]
             update = self._unit_update(treedef, index, adam_state, apply, g_norm, [shardings[i] for i in index])
+            host = [host_params[i] for i in index]
             if unit == 0:
                 outputs, new_state = update(inputs)
+            elif unit is None:  # one unstacked leaf, in blocks of rows
+                (i,) = index
+                rows = columns[0][i].shape[0] // blocks[i]
+                outputs = _in_place(update, inputs, blocks[i], self.compute_dtype, host, rows, collect)
             else:
-                host = [host_params[i] for i in index]
-                outputs = _in_place(update, inputs, self.smap.unit_layers[unit], self.compute_dtype, host)
+                layers = self.smap.unit_layers[unit]
+                outputs = _in_place(update, inputs, layers, self.compute_dtype, host, None, collect)
             for column, values in zip(new, outputs, strict=True):
                 for i, value in zip(index, values, strict=True):
                     column[i] = value
@@ -252,32 +264,90 @@ class StreamedUpdate:
         return update
 
 
+def row_blocks(smap: StateMap, params: list[Any], shardings: list[NamedSharding]) -> dict[int, int]:
+    """The unstacked host-resident leaves (of `params`, arrays or shapes, in leaf order) whose
+    state per device is more than one layer's of the largest stack (an embedding, an output head),
+    each with how many blocks of rows the update streams it in, so that HBM holds about a layer's
+    state at once. A leaf whose rows are split over devices stays whole (its blocks would need
+    collectives)."""
+
+    def state_bytes(i: int, layers: int = 1) -> int:
+        copies = smap.host_params[i] + 2 * smap.host_moments[i]
+        shard = shardings[i].shard_shape(params[i].shape)
+        return math.prod(shard) * params[i].dtype.itemsize * copies // layers
+
+    stacks = set(smap.units) - {0}
+    budget = max((sum(state_bytes(i, smap.unit_layers[u]) for i in smap.leaves_of(u)) for u in stacks), default=0)
+    blocks = {}
+    for i in smap.leaves_of(0):
+        size, rows = state_bytes(i), params[i].shape[0]
+        if budget and size > budget and _devices_along_rows(shardings[i]) == 1:
+            blocks[i] = next(n for n in range(-(-size // budget), rows + 1) if rows % n == 0)
+    return blocks
+
+
+def _moved_inputs(columns: list[list[Any]], smap: StateMap) -> list[Any]:
+    """The inputs (of the params, grads, mu, nu columns) that the state map puts on host."""
+    params, _, mu, nu = columns
+    moved = [p for p, host in zip(params, smap.host_params, strict=True) if host]
+    return moved + [x for m, v, host in zip(mu, nu, smap.host_moments, strict=True) if host for x in (m, v)]
+
+
+def _in_host_memory(x: Any) -> bool:
+    return jax.typeof(x).memory_space == jax.memory.Space.Host
+
+
+def _devices_along_rows(sharding: NamedSharding) -> int:
+    """How many devices split the first axis of arrays with this sharding."""
+    entry = sharding.spec[0] if len(sharding.spec) else None
+    names = entry if isinstance(entry, tuple) else (entry,)
+    return math.prod(sharding.mesh.shape[name] for name in names if name is not None)
+
+
 def _in_place(
     update: Callable[[list[list[jax.Array]]], tuple[list[list[Any]], Any]],
     inputs: list[list[jax.Array]],
-    layers: int,
+    steps: int,
     compute_dtype: Any,
     host_params: list[bool],
+    rows: int | None = None,
+    collect: bool = False,
 ) -> list[list[Any]]:
-    """`update` applied to each layer of a stack's (params, grads, mu, nu) columns, each layer's
-    results written back into the arrays they came from: a loop carrying the stacks, where a
-    scan would collect new ones. The donated host-resident state is so updated where it lies; a
-    scan's outputs are new host buffers of the whole stack, copied into the donated ones after
-    the loop (on an H200, 21 host-to-host copies of 162 ms a step for 4 Llama 3.1 8B layers).
-    Returns the new params, mu, nu and compute copies (None where the master weights are in
-    HBM), stacked."""
+    """`update` applied to each layer of a stack's (params, grads, mu, nu) columns (`rows`: to
+    each block of that many rows of unstacked leaves), each step's results written back into the
+    arrays they came from: a loop carrying the arrays, where a scan would collect new ones. The
+    donated host-resident state is so updated where it lies; a scan's outputs are new host
+    buffers of the whole stack, copied into the donated ones after the loop (on an H200, 21
+    host-to-host copies of 162 ms a step for 4 Llama 3.1 8B layers). Returns the new params, mu,
+    nu and compute copies (None where the master weights are in HBM). `collect`: a scan
+    collecting new arrays instead, for inputs that are not where the update writes."""
+    if collect:
+        split = lambda xs: [x if rows is None else x.reshape(steps, rows, *x.shape[1:]) for x in xs]  # noqa: E731
+        outputs = jax.lax.scan(lambda _, xs: (None, update(xs)[0]), None, [split(xs) for xs in inputs])[1]
+        join = lambda y: y if y is None or rows is None else y.reshape(-1, *y.shape[2:])  # noqa: E731
+        return [[join(y) for y in ys] for ys in outputs]
     params, grads, mu, nu = inputs
     compute = [jnp.zeros(x.shape, compute_dtype) if host else None for x, host in zip(params, host_params, strict=True)]
 
-    def layer(k: jax.Array, carry: tuple[list[Any], ...]) -> tuple[list[Any], ...]:
-        take = lambda xs: [jax.lax.dynamic_index_in_dim(x, k, keepdims=False) for x in xs]  # noqa: E731
+    def part(x: jax.Array, k: jax.Array) -> jax.Array:
+        if rows is None:
+            return jax.lax.dynamic_index_in_dim(x, k, keepdims=False)
+        return jax.lax.dynamic_slice_in_dim(x, k * rows, rows)
+
+    def write(x: jax.Array, y: jax.Array, k: jax.Array) -> jax.Array:
+        if rows is None:
+            return jax.lax.dynamic_update_index_in_dim(x, y, k, 0)
+        return jax.lax.dynamic_update_slice_in_dim(x, y, k * rows, 0)
+
+    def step(k: jax.Array, carry: tuple[list[Any], ...]) -> tuple[list[Any], ...]:
+        take = lambda xs: [part(x, k) for x in xs]  # noqa: E731
         new = update([take(carry[0]), take(grads), take(carry[1]), take(carry[2])])[0]
         return tuple(
-            [x if y is None else jax.lax.dynamic_update_index_in_dim(x, y, k, 0) for x, y in zip(xs, ys, strict=True)]
+            [x if y is None else write(x, y, k) for x, y in zip(xs, ys, strict=True)]
             for xs, ys in zip(carry, new, strict=True)
         )
 
-    return list(jax.lax.fori_loop(0, layers, layer, (params, mu, nu, compute)))
+    return list(jax.lax.fori_loop(0, steps, step, (params, mu, nu, compute)))
 
 
 def state_copies(model: Any, placement: StatePlacement, param_sharding: Any) -> tuple[StateCopy, ...]:
@@ -300,10 +370,11 @@ def state_copies(model: Any, placement: StatePlacement, param_sharding: Any) -> 
 @dataclasses.dataclass(frozen=True)
 class StateWrite:
     """One host-resident leaf's write-backs in a step: `arrays` of `bytes` each (per device; a
-    stack's: one layer's slice), once per layer."""
+    stack's: one layer's slice; a large unstacked leaf's: one block of rows), once per layer or
+    block."""
 
     bytes: int
-    layers: int
+    layers: int  # a stack's layers, a large unstacked leaf's blocks (`row_blocks`), else 1
     arrays: int  # the master weights (1), the moments (2), or both (3)
 
     @property
@@ -322,11 +393,13 @@ def state_writes(model: Any, placement: StatePlacement, param_sharding: Any) -> 
         jax.tree_util.keystr(path, simple=True, separator=".")
         for path, _ in jax.tree_util.tree_leaves_with_path(float_params(model))
     ]
+    leaves = jax.tree.leaves(float_params(model))
+    blocks = row_blocks(smap, leaves, jax.tree.leaves(param_sharding))
     writes = {}
     for i, (where, shard) in enumerate(zip(paths, _shard_bytes(model, param_sharding), strict=True)):
         moved = [(tensor, count) for tensor, flags, count in _moved(smap) if flags[i]]
         if moved:
-            layers = smap.unit_layers[smap.units[i]]
+            layers = blocks.get(i) or smap.unit_layers[smap.units[i]]  # a stack's layers, or a leaf's blocks
             name = "+".join(tensor for tensor, _ in moved) + f":{where}"
             writes[name] = StateWrite(shard // layers, layers, sum(count for _, count in moved))
     return writes
