@@ -27,6 +27,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 from hydra import compose, initialize_config_dir
@@ -203,15 +204,8 @@ def measure_slice(
     compiled step's memory analysis (fitting `capacity`, default the device's `bytes_limit`), run
     `steps` timed steps after two warm-up steps, and report the predicted bytes, the device's
     peak (None where the backend reports none: the CPU) and tokens/s."""
-    import equinox as eqx
-    import jax.numpy as jnp
-    import numpy as np
-
-    from ferry.plan.scheduler_costs import compile_with_costs, scheduler_target
-    from ferry.sharding import batch_sharded
-    from ferry.train.optimizer import learning_rate_schedule, make_optimizer
-    from ferry.train.state import state_layout
-    from ferry.train.step import LossSettings, train_step_body
+    from ferry.plan.planner import compile_train_step
+    from ferry.plan.scheduler_costs import scheduler_target
 
     device = jax.devices()[0]
     stats = device.memory_stats() or {}
@@ -222,45 +216,24 @@ def measure_slice(
     def compile_for(batch: int) -> tuple:
         if batch not in compiled:
             config = slice_config(preset, batch, seq_len, model)
-            optimizer = make_optimizer(config.train)
-            layout = state_layout(config.model, optimizer, mesh)
             policy = config.offload.policy(abstract_model(config.model).tagged_names())
-            settings = LossSettings(policy, config.train.compute_dtype)
-            body = train_step_body(optimizer, settings, learning_rate_schedule(config.train), 1, layout.sharding)
-            step = lambda arrays, tokens: body(eqx.combine(arrays, layout.static), tokens)  # noqa: E731
-            tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32, sharding=batch_sharded(mesh))
             # on a GPU, XLA's scheduler times the ops with ferry's costs, as training's compile does
             scheduler = scheduler_target(config.platform, device.device_kind) if device.platform == "gpu" else None
-            with jax.set_mesh(mesh):
-                lowered = jax.jit(step, donate_argnums=0).lower(layout.abstract(), tokens)
-                program = lowered.compile() if scheduler is None else compile_with_costs(lowered, {}, scheduler)[0]
-            memory = program.memory_analysis()
+            step = compile_train_step(config, scheduler, policy, mesh, {}, scheduler_costs=scheduler is not None)
+            memory = step.compiled.memory_analysis()
             used = memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
-            compiled[batch] = (program, layout, config, used + memory.temp_size_in_bytes)
+            compiled[batch] = (step, config, used + memory.temp_size_in_bytes)
         return compiled[batch]
 
-    batch, predicted = largest_fitting(lambda b: compile_for(b)[3], capacity, limit)
+    batch, predicted = largest_fitting(lambda b: compile_for(b)[2], capacity, limit)
     if batch == 0:
         return {"preset": preset, "micro_batch": 0, "predicted_bytes": predicted, "capacity_bytes": capacity}
-    program, layout, config, _ = compile_for(batch)
+    step, config, _ = compile_for(batch)
     with jax.set_mesh(mesh):
-        arrays = jax.jit(lambda: eqx.partition(layout.make(), eqx.is_array)[0], out_shardings=layout.sharding)()
-        rng = np.random.default_rng(0)
-        batches = [
-            jax.device_put(
-                rng.integers(0, config.model.vocab_size, (batch, seq_len + 1), np.int32), batch_sharded(mesh)
-            )
-            for _ in range(steps + 2)
-        ]
-        for tokens in batches[:2]:  # warm-up
-            state, metrics = program(arrays, tokens)
-            arrays = eqx.partition(state, eqx.is_array)[0]
-        jax.block_until_ready(arrays)
+        batches = random_batches(config, mesh, steps + 2)
+        arrays, _ = run_steps(step, initial_arrays(step), batches[:2])  # warm-up
         start = time.perf_counter()
-        for tokens in batches[2:]:
-            state, metrics = program(arrays, tokens)
-            arrays = eqx.partition(state, eqx.is_array)[0]
-        jax.block_until_ready((arrays, metrics))
+        arrays, metrics = run_steps(step, arrays, batches[2:])
         seconds = (time.perf_counter() - start) / steps
     return {
         "preset": preset,
@@ -270,9 +243,43 @@ def measure_slice(
         "capacity_bytes": capacity,
         "step_seconds": seconds,
         "tokens_per_s": batch * seq_len / seconds,
-        "loss": float(metrics["loss"]),
+        "loss": float(metrics[-1]["loss"]),
         "compiles": len(compiled),
     }
+
+
+def initial_arrays(step: Any) -> Any:
+    """A fresh random init of a compiled step's state (`ferry.plan.planner.CompiledTrainStep`),
+    built on the devices in its layout."""
+    import equinox as eqx
+
+    layout = step.layout
+    return jax.jit(lambda: eqx.partition(layout.make(), eqx.is_array)[0], out_shardings=layout.sharding)()
+
+
+def random_batches(config: FerryConfig, mesh: Any, count: int) -> list[jax.Array]:
+    """`count` batches of random tokens of the run's shape, seeded, placed as training places them."""
+    import numpy as np
+
+    from ferry.sharding import batch_sharded
+
+    rng = np.random.default_rng(0)
+    shape = (config.train.global_batch_size, config.train.seq_len + 1)
+    return [
+        jax.device_put(rng.integers(0, config.model.vocab_size, shape, np.int32), batch_sharded(mesh))
+        for _ in range(count)
+    ]
+
+
+def run_steps(step: Any, arrays: Any, batches: list[jax.Array]) -> tuple[Any, list[dict]]:
+    """One step per batch, the state's arrays donated from each to the next; waits for the last.
+    Returns the arrays and each step's metrics."""
+    metrics = []
+    for tokens in batches:
+        arrays, step_metrics = step.run(arrays, tokens)
+        metrics.append(step_metrics)
+    jax.block_until_ready((arrays, metrics))
+    return arrays, metrics
 
 
 def measure_all(presets: tuple[str, ...], seq_len: int, steps: int, deadline: float, console: Console) -> None:

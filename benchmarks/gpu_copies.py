@@ -39,7 +39,7 @@ import jax
 if __package__ in (None, ""):  # run as a script: benchmarks.* from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.gpu_check import compose_run, has_gpu  # noqa: E402
+from benchmarks.gpu_check import compose_run, has_gpu, initial_arrays, random_batches, run_steps  # noqa: E402
 from ferry.platform import apply_platform  # noqa: E402
 
 SCHEDULES = {  # name: (offload.pipelined, xla_gpu_enable_pipelined_host_offloading)
@@ -90,7 +90,7 @@ class Configuration:
         return [f"offload={self.preset}", f"offload.pipelined={str(pipelined).lower()}", *placed]
 
     def xla_options(self) -> dict[str, object]:
-        return {"xla_gpu_enable_pipelined_host_offloading": SCHEDULES[self.schedule][1]} if has_gpu() else {}
+        return {"xla_gpu_enable_pipelined_host_offloading": SCHEDULES[self.schedule][1]}
 
 
 def busy_ns(intervals: list[tuple[int, int]]) -> int:
@@ -206,36 +206,18 @@ def compile_configuration(configuration: Configuration, args: argparse.Namespace
 
 def run_configuration(step: Any, config: Any, args: argparse.Namespace, trace_dir: Path | None) -> dict:
     """Warm up, time `args.steps` steps, trace `args.trace_steps` more; the losses of the first steps."""
-    import equinox as eqx
-    import numpy as np
-
-    from ferry.sharding import batch_sharded
-
-    layout, mesh = step.layout, step.mesh
-    rng = np.random.default_rng(0)
-    shape = (config.train.global_batch_size, config.train.seq_len + 1)
-    batches = [
-        jax.device_put(rng.integers(0, config.model.vocab_size, shape, np.int32), batch_sharded(mesh))
-        for _ in range(2 + args.steps + args.trace_steps)
-    ]
+    mesh = step.mesh
+    batches = random_batches(config, mesh, 2 + args.steps + args.trace_steps)
     with jax.set_mesh(mesh):
-        arrays = jax.jit(lambda: eqx.partition(layout.make(), eqx.is_array)[0], out_shardings=layout.sharding)()
-        losses = []
-        for tokens in batches[:2]:
-            arrays, metrics = step.run(arrays, tokens)
-            losses.append(float(metrics["loss"]))
+        arrays, warm_up = run_steps(step, initial_arrays(step), batches[:2])
         started = time.perf_counter()
-        for tokens in batches[2 : 2 + args.steps]:
-            arrays, metrics = step.run(arrays, tokens)
-        jax.block_until_ready((arrays, metrics))
+        arrays, _ = run_steps(step, arrays, batches[2 : 2 + args.steps])
         seconds = (time.perf_counter() - started) / args.steps
         exposure, trace_error = None, None
         if trace_dir is not None and args.trace_steps:
             try:
                 with jax.profiler.trace(str(trace_dir)):
-                    for tokens in batches[2 + args.steps :]:
-                        arrays, metrics = step.run(arrays, tokens)
-                    jax.block_until_ready((arrays, metrics))
+                    arrays, _ = run_steps(step, arrays, batches[2 + args.steps :])
                 xplane = max(trace_dir.rglob("*.xplane.pb"), key=lambda p: p.stat().st_mtime)
                 exposure = trace_exposure(xplane, args.trace_steps)
             except Exception as error:  # a profiler that cannot start here loses the trace, not the timing
@@ -244,7 +226,7 @@ def run_configuration(step: Any, config: Any, args: argparse.Namespace, trace_di
     stats = jax.devices()[0].memory_stats() or {}
     return {
         "step_seconds": seconds,
-        "losses": losses,
+        "losses": [float(m["loss"]) for m in warm_up],
         "running_peak_bytes": stats.get("peak_bytes_in_use"),
         "measured": exposure,
         "trace_error": trace_error,

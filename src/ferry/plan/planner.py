@@ -139,19 +139,20 @@ class CompiledTrainStep:
 
 def compile_train_step(
     config: FerryConfig,
-    target: Target,
+    target: Target | None,
     policy: Policy,
     mesh: Mesh,
     options: Mapping[str, object],
     scheduler_costs: bool = False,
 ) -> CompiledTrainStep:
     """Compile the step training runs (`train_step_body`) from the state's shapes alone, over
-    `mesh`, with the per-compile XLA `options`. `scheduler_costs`: on a GPU target, XLA's scheduler
+    `mesh`, with the per-compile XLA `options`, the model as it runs on `target` (None: as
+    configured, for this process's backend). `scheduler_costs`: on a GPU target, XLA's scheduler
     times the ops with ferry's cost model (`ferry.plan.scheduler_costs`, as
     `platform.scheduler_costs=ferry` runs do)."""
     optimizer = make_optimizer(config.train)
     data_parallel = config.mesh.data_parallel
-    model_config = for_target(config.model, target)
+    model_config = config.model if target is None else for_target(config.model, target)
     layout = run_state_layout(config, mesh, model_config)  # offload.optimizer/params: part maybe on host
     sharding = layout.sharding
     sharded = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), layout.shapes, sharding)
