@@ -234,6 +234,28 @@ def test_on_v5p_an_embedding_streams_without_holding_its_whole_state_in_hbm():
 
 
 @needs_cuda_plugin
+def test_a_deviceless_h200_plan_finds_the_embeddings_write_backs_block_by_block():
+    """Compile-only GPU devices drop the inputs' memory kind, so there the update collects the row
+    blocks as a scan does; the planner's verifier still finds each block's write-back (8 blocks x
+    master weights and both moments, for the embedding and the head alike) and every host write
+    walking the way its index goes."""
+    from ferry.models.registry import abstract_model
+    from ferry.plan.planner import plan_memory
+    from ferry.plan.targets import TARGETS
+    from tests.conftest import GPU_FLAGS
+
+    config = compose_config(
+        "model.vocab_size=4096", "offload=save_all", "offload.optimizer=host", "offload.params=host"
+    )
+    policy = config.offload.policy(abstract_model(config.model).tagged_names())
+    found = plan_memory(config, TARGETS["h200"], policy, "save_all", xla_flags=GPU_FLAGS).verification.to_json()
+    blocks = {c["tensor"].split(":")[1]: c for c in found["copies"] if c["bytes"] == 4096 * 64 * 4 // 8}
+    assert set(blocks) == {"embed.weight", "head.weight"}
+    assert all(c["expected"] == c["found"] == 8 * 3 and c["status"] == "copied" for c in blocks.values())
+    assert {walk["status"] for walk in found["walks"]} == {"right"}
+
+
+@needs_cuda_plugin
 def test_a_deviceless_h200_compile_keeps_the_state_inputs_in_hbm():
     """Compile-only GPU devices expose no memories, so the host-resident inputs' memory kind is
     dropped from the compiled entry layout (memory_analysis still counts them as host arguments);
