@@ -247,13 +247,6 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=1e9, help="compile no more configurations after this")
     parser.add_argument("--out", type=Path, default=Path("runs/gpu_copies"))
     parser.add_argument("--hlo", action="store_true", help="also write each optimized program to OUT/hlo/")
-    parser.add_argument(
-        "--runs-after",
-        nargs="*",
-        type=Path,
-        default=[],
-        help="files other jobs on this GPU write when done: compile meanwhile, time the steps after (at most 10 min)",
-    )
     args = parser.parse_args()
     apply_platform(compose_run(f"platform={'gpu' if gpu else 'cpu'}").platform)  # the flags and pool a run uses
     configurations = [Configuration.parse(text) for text in args.configs]
@@ -286,9 +279,6 @@ def main() -> int:
             (args.out / "hlo" / f"{file_name(configuration.name)}.txt").write_text(step.compiled.as_text())
         print(json.dumps(reading), flush=True)
         save()
-    waited = time.perf_counter()
-    while not all(path.exists() for path in args.runs_after) and time.perf_counter() - waited < 600:
-        time.sleep(1)
     for name in sorted(compiled, key=lambda n: results[n]["predicted_bytes"]):
         step, config = compiled.pop(name)
         trace_dir = args.out / "traces" / file_name(name)
