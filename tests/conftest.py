@@ -6,6 +6,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 # Tests run on the CPU backend. With the planner's CUDA plugin installed, JAX would otherwise try
@@ -14,6 +15,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The suite's worker processes each compile for TPU targets without a TPU; libtpu's lockfile would
 # let only the first of them load it.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# What ferry caches under $XDG_CACHE_HOME (the scheduler's cost profiles, raw sources' tokens) goes
+# to a directory of this test session, not the user's cache.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="ferry-tests-cache-")
 
 import pytest
 from hydra import compose, initialize_config_dir

@@ -5,7 +5,10 @@ with them the scheduler hides the reloads its own fixed estimates leave exposed 
 import collections
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import ferry.plan.scheduler_costs as scheduler_costs
 from ferry.models.registry import abstract_model
@@ -14,7 +17,9 @@ from ferry.plan.planner import plan_memory
 from ferry.plan.scheduler_costs import (
     COLLECTIVE_LATENCY_US,
     CostProfile,
+    ProfileCache,
     SchedulerCostsError,
+    compile_with_costs,
     cost_profile,
     scheduler_target,
 )
@@ -25,10 +30,11 @@ from tests.conftest import GPU_FLAGS, compose_config, needs_cuda_plugin
 H200 = TARGETS["h200"]
 
 
-def planned(model: str, preset: str, *overrides: str, costs: bool = False, xla_flags=None):
+def planned(model: str, preset: str, *overrides: str, costs: bool = False, xla_flags=None, cache=None):
     config = compose_config(f"model={model}", f"offload={preset}", *overrides)
     policy = config.offload.policy(abstract_model(config.model).tagged_names())
-    return plan_memory(config, H200, policy, preset, xla_flags=GPU_FLAGS | (xla_flags or {}), scheduler_costs=costs)
+    flags = GPU_FLAGS | (xla_flags or {})
+    return plan_memory(config, H200, policy, preset, xla_flags=flags, scheduler_costs=costs, costs_cache=cache)
 
 
 def compiled_and_scheduled(tmp_path):
@@ -171,3 +177,63 @@ def test_a_run_prices_its_step_only_on_a_gpu_ferry_knows():
     assert scheduler_target(PlatformConfig(name="gpu"), "NVIDIA A100-SXM4-80GB") is None  # xla's estimates
     with pytest.raises(SchedulerCostsError, match="A100.*platform.scheduler_costs=xla"):
         scheduler_target(gpu, "NVIDIA A100-SXM4-80GB")
+
+
+def two_matmuls(size: int = 256):
+    """A small program lowered for one compile-only H200, and the planner's options for it."""
+    sharding = NamedSharding(Mesh(H200.devices(1), ("x",)), PartitionSpec())
+    x = jax.ShapeDtypeStruct((size, size), jnp.bfloat16, sharding=sharding)
+    return jax.jit(lambda a, b: jnp.tanh(a @ b) @ b).lower(x, x), H200.compile_options(GPU_FLAGS)
+
+
+def counting_stops(monkeypatch) -> list:
+    """Each compile stopped before the scheduler to price a module, counted."""
+    stops, stop = [], scheduler_costs._module_before_scheduling
+    monkeypatch.setattr(scheduler_costs, "_module_before_scheduling", lambda *args: stops.append(1) or stop(*args))
+    return stops
+
+
+@needs_cuda_plugin
+def test_a_program_planned_again_takes_its_cost_profile_from_the_cache(tmp_path, monkeypatch):
+    """A re-plan of the same program compiles once: the profile priced the first time is found by
+    the program's key, and the program compiled with it is the one priced afresh."""
+    cache = ProfileCache(tmp_path / "costs")
+    stops = counting_stops(monkeypatch)
+    overrides = ("train.seq_len=256", "mesh.fsdp=2")
+    fresh = planned("llama_tiny", "decoder_input_offload", *overrides, costs=True, cache=cache)
+    again = planned("llama_tiny", "decoder_input_offload", *overrides, costs=True, cache=cache)
+    assert len(stops) == 1 and not fresh.profile_cached and again.profile_cached
+    assert (again.device_bytes, again.host_bytes, again.flops) == (fresh.device_bytes, fresh.host_bytes, fresh.flops)
+    assert again.transfer_summary == fresh.transfer_summary
+    planned("llama_tiny", "qkv_offload", *overrides, costs=True, cache=cache)  # another program: priced
+    assert len(stops) == 2 and len(list(cache.directory.glob("*.pbtxt.gz"))) == 2
+
+
+@needs_cuda_plugin
+def test_the_cache_key_covers_the_options_and_a_stale_profile_is_priced_afresh(tmp_path, monkeypatch):
+    """Other compile options or another lowering are another program (another key); and should an entry still not
+    price the module its compile schedules, it is dropped and replaced by a fresh profile, not
+    used for a schedule on XLA's fallback estimates."""
+    cache = ProfileCache(tmp_path)
+    lowered, options = two_matmuls()
+    key = cache.key(lowered, options, H200)
+    assert key != cache.key(lowered, options | {"xla_gpu_memory_limit_slop_factor": 90}, H200)
+    assert key != cache.key(two_matmuls(512)[0], options, H200)
+    fresh = compile_with_costs(lowered, options, H200)
+    stale = CostProfile(dict(list(fresh.profile.costs.items())[1:]), fresh.profile.latencies)
+    cache.store(key, stale)
+    assert cache.load(key).to_text() == stale.to_text()  # what is stored is read back whole, as XLA reads it
+    stops = counting_stops(monkeypatch)
+    priced = compile_with_costs(lowered, options, H200, cache)
+    assert len(stops) == 1 and not priced.cached
+    assert cache.load(key).to_text() == fresh.profile.to_text()
+    assert priced.compiled.as_text() == fresh.compiled.as_text()
+    again = compile_with_costs(lowered, options, H200, cache)
+    assert len(stops) == 1 and again.cached and again.compiled.as_text() == fresh.compiled.as_text()
+
+
+def test_a_platform_keeps_its_profiles_in_the_users_cache_unless_told_not_to(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    gpu = PlatformConfig(name="gpu", scheduler_costs="ferry")
+    assert ProfileCache.of(gpu) == ProfileCache(tmp_path / "ferry" / "scheduler_costs")
+    assert ProfileCache.of(PlatformConfig(name="gpu", scheduler_costs="ferry", scheduler_costs_cached=False)) is None

@@ -34,13 +34,15 @@ class PlatformConfig:
     """`name`: cpu | gpu | tpu. `xla_flags`: flag name -> value; `env`: variable -> value.
     `scheduler_costs`: what XLA:GPU's latency-hiding scheduler times the step's ops with: `ferry`,
     the plan's cost model (`ferry.plan.scheduler_costs`, two compiles), or `xla`, its own fixed
-    estimates."""
+    estimates. `scheduler_costs_cached`: keep ferry's priced profiles on disk (`ProfileCache`), so a
+    program compiled again (a re-plan, a restarted run) compiles once."""
 
     name: str = "cpu"
     xla_flags: Mapping[str, object] = dataclasses.field(default_factory=dict)
     env: Mapping[str, object] = dataclasses.field(default_factory=dict)
     cpu_devices: int | None = None  # CPU only: split the host into this many virtual devices
     scheduler_costs: str = "xla"
+    scheduler_costs_cached: bool = True
 
     def __post_init__(self) -> None:
         if self.name not in _FLAG_VARIABLE:

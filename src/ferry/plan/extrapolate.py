@@ -106,6 +106,7 @@ def extrapolated_plan(
             *(line(lambda p, f=f.name: getattr(p.transfer_summary, f)) for f in dataclasses.fields(TransferSummary))
         ),
         compile_seconds=base.compile_seconds + sum(plan.compile_seconds for plan in steps.values()),
+        profile_cached=base.profile_cached and all(plan.profile_cached for plan in steps.values()),
         collectives=CollectiveTraffic(
             {
                 op: line(lambda p, op=op: p.collectives.bytes.get(op, 0.0))

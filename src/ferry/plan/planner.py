@@ -23,7 +23,7 @@ from ferry.offload import Policy
 from ferry.plan.estimate import CollectiveTraffic, StepEstimate, collective_traffic
 from ferry.plan.hlo_stats import matmul_count, matmul_flops, xla_rematerialised
 from ferry.plan.replay import LayerGroupTrace, read_by_backward
-from ferry.plan.scheduler_costs import compile_with_costs
+from ferry.plan.scheduler_costs import ProfileCache, compile_with_costs
 from ferry.plan.targets import GpuTarget, Target
 from ferry.plan.transfers import Transfer, TransferSummary, time_transfers, transfers_json
 from ferry.schedule import TransferSchedule, model_schedule
@@ -71,6 +71,7 @@ class MemoryPlan:
     # routed to one device's experts (`ferry.expected_work`); None: no work is marked, `flops`
     flops_bound: float | None = None
     xla_rematerialised: int = 0  # instructions XLA's own rematerialisation added (`hlo_stats.xla_rematerialised`)
+    profile_cached: bool = False  # ferry's cost profile came from its cache: one compile, not two
 
     @property
     def device_bytes(self) -> int:
@@ -129,6 +130,7 @@ class CompiledTrainStep:
     options: dict[str, object]  # the per-compile XLA options
     priced: bool  # XLA's scheduler timed the ops with ferry's cost model
     seconds: float  # lowering and compiling on this machine
+    profile_cached: bool = False  # the cost model's profile came from its cache (one compile)
 
     def run(self, arrays: Any, tokens: jax.Array) -> tuple[Any, dict[str, jax.Array]]:
         """One step on a real mesh: the state's arrays (donated) and a batch in, the next state's
@@ -144,12 +146,13 @@ def compile_train_step(
     mesh: Mesh,
     options: Mapping[str, object],
     scheduler_costs: bool = False,
+    costs_cache: ProfileCache | None = None,
 ) -> CompiledTrainStep:
     """Compile the step training runs (`train_step_body`) from the state's shapes alone, over
     `mesh`, with the per-compile XLA `options`, the model as it runs on `target` (None: as
     configured, for this process's backend). `scheduler_costs`: on a GPU target, XLA's scheduler
     times the ops with ferry's cost model (`ferry.plan.scheduler_costs`, as
-    `platform.scheduler_costs=ferry` runs do)."""
+    `platform.scheduler_costs=ferry` runs do; its profile kept in `costs_cache`)."""
     optimizer = make_optimizer(config.train)
     data_parallel = config.mesh.data_parallel
     model_config = config.model if target is None else for_target(config.model, target)
@@ -178,9 +181,12 @@ def compile_train_step(
     started = time.perf_counter()
     with jax.set_mesh(mesh):
         lowered = jax.jit(step, donate_argnums=0).lower(sharded, batch)
-        compiled = compile_with_costs(lowered, options, target)[0] if priced else lowered.compile(dict(options))
+        if priced:
+            compiled, _, cached = compile_with_costs(lowered, options, target, costs_cache)
+        else:
+            compiled, cached = lowered.compile(dict(options)), False
     seconds = time.perf_counter() - started
-    return CompiledTrainStep(compiled, layout, model_config, mesh, dict(options), priced, seconds)
+    return CompiledTrainStep(compiled, layout, model_config, mesh, dict(options), priced, seconds, cached)
 
 
 def plan_memory(
@@ -192,14 +198,16 @@ def plan_memory(
     xla_flags: Mapping[str, object] | None = None,
     host_capacity_bytes: int | None = None,
     scheduler_costs: bool = False,
+    costs_cache: ProfileCache | None = None,
 ) -> MemoryPlan:
     """Compile the train step of `config` under `policy` for `target` with the XLA flags a real
     run on it uses (`xla_flags`, from its platform preset), on compile-only devices, and read it
     (`read_plan`). `scheduler_costs`: on a GPU target, XLA's scheduler times the ops with ferry's
-    cost model (`ferry.plan.scheduler_costs`, as `platform.scheduler_costs=ferry` runs do)."""
+    cost model (`ferry.plan.scheduler_costs`, as `platform.scheduler_costs=ferry` runs do; its
+    profile kept in `costs_cache`)."""
     mesh = compile_only_mesh(target, config.mesh)
     options = target.compile_options(dict(xla_flags or {}))
-    step = compile_train_step(config, target, policy, mesh, options, scheduler_costs)
+    step = compile_train_step(config, target, policy, mesh, options, scheduler_costs, costs_cache)
     return read_plan(step, config, target, policy, policy_name, capacity_bytes, host_capacity_bytes)
 
 
@@ -269,6 +277,7 @@ def read_plan(
         transfers=transfers,
         transfer_summary=summary,
         compile_seconds=step.seconds,
+        profile_cached=step.profile_cached,
         verification=verification,
         collectives=collective_traffic(hlo, target),
         model_flops=model_flops_per_device(config, target),

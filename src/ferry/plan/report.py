@@ -42,6 +42,7 @@ from ferry.plan.planner import (
     model_flops_per_device,
     plan_memory,
 )
+from ferry.plan.scheduler_costs import ProfileCache
 from ferry.plan.targets import TARGETS, Target
 from ferry.plan.verify import DEAD, RecomputeNotChecked, explain_recompute, recompute_checked
 from ferry.platform import PlatformConfig
@@ -107,7 +108,9 @@ def run_plan(
         shown = "" if depths is None else " (" + ", ".join(f"{g} {d} layers" for g, d in depths.items()) + ")"
         console.print(f"compiling the train step for {config.mesh.num_devices} x {target.description}: {name}{shown}")
         costs = platform.scheduler_costs == "ferry"
-        return plan_memory(at, target, policy, name, capacity, dict(platform.xla_flags), host_capacity, costs)
+        cache = ProfileCache.of(platform) if costs else None
+        flags = dict(platform.xla_flags)
+        return plan_memory(at, target, policy, name, capacity, flags, host_capacity, costs, cache)
 
     compiled: dict[tuple, MemoryPlan] = {}  # auto's all-on-device candidate is `minimal`, say: compile once
 
@@ -244,7 +247,7 @@ def plan_table(plans: list[MemoryPlan], config: FerryConfig) -> Table:
             format_bytes(plan.host_bytes),
             f"{plan.flops / 1e12:.4f}" + ("" if plan.flops_bound is None else f" (<= {plan.flops_bound / 1e12:.4f})"),
             format_seconds(summary.exposed_seconds) if plan.transfers else "-",
-            f"{plan.compile_seconds:.0f} s",
+            f"{plan.compile_seconds:.0f} s" + (" (costs cached)" if plan.profile_cached else ""),
             "compiled whole" if plan.extrapolated is None else f"EXTRAPOLATED: {plan.extrapolated}",
         )
     return table

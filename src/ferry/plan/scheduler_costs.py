@@ -15,16 +15,23 @@ where the model marked a loop sized for the worst case: `ferry.expected_work`). 
 compiled as far as the scheduler (XLA's dump of the module it would receive; the compile stops
 there), priced, and compiled again with the profile, which must name every instruction of the
 second compile: a profile that misses one is an error, not a silently worse schedule.
+
+A priced profile is kept on disk (`ProfileCache`), keyed by everything the module it prices depends
+on: the same program compiled again (a re-plan, a restarted run) skips the first compile.
 """
 
 import dataclasses
+import gzip
+import hashlib
+import importlib.metadata
 import os
+import re
 import sys
 import tempfile
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -46,6 +53,13 @@ KERNEL_LAUNCH_US = 2.0  # a kernel's fixed cost on top of its FLOPs or bytes
 COLLECTIVE_LATENCY_US = 10.0  # a collective's fixed cost on top of its bytes (NCCL's setup and hops)
 _PRE_SCHEDULE = "*before_latency-hiding-scheduler.txt"  # XLA's dump of the module the scheduler gets
 _CHECKED = "*before_pgle-accuracy-checker.txt"  # the same module, dumped before XLA checks a profile against it
+_COST_LINE = re.compile(r'^costs \{ name: "([^"]+)" cost_us: ([-+.0-9e]+) \}$', re.MULTILINE)
+_LATENCY_LINE = re.compile(
+    r'^latencies \{ source: "([^"]+)" target: "([^"]+)" latency_us: ([-+.0-9e]+) \}$', re.MULTILINE
+)
+# what a profile is computed by, besides the module: its key changes when any of them does
+_COST_MODEL_SOURCES = ("scheduler_costs.py", "hlo_stats.py", "targets.py")
+_COMPILERS = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin", "jax-cuda13-pjrt")
 
 
 class SchedulerCostsError(FerryError, RuntimeError):
@@ -68,6 +82,13 @@ class CostProfile:
             for (start, done), us in self.latencies.items()
         ]
         return "\n".join(lines) + "\n"
+
+    @classmethod
+    def from_text(cls, text: str) -> "CostProfile":
+        """The profile `to_text` wrote."""
+        costs = {name: float(us) for name, us in _COST_LINE.findall(text)}
+        latencies = {(start, done): float(us) for start, done, us in _LATENCY_LINE.findall(text)}
+        return cls(costs, latencies)
 
     def unpriced(self, hlo_text: str) -> list[str]:
         """The instructions of a module (before scheduling) this profile gives no time, and the
@@ -179,25 +200,111 @@ def scheduler_target(platform: PlatformConfig, device_kind: str) -> GpuTarget | 
     return target
 
 
-def compile_with_costs(lowered: Any, options: Mapping[str, object], target: GpuTarget) -> tuple[Any, CostProfile]:
+class PricedCompile(NamedTuple):
+    """A program compiled with ferry's cost profile, and whether the profile came from the cache."""
+
+    compiled: Any  # jax.stages.Compiled
+    profile: CostProfile
+    cached: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileCache:
+    """Cost profiles priced before, one gzipped file per program. A program's key hashes all the
+    module XLA's scheduler receives depends on (the lowered program, the compile options and
+    `XLA_FLAGS`, the target's facts, the compiler's versions) and the cost model's source: a
+    program compiled again takes its profile from here and compiles once. Should a key still miss
+    a difference, the second compile's module has instructions the profile lacks: the entry is
+    dropped and the program priced afresh."""
+
+    directory: Path
+
+    @classmethod
+    def of(cls, platform: PlatformConfig) -> "ProfileCache | None":
+        """Where `platform` keeps its profiles: `$XDG_CACHE_HOME/ferry/scheduler_costs` (default
+        `~/.cache`), or None where `platform.scheduler_costs_cached` is off."""
+        if not platform.scheduler_costs_cached:
+            return None
+        root = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser()
+        return cls(root / "ferry" / "scheduler_costs")
+
+    def key(self, lowered: Any, options: Mapping[str, object], target: GpuTarget) -> str:
+        digest = hashlib.sha256(lowered.as_text().encode())
+        for name in _COST_MODEL_SOURCES:
+            digest.update((Path(__file__).parent / name).read_bytes())
+        versions = {name: _installed(name) for name in _COMPILERS}
+        described = repr(
+            (sorted((k, str(v)) for k, v in options.items()), os.environ.get("XLA_FLAGS"), target, versions)
+        )
+        digest.update(described.encode())
+        return digest.hexdigest()
+
+    def _path(self, key: str) -> Path:
+        return self.directory / f"{key}.pbtxt.gz"
+
+    def load(self, key: str) -> CostProfile | None:
+        try:
+            return CostProfile.from_text(gzip.decompress(self._path(key).read_bytes()).decode())
+        except (OSError, EOFError, UnicodeDecodeError):  # absent, or cut short: priced afresh
+            return None
+
+    def store(self, key: str, profile: CostProfile) -> None:
+        """Written whole or not at all (a temporary file renamed), so threads and processes
+        pricing at once never read half a profile."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=self.directory, suffix=".tmp", delete=False) as file:
+            file.write(gzip.compress(profile.to_text().encode(), compresslevel=1))
+        os.replace(file.name, self._path(key))
+
+    def drop(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+
+def _installed(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def compile_with_costs(
+    lowered: Any, options: Mapping[str, object], target: GpuTarget, cache: ProfileCache | None = None
+) -> PricedCompile:
     """Compile `lowered` for `target` with ferry's cost profile: once to read the module the
-    scheduler receives, then with its profile. The second compile's module must be the one that
-    was priced (`SchedulerCostsError` otherwise)."""
+    scheduler receives, then with its profile (one compile where `cache` has the profile). The
+    second compile's module must be the one that was priced (`SchedulerCostsError` otherwise)."""
+    key = None if cache is None else cache.key(lowered, options, target)
+    cached = None if key is None else cache.load(key)
     with tempfile.TemporaryDirectory(prefix="ferry-costs-") as scratch:
-        first, second = Path(scratch) / "first", Path(scratch) / "second"
-        profile = cost_profile(_module_before_scheduling(lowered, options, first), target)
-        path = Path(scratch) / "costs.pbtxt"
-        path.write_text(profile.to_text())
-        priced = {"xla_gpu_pgle_profile_file_or_directory_path": str(path)}
-        compiled = lowered.compile(dict(options) | _dump_options(second) | priced)
-        missing = profile.unpriced(_pre_schedule_module(second))
+        if cached is not None:
+            compiled, missing = _compile_priced(lowered, options, cached, Path(scratch) / "cached")
+            if not missing:
+                return PricedCompile(compiled, cached, True)
+            cache.drop(key)
+        profile = cost_profile(_module_before_scheduling(lowered, options, Path(scratch) / "first"), target)
+        compiled, missing = _compile_priced(lowered, options, profile, Path(scratch) / "second")
     if missing:
         raise SchedulerCostsError(
             f"ferry's cost profile misses {len(missing)} instructions of the program compiled with it "
             f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}): the two compiles differ before "
             "scheduling; set platform.scheduler_costs=xla to schedule with XLA's own estimates"
         )
-    return compiled, profile
+    if key is not None:
+        cache.store(key, profile)
+    return PricedCompile(compiled, profile, False)
+
+
+def _compile_priced(
+    lowered: Any, options: Mapping[str, object], profile: CostProfile, directory: Path
+) -> tuple[Any, list[str]]:
+    """`lowered` compiled with `profile`, and the instructions of the module its scheduler
+    received that the profile does not price."""
+    directory.mkdir(parents=True)
+    path = directory / "costs.pbtxt"
+    path.write_text(profile.to_text())
+    priced = {"xla_gpu_pgle_profile_file_or_directory_path": str(path)}
+    compiled = lowered.compile(dict(options) | _dump_options(directory / "dump") | priced)
+    return compiled, profile.unpriced(_pre_schedule_module(directory / "dump"))
 
 
 def _module_before_scheduling(lowered: Any, options: Mapping[str, object], directory: Path) -> str:

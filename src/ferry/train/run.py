@@ -16,7 +16,7 @@ from ferry.data.pipeline import PackedWindows, local_batches
 from ferry.data.placement import BatchPlacement
 from ferry.distributed import is_main_process
 from ferry.memory import CompiledMemory, check_step_fits
-from ferry.plan.scheduler_costs import scheduler_target
+from ferry.plan.scheduler_costs import ProfileCache, scheduler_target
 from ferry.schedule import schedule_table
 from ferry.train.checkpoint import Checkpoints
 from ferry.train.compiled_step import compile_step
@@ -124,7 +124,8 @@ def compile_checked(
     stream = layout.streamed_update(tc)
     body = train_step_body(optimizer, settings, schedule, micro_steps, layout.sharding, tc.on_nonfinite, stream)
     scheduler = scheduler_target(config.platform, jax.devices()[0].device_kind)
-    compiled, train_step = compile_step(body, prepared.layout, placement.spec(), scheduler)
+    costs_cache = ProfileCache.of(config.platform)
+    compiled, train_step = compile_step(body, prepared.layout, placement.spec(), scheduler, costs_cache)
     memory = CompiledMemory.of(compiled)
     if memory is not None:
         check_step_fits(memory, step_fit_advice(config))
