@@ -20,7 +20,7 @@ from ferry.models.registry import abstract_model
 from ferry.nn.stack import LayerStack
 from ferry.offload import Policy, tag
 from ferry.plan import verify
-from ferry.plan.hlo_stats import matmul_count, matmul_flops
+from ferry.plan.hlo_stats import host_copies, matmul_count, matmul_flops
 from ferry.plan.planner import (
     BackwardReads,
     MemoryPlan,
@@ -31,8 +31,9 @@ from ferry.plan.planner import (
     plan_memory,
 )
 from ferry.plan.replay import LayerGroupTrace
-from ferry.plan.report import verification_table
+from ferry.plan.report import transfer_table, verification_table
 from ferry.plan.targets import TARGETS
+from ferry.plan.transfers import engine
 from ferry.plan.verify import (
     DEAD,
     MissingCopyError,
@@ -43,6 +44,7 @@ from ferry.plan.verify import (
     verify_program,
     verify_recompute,
 )
+from ferry.schedule import format_bytes
 from ferry.sharding import MeshConfig
 from ferry.train.config import FerryConfig
 from tests.conftest import GPU_FLAGS, compose_config, load_preset, needs_cuda_plugin, needs_libtpu, run_launcher
@@ -147,17 +149,51 @@ def test_a_host_read_walking_against_its_index_is_refused(llama_h200):
     assert {w.status for w in verify_text(llama_h200, old_format).walks} == {"right"}
 
 
-def test_the_walks_of_xla_pipelined_host_offloading_are_checked():
+@pytest.fixture(scope="module")
+def xla_pipelined() -> Compiled:
+    """llama_tiny's qkv_offload at 4 layers for an H200, with XLA's pipelined host offloading."""
+    flags = GPU_FLAGS | {"xla_gpu_enable_pipelined_host_offloading": True}
+    return compile_plan("llama_tiny", "qkv_offload", "model.num_layers=4", xla_flags=flags)
+
+
+def test_the_walks_of_xla_pipelined_host_offloading_are_checked(xla_pipelined):
     """XLA's pass peels the layer loops and carries each host slice's index through the loop
     tuple; the verifier follows it there (the last forward store and the first backward reload
     move out of the loops, which run one layer fewer)."""
-    flags = GPU_FLAGS | {"xla_gpu_enable_pipelined_host_offloading": True}
-    compiled = compile_plan("llama_tiny", "qkv_offload", "model.num_layers=4", xla_flags=flags)
+    compiled = xla_pipelined
     walks = compiled.plan.verification.walks
     assert {w.kind for w in walks} == {"host read", "host write"}
     assert {w.status for w in walks} == {"right"}
     assert {(w.kind, w.index) for w in walks} == {("host write", "0, 1, ..."), ("host read", "2, 1, ...")}
     assert {c.status for c in compiled.plan.verification.copies} == {"copied"}
+
+
+def test_the_copies_xla_pipelining_peels_out_of_the_loops_run_as_kernels(xla_pipelined, llama_h200):
+    """XLA:GPU moves a host slice with a memcpy only where it precomputed its addresses (a slice
+    in a loop, indexed by the loop counter). The iterations its pipelining peels (the last layer's
+    stores, the first reloads of the backward pass) keep their slices of the host buffer with no
+    such descriptor: they run as kernels reading and writing pinned host memory through the SMs.
+    On an H200 the profiler saw 42 memcpys a step of minimal_offloaded's 56 under XLA's pass, and
+    slice kernels absent from ferry's schedule (README, "On a GPU: copies, memory and speed")."""
+    transfers = xla_pipelined.plan.transfers
+    in_loops = [t for t in transfers if t.executions == 3]  # 4 layers: one peeled, 3 in the loop
+    peeled = [t for t in transfers if t.executions == 1]
+    assert len(in_loops) + len(peeled) == len(transfers) and peeled and in_loops
+    assert {t.engine for t in in_loops} == {"DMA"} and {t.engine for t in peeled} == {"kernel"}
+    assert {t.direction for t in peeled} == {"to host", "to device"}
+    summary = xla_pipelined.plan.transfer_summary
+    assert summary.kernel_copies == len(peeled)
+    assert summary.kernel_bytes == sum(t.bytes for t in peeled)
+    console = Console(record=True, width=250)
+    console.print(transfer_table(xla_pipelined.plan))
+    shown = " ".join(console.export_text().split())
+    assert f"{len(peeled)} of them ({format_bytes(summary.kernel_bytes)}) run as kernels" in shown
+    # ferry's own copies are copy-starts, on a copy engine
+    assert {t.engine for t in llama_h200.plan.transfers} == {"DMA"}
+    assert llama_h200.plan.transfer_summary.kernel_copies == 0
+    # a TPU addresses every host slice by its index, with DMAs: a slice there is no kernel
+    slices = [c for c in host_copies(xla_pipelined.hlo) if c.slice_descriptor is False]
+    assert slices and {engine(c, V5P) for c in slices} == {"DMA"}
 
 
 def test_an_offload_the_compiler_dropped_is_refused(llama_h200):

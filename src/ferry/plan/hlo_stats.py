@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import re
 from collections import Counter
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -386,6 +387,9 @@ class HostCopy:
     executions: int  # per call of the program (the loop trip counts around it)
     hiding_flops: float  # per execution
     window: tuple[int, int]  # positions of start and done in the computation's schedule
+    # a slice of a host buffer (XLA's pipelined host offloading): whether XLA addressed it with a
+    # precomputed memcpy descriptor (`dynamic_slice_config`); None for a `copy-start`
+    slice_descriptor: bool | None = None
 
 
 def host_copies(hlo_text: str) -> list[HostCopy]:
@@ -393,6 +397,7 @@ def host_copies(hlo_text: str) -> list[HostCopy]:
     offload (a `dynamic-update-slice` into a host buffer, a `copy` to host) or a reload."""
     module = _parsed(hlo_text)
     counts = _execution_counts(module.bodies, module.entry)
+    roots = {name: next((line for line in lines if "ROOT " in line), "") for name, lines in module.bodies.items()}
     copies = []
     for name, lines in module.bodies.items():
         starts: dict[str, tuple[int, str, str]] = {}
@@ -432,9 +437,22 @@ def host_copies(hlo_text: str) -> list[HostCopy]:
                     counts.get(name, 0),
                     hiding,
                     (begin, position),
+                    _slice_descriptor(lines[begin], roots),
                 )
             )
     return copies
+
+
+def _slice_descriptor(start: str, roots: Mapping[str, str]) -> bool | None:
+    """Whether the host slice an async start runs carries XLA:GPU's memcpy descriptor
+    (`dynamic_slice_config`, on the slice or on a fusion around it); None where it runs no slice."""
+    lines, line = [start], start
+    while (callee := _CALLEE.search(line)) and (line := roots.get(callee["name"], "")) and len(lines) < 4:
+        lines.append(line)
+    definition = _DEFINITION.match(lines[-1])
+    if definition is None or definition["op"] not in ("dynamic-slice", "dynamic-update-slice"):
+        return None
+    return any("dynamic_slice_config" in line for line in lines)
 
 
 def overlapped_flops(hlo_text: str, copies: list[HostCopy]) -> dict[str, float]:

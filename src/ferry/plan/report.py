@@ -297,18 +297,28 @@ def transfer_table(plan: MemoryPlan) -> Table:
             f" (at least {format_seconds(summary.floor_seconds)} in any order: a loop iteration's copies outlast "
             "all its matrix work, and no copy outlives its iteration)"
         )
+    if summary.kernel_copies:
+        caption += (
+            f"; {summary.kernel_copies} of them ({format_bytes(summary.kernel_bytes)}) run as kernels that read or "
+            "write pinned host memory through the SMs, not on a copy engine (host slices XLA gave no memcpy "
+            "descriptor, such as those of the loop iterations its pipelining peels)"
+        )
     if plan.pipeline_bytes:
         caption += (
             f"; pipelined one layer apart, for {format_bytes(plan.pipeline_bytes)} of offloaded values in HBM "
             "(each stack's last layer; one more layer's while a stack runs), in the temporaries above"
         )
     table = Table(title=f"{plan.policy}: host copies in the compiled program (per device)", caption=caption)
-    for column in ("tensor", "direction", "shape", "bytes", "x per step", "transfer", "hiding compute", "hidden"):
-        table.add_column(column, justify="left" if column in ("tensor", "direction", "shape", "hidden") else "right")
+    columns = ("tensor", "direction", "engine", "shape", "bytes", "x per step", "transfer", "hiding compute", "hidden")
+    for column in columns:
+        table.add_column(
+            column, justify="right" if column in ("bytes", "x per step", "transfer", "hiding compute") else "left"
+        )
     for t in plan.transfers:
         table.add_row(
             t.tensor,
             t.direction,
+            t.engine,
             t.shape,
             format_bytes(t.bytes),
             str(t.executions),

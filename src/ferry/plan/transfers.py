@@ -24,6 +24,9 @@ class Transfer:
     hiding_flops: float  # per execution: matmul FLOPs scheduled between its start and its done
     transfer_seconds: float  # per execution, at the host link bandwidth
     compute_seconds: float  # per execution, the hiding FLOPs at the bf16 peak
+    # "DMA" (a copy engine) or, on GPU, "kernel": a host slice without XLA's memcpy descriptor
+    # runs as a kernel that reads or writes pinned host memory through the SMs
+    engine: str = "DMA"
 
     @property
     def hidden(self) -> bool:
@@ -47,6 +50,8 @@ class TransferSummary:
     overlapped_compute_seconds: float
     exposed_seconds: float
     floor_seconds: float = 0.0
+    kernel_copies: int = 0  # of the step's copies, those that run as kernels (`Transfer.engine`)
+    kernel_bytes: int = 0
 
     def goal_seconds(self, matmul_seconds: float) -> float:
         """What a copy schedule should leave exposed at most: the link time the step's matmuls
@@ -81,12 +86,26 @@ def time_transfers(
         overlapped_compute_seconds=sum((compute[name] * executions[name] for name in link), 0.0),
         exposed_seconds=sum((max(0.0, link[name] - compute[name]) * executions[name] for name in link), 0.0),
         floor_seconds=sum((max(0.0, link[name] - all_compute[name]) * executions[name] for name in link), 0.0),
+        kernel_copies=sum(t.executions for t in transfers if t.engine == KERNEL),
+        kernel_bytes=sum(t.bytes * t.executions for t in transfers if t.engine == KERNEL),
     )
 
 
 def _name(candidates: list[str]) -> str:
     """The tensors a copy of one size may be: both of two, or the first and how many more."""
     return "/".join(candidates) if len(candidates) <= 2 else f"{candidates[0]} (+{len(candidates) - 1} of its size)"
+
+
+def engine(copy: HostCopy, target: Target) -> str:
+    """What moves a copy's bytes. XLA:GPU runs a host slice as a memcpy only where it precomputed
+    the slice's addresses (`dynamic_slice_config`, given to slices in loops whose index follows
+    the loop counter); any other slice of a host buffer (XLA's pipelining peels a loop's first or
+    last iteration out of it) is a loop kernel that reads or writes pinned host memory through the
+    SMs. A TPU addresses every host slice by its index, with DMAs."""
+    return KERNEL if target.platform == "gpu" and copy.slice_descriptor is False else "DMA"
+
+
+KERNEL = "kernel"
 
 
 def _timed(copy: HostCopy, target: Target, tensor: str) -> Transfer:
@@ -100,6 +119,7 @@ def _timed(copy: HostCopy, target: Target, tensor: str) -> Transfer:
         hiding_flops=copy.hiding_flops,
         transfer_seconds=copy.bytes / target.host_link_bandwidth,
         compute_seconds=copy.hiding_flops / target.bf16_peak_flops,
+        engine=engine(copy, target),
     )
 
 
