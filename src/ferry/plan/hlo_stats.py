@@ -249,6 +249,11 @@ class _Module:
                 self.shapes |= {f"{name}#{i}": element for i, element in enumerate(tuple_elements(shape))}
         self._flops: dict[tuple[str, bool], float] = {}
 
+    @functools.cached_property
+    def roots(self) -> dict[str, str]:
+        """Each computation's ROOT line ("" where it has none)."""
+        return {name: next((line for line in lines if "ROOT " in line), "") for name, lines in self.bodies.items()}
+
     def own_flops(self, line: str) -> float:
         """2 x output elements x contracted size of a `dot`, cuBLAS GEMM or `ragged-dot` line; a
         TPU `convolution` by `convolution_flops`; a kernel (custom call) by the FLOPs its backend
@@ -397,7 +402,6 @@ def host_copies(hlo_text: str) -> list[HostCopy]:
     offload (a `dynamic-update-slice` into a host buffer, a `copy` to host) or a reload."""
     module = _parsed(hlo_text)
     counts = _execution_counts(module.bodies, module.entry)
-    roots = {name: next((line for line in lines if "ROOT " in line), "") for name, lines in module.bodies.items()}
     copies = []
     for name, lines in module.bodies.items():
         starts: dict[str, tuple[int, str, str]] = {}
@@ -437,7 +441,7 @@ def host_copies(hlo_text: str) -> list[HostCopy]:
                     counts.get(name, 0),
                     hiding,
                     (begin, position),
-                    _slice_descriptor(lines[begin], roots),
+                    _slice_descriptor(lines[begin], module.roots),
                 )
             )
     return copies
@@ -543,7 +547,6 @@ def scheduled_instructions(hlo_text: str) -> dict[str, list[ScheduledInstruction
     """Every instruction of every computation the scheduler orders, by computation, in the
     module's order; each loop, branch and call is one instruction of the computation holding it."""
     module = _parsed(hlo_text)
-    roots = {name: next((line for line in lines if "ROOT " in line), "") for name, lines in module.bodies.items()}
     out: dict[str, list[ScheduledInstruction]] = {}
     pending, seen = [module.entry], set()
     while pending:
@@ -563,9 +566,9 @@ def scheduled_instructions(hlo_text: str) -> dict[str, list[ScheduledInstruction
             if op in ("while", "conditional", "call"):
                 pending.extend(callees)
             control = op in ("while", "conditional", "call")
-            wrapped = roots.get(callees[0], "") if op in ("fusion", "async-start") and callees else ""
+            wrapped = module.roots.get(callees[0], "") if op in ("fusion", "async-start") and callees else ""
             while " fusion(" in wrapped and (inner := _CALLEE.search(wrapped)):  # an async op wrapping a fusion
-                wrapped = roots.get(inner["name"], "")
+                wrapped = module.roots.get(inner["name"], "")
             instructions.append(
                 ScheduledInstruction(
                     computation,

@@ -21,6 +21,7 @@ on: the same program compiled again (a re-plan, a restarted run) skips the first
 """
 
 import dataclasses
+import functools
 import gzip
 import hashlib
 import importlib.metadata
@@ -230,13 +231,8 @@ class ProfileCache:
 
     def key(self, lowered: Any, options: Mapping[str, object], target: GpuTarget) -> str:
         digest = hashlib.sha256(lowered.as_text().encode())
-        for name in _COST_MODEL_SOURCES:
-            digest.update((Path(__file__).parent / name).read_bytes())
-        versions = {name: _installed(name) for name in _COMPILERS}
-        described = repr(
-            (sorted((k, str(v)) for k, v in options.items()), os.environ.get("XLA_FLAGS"), target, versions)
-        )
-        digest.update(described.encode())
+        described = repr((sorted((k, str(v)) for k, v in options.items()), os.environ.get("XLA_FLAGS"), target))
+        digest.update(described.encode() + _cost_model_fingerprint())
         return digest.hexdigest()
 
     def _path(self, key: str) -> Path:
@@ -258,6 +254,14 @@ class ProfileCache:
 
     def drop(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
+
+
+@functools.cache
+def _cost_model_fingerprint() -> bytes:
+    """The cost model's source and the compiler's versions: read once a process."""
+    sources = b"".join((Path(__file__).parent / name).read_bytes() for name in _COST_MODEL_SOURCES)
+    versions = {name: _installed(name) for name in _COMPILERS}
+    return hashlib.sha256(sources + repr(versions).encode()).digest()
 
 
 def _installed(distribution: str) -> str | None:

@@ -10,6 +10,8 @@ from typing import Any
 from ferry.plan.hlo_stats import HostCopy, computation_flops, host_copies, overlapped_flops
 from ferry.plan.targets import Target
 
+DMA, KERNEL = "DMA", "kernel"  # what moves a host copy's bytes (`engine`)
+
 
 @dataclasses.dataclass(frozen=True)
 class Transfer:
@@ -26,7 +28,7 @@ class Transfer:
     compute_seconds: float  # per execution, the hiding FLOPs at the bf16 peak
     # "DMA" (a copy engine) or, on GPU, "kernel": a host slice without XLA's memcpy descriptor
     # runs as a kernel that reads or writes pinned host memory through the SMs
-    engine: str = "DMA"
+    engine: str = DMA
 
     @property
     def hidden(self) -> bool:
@@ -102,10 +104,7 @@ def engine(copy: HostCopy, target: Target) -> str:
     the loop counter); any other slice of a host buffer (XLA's pipelining peels a loop's first or
     last iteration out of it) is a loop kernel that reads or writes pinned host memory through the
     SMs. A TPU addresses every host slice by its index, with DMAs."""
-    return KERNEL if target.platform == "gpu" and copy.slice_descriptor is False else "DMA"
-
-
-KERNEL = "kernel"
+    return KERNEL if target.platform == "gpu" and copy.slice_descriptor is False else DMA
 
 
 def _timed(copy: HostCopy, target: Target, tensor: str) -> Transfer:
