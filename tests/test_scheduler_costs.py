@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import ferry.plan.scheduler_costs as scheduler_costs
 from ferry.models.registry import abstract_model
 from ferry.plan.hlo_stats import collectives, host_copies, scheduled_instructions
-from ferry.plan.planner import plan_memory
+from ferry.plan.planner import compile_only_mesh, compile_train_step, plan_memory
 from ferry.plan.scheduler_costs import (
     COLLECTIVE_LATENCY_US,
     CostProfile,
@@ -114,11 +114,66 @@ def test_where_a_layers_copies_outlast_its_compute_the_pipelined_schedule_reache
     assert per_layer.transfer_summary.exposed_seconds > summary.floor_seconds + 0.05 * matmul
 
 
+def counting_compiles(monkeypatch) -> dict[str, int]:
+    """The compiles `compile_with_costs` makes, by kind: stopped before the scheduler to read its
+    module ("stopped"), with a profile priced before ("priced"), handed its profile as XLA reads it
+    ("handed")."""
+    counts = collections.Counter()
+    for kind, name in (("stopped", "_module_before_scheduling"), ("priced", "_compile_priced")):
+        original = getattr(scheduler_costs, name)
+        monkeypatch.setattr(scheduler_costs, name, lambda *args, _o=original, _k=kind: counts.update([_k]) or _o(*args))
+    handed = scheduler_costs._compile_priced_on_read
+
+    def counted(*args):
+        result = handed(*args)
+        counts.update(["handed"] if result is not None else [])
+        return result
+
+    monkeypatch.setattr(scheduler_costs, "_compile_priced_on_read", counted)
+    return counts
+
+
+def tiny_offloading_program(costs: bool = True) -> str:
+    """llama_tiny's train step, layer inputs offloaded, on 2 compile-only H200s (FSDP)."""
+    config = compose_config("model=llama_tiny", "offload=decoder_input_offload", "train.seq_len=256", "mesh.fsdp=2")
+    policy = config.offload.policy(abstract_model(config.model).tagged_names())
+    mesh, options = compile_only_mesh(H200, config.mesh), H200.compile_options(GPU_FLAGS)
+    return compile_train_step(config, H200, policy, mesh, options, costs).compiled.as_text()
+
+
 @needs_cuda_plugin
-def test_the_module_is_priced_from_a_compile_stopped_before_scheduling(tmp_path, monkeypatch, capfd):
-    """The first compile stops at XLA's check of a profile (an empty one, a miss an error), just
-    before the scheduler: the module it dumps there is the one a whole compile schedules, and the
-    thousands of lines XLA logs about the empty profile's misses are kept off standard error."""
+def test_one_compile_hands_xla_the_profile_priced_from_the_module_it_schedules(monkeypatch):
+    """The profile is made when XLA opens it, from its dump of the last pass before scheduling:
+    one compile, and the program it makes is the one two compiles make (the module read first,
+    then compiled with its profile), not the one XLA's own estimates schedule."""
+    counts, programs = counting_compiles(monkeypatch), []
+    for leases in (True, False):  # one call site: the programs' stack traces alike
+        monkeypatch.setattr(scheduler_costs, "leases_supported", lambda directory, _leases=leases: _leases)
+        programs.append(tiny_offloading_program())
+        assert counts == ({"handed": 1} if leases else {"handed": 1, "stopped": 1, "priced": 1})
+    assert programs[0] == programs[1]
+    assert programs[0] != tiny_offloading_program(costs=False)
+
+
+@needs_cuda_plugin
+def test_a_profile_priced_before_xlas_last_passes_is_not_the_schedulers(monkeypatch):
+    """Should a pass after the dump ferry prices change the module (here the dump is taken before
+    the pass that wraps the host copies for asynchrony), the scheduler got a profile of another
+    module: the program is compiled again with the profile of the module it schedules."""
+    counts, programs = counting_compiles(monkeypatch), []
+    for last_pass in ("gpu-copy-async-wrapper", "fusion-wrapper"):
+        monkeypatch.setattr(scheduler_costs, "_LAST_PASS_BEFORE_SCHEDULING", last_pass)
+        programs.append(tiny_offloading_program())
+    assert counts == {"handed": 2, "priced": 1}  # the second handed the wrong module's profile: compiled again
+    assert programs[0] == programs[1]
+
+
+@needs_cuda_plugin
+def test_without_leases_the_module_is_priced_from_a_compile_stopped_before_scheduling(tmp_path, monkeypatch, capfd):
+    """Where files take no lease (or XLA autotunes), the first compile stops at XLA's check of a
+    profile (an empty one, a miss an error), just before the scheduler: the module it dumps there
+    is the one a whole compile schedules, and the thousands of lines XLA logs about the empty
+    profile's misses are kept off standard error."""
     read, stopped = [], scheduler_costs._module_before_scheduling
 
     def reading(lowered, options, directory):
@@ -126,6 +181,7 @@ def test_the_module_is_priced_from_a_compile_stopped_before_scheduling(tmp_path,
         assert not list(directory.glob("*after_optimizations.txt"))  # it stopped: no program was made
         return read[-1]
 
+    monkeypatch.setattr(scheduler_costs, "leases_supported", lambda directory: False)
     monkeypatch.setattr(scheduler_costs, "_module_before_scheduling", reading)
     planned("llama_tiny", "decoder_input_offload", "train.seq_len=256", "mesh.fsdp=2", costs=True)
     _, scheduled = compiled_and_scheduled(tmp_path)
@@ -186,27 +242,20 @@ def two_matmuls(size: int = 256):
     return jax.jit(lambda a, b: jnp.tanh(a @ b) @ b).lower(x, x), H200.compile_options(GPU_FLAGS)
 
 
-def counting_stops(monkeypatch) -> list:
-    """Each compile stopped before the scheduler to price a module, counted."""
-    stops, stop = [], scheduler_costs._module_before_scheduling
-    monkeypatch.setattr(scheduler_costs, "_module_before_scheduling", lambda *args: stops.append(1) or stop(*args))
-    return stops
-
-
 @needs_cuda_plugin
 def test_a_program_planned_again_takes_its_cost_profile_from_the_cache(tmp_path, monkeypatch):
-    """A re-plan of the same program compiles once: the profile priced the first time is found by
+    """A re-plan of the same program compiles with the profile priced the first time, found by
     the program's key, and the program compiled with it is the one priced afresh."""
     cache = ProfileCache(tmp_path / "costs")
-    stops = counting_stops(monkeypatch)
+    counts = counting_compiles(monkeypatch)
     overrides = ("train.seq_len=256", "mesh.fsdp=2")
     fresh = planned("llama_tiny", "decoder_input_offload", *overrides, costs=True, cache=cache)
     again = planned("llama_tiny", "decoder_input_offload", *overrides, costs=True, cache=cache)
-    assert len(stops) == 1 and not fresh.profile_cached and again.profile_cached
+    assert counts == {"handed": 1, "priced": 1} and not fresh.profile_cached and again.profile_cached
     assert (again.device_bytes, again.host_bytes, again.flops) == (fresh.device_bytes, fresh.host_bytes, fresh.flops)
     assert again.transfer_summary == fresh.transfer_summary
     planned("llama_tiny", "qkv_offload", *overrides, costs=True, cache=cache)  # another program: priced
-    assert len(stops) == 2 and len(list(cache.directory.glob("*.pbtxt.gz"))) == 2
+    assert counts["handed"] == 2 and len(list(cache.directory.glob("*.pbtxt.gz"))) == 2
 
 
 @needs_cuda_plugin
@@ -223,13 +272,14 @@ def test_the_cache_key_covers_the_options_and_a_stale_profile_is_priced_afresh(t
     stale = CostProfile(dict(list(fresh.profile.costs.items())[1:]), fresh.profile.latencies)
     cache.store(key, stale)
     assert cache.load(key).to_text() == stale.to_text()  # what is stored is read back whole, as XLA reads it
-    stops = counting_stops(monkeypatch)
+    counts = counting_compiles(monkeypatch)
     priced = compile_with_costs(lowered, options, H200, cache)
-    assert len(stops) == 1 and not priced.cached
+    assert counts == {"priced": 1, "handed": 1} and not priced.cached  # the stale entry's compile, then afresh
     assert cache.load(key).to_text() == fresh.profile.to_text()
     assert priced.compiled.as_text() == fresh.compiled.as_text()
     again = compile_with_costs(lowered, options, H200, cache)
-    assert len(stops) == 1 and again.cached and again.compiled.as_text() == fresh.compiled.as_text()
+    assert counts == {"priced": 2, "handed": 1} and again.cached
+    assert again.compiled.as_text() == fresh.compiled.as_text()
 
 
 def test_a_platform_keeps_its_profiles_in_the_users_cache_unless_told_not_to(tmp_path, monkeypatch):

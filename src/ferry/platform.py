@@ -33,9 +33,10 @@ class PlatformError(FerryError, RuntimeError):
 class PlatformConfig:
     """`name`: cpu | gpu | tpu. `xla_flags`: flag name -> value; `env`: variable -> value.
     `scheduler_costs`: what XLA:GPU's latency-hiding scheduler times the step's ops with: `ferry`,
-    the plan's cost model (`ferry.plan.scheduler_costs`, two compiles), or `xla`, its own fixed
-    estimates. `scheduler_costs_cached`: keep ferry's priced profiles on disk (`ProfileCache`), so a
-    program compiled again (a re-plan, a restarted run) compiles once."""
+    the plan's cost model (`ferry.plan.scheduler_costs`; two compiles where XLA autotunes), or
+    `xla`, its own fixed estimates. `scheduler_costs_cached`: keep ferry's priced profiles on disk
+    (`ProfileCache`), so a program compiled again (a re-plan, a restarted run) is not priced again
+    and, where XLA autotunes, compiles once."""
 
     name: str = "cpu"
     xla_flags: Mapping[str, object] = dataclasses.field(default_factory=dict)

@@ -11,15 +11,21 @@ of a measurement, in the same terms as the plan's estimate: a kernel takes its m
 target's dense peak or its bytes at the HBM bandwidth, whichever is longer; a host copy its bytes
 over the host link; a collective its ring bytes over the links its groups span
 (`Collective.algorithmic_bytes`); a loop its body times its trip count (the trips that do work,
-where the model marked a loop sized for the worst case: `ferry.expected_work`). The step is
-compiled as far as the scheduler (XLA's dump of the module it would receive; the compile stops
-there), priced, and compiled again with the profile, which must name every instruction of the
-second compile: a profile that misses one is an error, not a silently worse schedule.
+where the model marked a loop sized for the worst case: `ferry.expected_work`). XLA reads the
+profile when it sets up the scheduler, after the passes that make the module it prices: the profile
+file is leased, and when XLA opens it the module is priced from XLA's dump of its last pass and
+written before the open returns (`ferry.plan.profile_handoff`), so one compile schedules with it.
+Where that cannot be done (no leases; a compile that autotunes) or the module scheduled is not the
+one priced, the step is compiled as far as the scheduler (XLA's dump of the module it would
+receive; the compile stops there), priced, and compiled again with the profile. The profile must
+name every instruction of the module scheduled: a profile that misses one is an error, not a
+silently worse schedule.
 
 A priced profile is kept on disk (`ProfileCache`), keyed by everything the module it prices depends
-on: the same program compiled again (a re-plan, a restarted run) skips the first compile.
+on: the same program compiled again (a re-plan, a restarted run) skips the pricing.
 """
 
+import collections
 import dataclasses
 import functools
 import gzip
@@ -47,6 +53,7 @@ from ferry.plan.hlo_stats import (
     shape_bytes,
     tuple_elements,
 )
+from ferry.plan.profile_handoff import leases_supported, written_when_opened
 from ferry.plan.targets import TARGETS, GpuTarget
 from ferry.platform import PlatformConfig
 
@@ -54,6 +61,8 @@ KERNEL_LAUNCH_US = 2.0  # a kernel's fixed cost on top of its FLOPs or bytes
 COLLECTIVE_LATENCY_US = 10.0  # a collective's fixed cost on top of its bytes (NCCL's setup and hops)
 _PRE_SCHEDULE = "*before_latency-hiding-scheduler.txt"  # XLA's dump of the module the scheduler gets
 _CHECKED = "*before_pgle-accuracy-checker.txt"  # the same module, dumped before XLA checks a profile against it
+_LAST_PASS_BEFORE_SCHEDULING = "gpu-copy-async-wrapper"  # XLA's pre-scheduling pipeline ends with it (jaxlib 0.12)
+_PASS_DUMP = re.compile(r"\.(\d{4,})\.[^.]+\.after_")  # module_0001.jit_step.0157.<pipeline>.after_<pass>...
 _COST_LINE = re.compile(r'^costs \{ name: "([^"]+)" cost_us: ([-+.0-9e]+) \}$', re.MULTILINE)
 _LATENCY_LINE = re.compile(
     r'^latencies \{ source: "([^"]+)" target: "([^"]+)" latency_us: ([-+.0-9e]+) \}$', re.MULTILINE
@@ -214,9 +223,9 @@ class ProfileCache:
     """Cost profiles priced before, one gzipped file per program. A program's key hashes all the
     module XLA's scheduler receives depends on (the lowered program, the compile options and
     `XLA_FLAGS`, the target's facts, the compiler's versions) and the cost model's source: a
-    program compiled again takes its profile from here and compiles once. Should a key still miss
-    a difference, the second compile's module has instructions the profile lacks: the entry is
-    dropped and the program priced afresh."""
+    program compiled again takes its profile from here, unpriced and in one compile. Should a key
+    still miss a difference, the module that compile schedules has instructions the profile lacks:
+    the entry is dropped and the program priced afresh."""
 
     directory: Path
 
@@ -274,9 +283,11 @@ def _installed(distribution: str) -> str | None:
 def compile_with_costs(
     lowered: Any, options: Mapping[str, object], target: GpuTarget, cache: ProfileCache | None = None
 ) -> PricedCompile:
-    """Compile `lowered` for `target` with ferry's cost profile: once to read the module the
-    scheduler receives, then with its profile (one compile where `cache` has the profile). The
-    second compile's module must be the one that was priced (`SchedulerCostsError` otherwise)."""
+    """Compile `lowered` for `target` with ferry's cost profile, priced from the module XLA's
+    scheduler receives: in one compile that hands XLA the profile as it reads it
+    (`_compile_priced_on_read`), else in two (once to read the module, then with its profile); in
+    one with the profile `cache` has. The compile's module must be the one that was priced
+    (`SchedulerCostsError` otherwise)."""
     key = None if cache is None else cache.key(lowered, options, target)
     cached = None if key is None else cache.load(key)
     with tempfile.TemporaryDirectory(prefix="ferry-costs-") as scratch:
@@ -285,17 +296,84 @@ def compile_with_costs(
             if not missing:
                 return PricedCompile(compiled, cached, True)
             cache.drop(key)
-        profile = cost_profile(_module_before_scheduling(lowered, options, Path(scratch) / "first"), target)
-        compiled, missing = _compile_priced(lowered, options, profile, Path(scratch) / "second")
+        handed = _compile_priced_on_read(lowered, options, target, Path(scratch) / "one")
+        if handed is not None and handed.profile is not None:
+            compiled, profile = handed.compiled, handed.profile
+            missing = profile.unpriced(handed.scheduled)
+        else:  # the module is read first, then compiled with its profile
+            first = Path(scratch) / "first"
+            module = handed.scheduled if handed is not None else _module_before_scheduling(lowered, options, first)
+            profile = cost_profile(module, target)
+            compiled, missing = _compile_priced(lowered, options, profile, Path(scratch) / "second")
     if missing:
         raise SchedulerCostsError(
             f"ferry's cost profile misses {len(missing)} instructions of the program compiled with it "
-            f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}): the two compiles differ before "
-            "scheduling; set platform.scheduler_costs=xla to schedule with XLA's own estimates"
+            f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}): the module priced is not the one "
+            "scheduled; set platform.scheduler_costs=xla to schedule with XLA's own estimates"
         )
     if key is not None:
         cache.store(key, profile)
     return PricedCompile(compiled, profile, False)
+
+
+class _HandedCompile(NamedTuple):
+    compiled: Any
+    profile: CostProfile | None  # None: XLA scheduled another module than the one priced
+    scheduled: str  # the module XLA's scheduler received
+
+
+def _compile_priced_on_read(
+    lowered: Any, options: Mapping[str, object], target: GpuTarget, directory: Path
+) -> _HandedCompile | None:
+    """One compile whose scheduler reads the profile priced from its own module: the profile is
+    made when XLA opens its file (`ferry.plan.profile_handoff`), by when XLA has dumped its last
+    pass before scheduling. Should the module it then schedules not be that one (a pass after it
+    changed the module), the compile has no profile and is done again with the right one.
+
+    None where it cannot be done: on a filesystem without leases, or in a compile that autotunes
+    (XLA compiles each kernel candidate with the step's options, and one would open the profile
+    first; the planner's compiles do not autotune)."""
+    if options.get("xla_gpu_autotune_level", 1) != 0:
+        return None
+    directory.mkdir(parents=True)
+    if not leases_supported(directory):
+        return None
+    dump, priced = directory / "dump", []
+
+    def price() -> str:
+        module = _newest_pass_dump(dump)
+        if module is None:  # XLA read the profile before any dump: scheduled without one
+            return ""
+        priced.append((module, cost_profile(module, target)))
+        return priced[-1][1].to_text()
+
+    path = directory / "costs.pbtxt"
+    passes = f"{_LAST_PASS_BEFORE_SCHEDULING}|latency-hiding-scheduler"
+    handed = {"xla_gpu_pgle_profile_file_or_directory_path": str(path)}
+    with _WITHOUT_PGLE_LOGS, written_when_opened(path, price) as handoff:  # an empty profile's misses logged
+        compiled = lowered.compile(dict(options) | _dump_options(dump, passes) | handed)
+    if handoff.error is not None:
+        raise handoff.error
+    scheduled = _pre_schedule_module(dump)
+    if handoff.delivered and priced and _same_module(priced[0][0], scheduled):
+        return _HandedCompile(compiled, priced[0][1], scheduled)
+    return _HandedCompile(compiled, None, scheduled)
+
+
+def _newest_pass_dump(directory: Path) -> str | None:
+    """The module of XLA's latest dump between passes (they are numbered in the order run)."""
+    dumps = [(int(match[1]), path) for path in directory.glob("*.txt") if (match := _PASS_DUMP.search(path.name))]
+    return max(dumps)[1].read_text() if dumps else None
+
+
+def _same_module(a: str, b: str) -> bool:
+    """Whether two dumps print the same module: the same computations of the same instructions,
+    in whatever order (a scheduled module prints its sequence; the headers differ by it)."""
+
+    def computations(text: str) -> collections.Counter:
+        return collections.Counter(tuple(sorted(block.splitlines())) for block in text.split("\n", 1)[-1].split("\n\n"))
+
+    return computations(a) == computations(b)
 
 
 def _compile_priced(
