@@ -61,6 +61,16 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
     return bodies, entry
 
 
+def same_module(a: str, b: str) -> bool:
+    """Whether two dumps print the same module: the same computations of the same instructions,
+    in whatever order (a scheduled module prints its sequence)."""
+
+    def instructions(text: str) -> dict[str, list[str]]:
+        return {name: sorted(lines) for name, lines in _computations(text)[0].items()}
+
+    return instructions(a) == instructions(b)
+
+
 def execution_counts(hlo_text: str) -> dict[str, int]:
     """How many times each computation runs per call of the entry computation."""
     return _execution_counts(*_computations(hlo_text))

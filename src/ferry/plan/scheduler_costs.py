@@ -25,7 +25,6 @@ A priced profile is kept on disk (`ProfileCache`), keyed by everything the modul
 on: the same program compiled again (a re-plan, a restarted run) skips the pricing.
 """
 
-import collections
 import dataclasses
 import functools
 import gzip
@@ -49,6 +48,7 @@ from ferry.plan.hlo_stats import (
     ScheduledInstruction,
     collective_of,
     num_partitions,
+    same_module,
     scheduled_instructions,
     shape_bytes,
     tuple_elements,
@@ -333,7 +333,7 @@ def _compile_priced_on_read(
     None where it cannot be done: on a filesystem without leases, or in a compile that autotunes
     (XLA compiles each kernel candidate with the step's options, and one would open the profile
     first; the planner's compiles do not autotune)."""
-    if options.get("xla_gpu_autotune_level", 1) != 0:
+    if _autotunes(options):
         return None
     directory.mkdir(parents=True)
     if not leases_supported(directory):
@@ -355,25 +355,21 @@ def _compile_priced_on_read(
     if handoff.error is not None:
         raise handoff.error
     scheduled = _pre_schedule_module(dump)
-    if handoff.delivered and priced and _same_module(priced[0][0], scheduled):
+    if handoff.delivered and priced and same_module(priced[0][0], scheduled):
         return _HandedCompile(compiled, priced[0][1], scheduled)
     return _HandedCompile(compiled, None, scheduled)
+
+
+def _autotunes(options: Mapping[str, object]) -> bool:
+    """Whether XLA autotunes this compile: it then compiles each kernel candidate with the step's
+    options, the profile's path among them (XLA's default level is 1; the planner sets 0)."""
+    return options.get("xla_gpu_autotune_level", 1) != 0
 
 
 def _newest_pass_dump(directory: Path) -> str | None:
     """The module of XLA's latest dump between passes (they are numbered in the order run)."""
     dumps = [(int(match[1]), path) for path in directory.glob("*.txt") if (match := _PASS_DUMP.search(path.name))]
     return max(dumps)[1].read_text() if dumps else None
-
-
-def _same_module(a: str, b: str) -> bool:
-    """Whether two dumps print the same module: the same computations of the same instructions,
-    in whatever order (a scheduled module prints its sequence; the headers differ by it)."""
-
-    def computations(text: str) -> collections.Counter:
-        return collections.Counter(tuple(sorted(block.splitlines())) for block in text.split("\n", 1)[-1].split("\n\n"))
-
-    return computations(a) == computations(b)
 
 
 def _compile_priced(
@@ -402,7 +398,7 @@ def _module_before_scheduling(lowered: Any, options: Mapping[str, object], direc
     fails them all ("No candidates could be compiled", seen on an H200): there the step is
     compiled whole, dumped, and the autotuning it did is cached for the compile with the costs."""
     directory.mkdir(parents=True, exist_ok=True)
-    if options.get("xla_gpu_autotune_level", 1) != 0:
+    if _autotunes(options):
         lowered.compile(dict(options) | _dump_options(directory))
         return _pre_schedule_module(directory)
     empty = directory / "empty.pbtxt"
