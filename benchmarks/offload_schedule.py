@@ -2,6 +2,8 @@
 
 - per layer: each copy issued inside its layer (`offload.pipelined=false`);
 - ferry: copies one layer apart, in Python (`ferry.offload_scan`, the default);
+- ferry, peeled: the same with each stack's first and last layers outside its loop
+  (`offload.peel`): no placeholder copies, and the last store and first reload free of a loop;
 - XLA: XLA's pipelined host offloading (`xla_gpu_enable_pipelined_host_offloading`) on the
   per-layer program;
 - both: ferry's schedule compiled with XLA's pass on;
@@ -35,18 +37,20 @@ from rich.table import Table
 from ferry.plan.transfers import TransferSummary
 
 ROOT = Path(__file__).resolve().parent.parent
-SCHEDULES = {  # name: (offload.pipelined, xla_gpu_enable_pipelined_host_offloading)
-    "per layer": (False, False),
-    "ferry": (True, False),
-    "XLA": (False, True),
-    "both": (True, True),
+SCHEDULES = {  # name: (offload.pipelined, offload.peel, xla_gpu_enable_pipelined_host_offloading)
+    "per layer": (False, False, False),
+    "ferry": (True, False, False),
+    "ferry, peeled": (True, True, False),
+    "XLA": (False, False, True),
+    "both": (True, False, True),
 }
 COSTS = ("xla", "ferry")  # platform.scheduler_costs: XLA's fixed estimates, ferry's cost model
 
 
-def plan(args: argparse.Namespace, preset: str, pipelined: bool, xla: bool, costs: str, out: Path) -> dict:
+def plan(args: argparse.Namespace, preset: str, schedule: tuple[bool, bool, bool], costs: str, out: Path) -> dict:
     """One `mode=plan` of `preset` under one schedule: its plan.json entry."""
-    run_dir = out / f"{preset}-{int(pipelined)}{int(xla)}-{costs}"
+    pipelined, peel, xla = schedule
+    run_dir = out / f"{preset}-{int(pipelined)}{int(peel)}{int(xla)}-{costs}"
     command = [
         sys.executable,
         str(ROOT / "launch" / "run.py"),
@@ -61,6 +65,7 @@ def plan(args: argparse.Namespace, preset: str, pipelined: bool, xla: bool, cost
         f"offload={preset}",
         f"plan.presets=[{preset}]",
         f"offload.pipelined={str(pipelined).lower()}",
+        f"offload.peel={str(peel).lower()}",
         f"platform.xla_flags.xla_gpu_enable_pipelined_host_offloading={str(xla).lower()}",
         f"platform.scheduler_costs={costs}",
         f"run.dir={run_dir}",
@@ -91,8 +96,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as out:
         for preset in args.presets:
             reference = None
-            for (name, (pipelined, xla)), costs in itertools.product(SCHEDULES.items(), COSTS):
-                p = plan(args, preset, pipelined, xla, costs, Path(out))
+            for (name, schedule), costs in itertools.product(SCHEDULES.items(), COSTS):
+                p = plan(args, preset, schedule, costs, Path(out))
                 per_step = p["transfers"]["per_step"]
                 summary = TransferSummary(**per_step)
                 link, exposed = summary.link_seconds, summary.exposed_seconds

@@ -95,6 +95,14 @@ def test_a_broken_restore_of_every_tensor_is_refused_on_llama(broken_restore):
         check_policy(model_config("llama_tiny"), policy_of("llama_tiny", "minimal_offloaded"), seq_len=SEQ)
 
 
+def test_a_peeled_policy_is_checked_on_a_stack_it_peels(broken_restore):
+    """`offload.peel` runs the first and last layers outside the loop only in stacks of 4 or more:
+    the check stacks 4, so that the program it compiles is the run's."""
+    policy = dataclasses.replace(policy_of("llama_tiny", "minimal_offloaded"), peel=True)
+    with pytest.raises(PolicyCheckError, match=r"4 stacked decoder layers .* differs by"):
+        check_policy(model_config("llama_tiny"), policy, seq_len=SEQ)
+
+
 @pytest.mark.parametrize(
     ("overrides", "enabled"),
     [

@@ -24,6 +24,7 @@ from ferry.plan.scheduler_costs import (
     scheduler_target,
 )
 from ferry.plan.targets import TARGETS
+from ferry.plan.verify import DEAD
 from ferry.platform import PlatformConfig
 from tests.conftest import GPU_FLAGS, compose_config, needs_cuda_plugin
 
@@ -112,6 +113,25 @@ def test_where_a_layers_copies_outlast_its_compute_the_pipelined_schedule_reache
     assert per_layer.transfer_summary.floor_seconds == pytest.approx(summary.floor_seconds)  # the same iterations
     assert summary.floor_seconds <= summary.exposed_seconds <= summary.floor_seconds + 0.05 * matmul
     assert per_layer.transfer_summary.exposed_seconds > summary.floor_seconds + 0.05 * matmul
+
+
+@needs_cuda_plugin
+def test_a_peeled_stack_moves_no_placeholder_and_halves_the_floor_of_four_layers():
+    """minimal_offloaded at Llama 3.1 8B's layer shapes (4 layers x 1024 tokens, one H200), peeled
+    (`offload.peel`): the first and last layers run outside the loop, so each tensor crosses the
+    link 3 times each way, not 4 (no placeholder), and only the loop's 2 iterations are bound to
+    their own compute: the floor halves, and the exposed time falls with it. The price is at most
+    one more layer of offloaded values in HBM (layer 2's store may run on under the loss head)."""
+    overrides = ("model.num_layers=4", "train.seq_len=1024", "train.global_batch_size=1")
+    pipelined = planned("llama3_1_8b", "minimal_offloaded", *overrides, costs=True)
+    peeled = planned("llama3_1_8b", "minimal_offloaded", *overrides, "offload.peel=true", costs=True)
+    read = [c for c in peeled.verification.copies if c.status != DEAD]
+    assert read and all((c.found, c.expected, c.status) == (3, 3, "copied") for c in read)
+    before, after = pipelined.transfer_summary, peeled.transfer_summary
+    assert after.link_seconds == pytest.approx(0.75 * before.link_seconds)
+    assert after.floor_seconds == pytest.approx(0.5 * before.floor_seconds)
+    assert after.floor_seconds <= after.exposed_seconds < before.exposed_seconds
+    assert peeled.temp_bytes <= pipelined.temp_bytes + pipelined.pipeline_bytes
 
 
 def counting_compiles(monkeypatch) -> dict[str, int]:

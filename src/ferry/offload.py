@@ -50,12 +50,16 @@ class Policy(Mapping[str, Placement]):
     keeps every residual in HBM: the `save_all` reference every other policy is compared against.
     `pipelined` (the default) moves a scanned stack's offloaded values one layer apart
     (`ferry.offload_scan`): each copy hides under a whole layer, for one more layer of them in
-    HBM; False moves them inside each layer (`offloaded`).
+    HBM; False moves them inside each layer (`offloaded`). `peel` runs a pipelined stack's
+    first and last layers outside its loop (three copies of the layer in the program): no
+    placeholder crosses the link, and the stack's last store and first reload may overlap the
+    work around the stack.
     """
 
     placements: tuple[tuple[str, str], ...] | Mapping[str, str] = ()
     keep_all: bool = False
     pipelined: bool = True
+    peel: bool = False
 
     def __post_init__(self) -> None:
         # `Policy({"mlpwo": "offload"})` reads as a user writes it; stored as sorted pairs, so two
@@ -80,11 +84,16 @@ class Policy(Mapping[str, Placement]):
 
     @classmethod
     def from_dict(
-        cls, tensors: Mapping[str, str] | None = None, *, keep_all: bool = False, pipelined: bool = True
+        cls,
+        tensors: Mapping[str, str] | None = None,
+        *,
+        keep_all: bool = False,
+        pipelined: bool = True,
+        peel: bool = False,
     ) -> Policy:
         """Build a policy from `{tensor name: placement}` (e.g. a Hydra config node); the same as
         `Policy(tensors)`."""
-        return cls(dict(tensors or {}), keep_all, pipelined)
+        return cls(dict(tensors or {}), keep_all, pipelined, peel)
 
     @classmethod
     def save_all(cls) -> Policy:

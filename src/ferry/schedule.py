@@ -16,6 +16,7 @@ import jax
 from rich.table import Table
 
 from ferry.offload import LAYER_INPUT, Placement, Policy, record_tags_and_axes
+from ferry.offload_scan import PEEL_MIN_LAYERS
 from ferry.precision import cast_floating
 from ferry.sharding import activation_spec, shard_shape
 
@@ -72,6 +73,14 @@ class LayerGroup:
     num_layers: int
     residuals: tuple[Residual, ...]
     pipelined: bool = False  # its copies move one layer apart (`ferry.offload_scan`)
+    peeled: bool = False  # its first and last layers run outside its loop (`Policy.peel`)
+
+    @property
+    def link_bytes(self) -> int:
+        """Offloaded bytes crossing the host link each way per micro step, per device: every
+        layer's, less the last layer's in a peeled stack (it stays in HBM; an unpeeled pipelined
+        stack moves a placeholder of its size instead)."""
+        return (self.num_layers - self.peeled) * self.bytes("offload") // self.num_layers
 
     def bytes(self, placement: Placement | None = None) -> int:
         """Bytes of all its layers' residuals with `placement` (all when None), per device."""
@@ -122,7 +131,7 @@ class TransferSchedule:
     @property
     def device_to_host_bytes(self) -> int:
         """Bytes each device copies to pinned host in one step's forward passes."""
-        return self.micro_steps * self._bytes("offload")
+        return self.micro_steps * self.pinned_host_bytes
 
     @property
     def host_to_device_bytes(self) -> int:
@@ -132,7 +141,7 @@ class TransferSchedule:
     @property
     def pinned_host_bytes(self) -> int:
         """Pinned host bytes each device holds at once: one micro step's offloaded residuals."""
-        return self._bytes("offload")
+        return sum(group.link_bytes for group in self.groups)
 
     @property
     def device_bytes(self) -> int:
@@ -181,6 +190,7 @@ class TransferSchedule:
                     "name": g.name,
                     "num_layers": g.num_layers,
                     "pipelined": g.pipelined,
+                    "peeled": g.peeled,
                     "pipeline_bytes": g.pipeline_bytes,
                     "residuals": [dataclasses.asdict(r) for r in g.residuals],
                 }
@@ -279,7 +289,8 @@ def model_schedule(
         shape = (rows, seq_len - group.seq_shrink, model.config.dim)
         pipelined = group.pipelined and policy.pipelined and not policy.keep_all
         residuals = layer_residuals(one_layer, model, jax.ShapeDtypeStruct(shape, dtype), policy, mesh, pipelined)
-        groups.append(LayerGroup(group.name, group.num_layers, residuals, pipelined))
+        peeled = pipelined and policy.peel and group.num_layers >= PEEL_MIN_LAYERS
+        groups.append(LayerGroup(group.name, group.num_layers, residuals, pipelined, peeled))
     return TransferSchedule(policy_name, tuple(groups), micro_steps)
 
 
@@ -329,6 +340,11 @@ def schedule_table(schedule: TransferSchedule) -> Any:
         table.caption += (
             f"; pipelined: each stack's last layer of offloaded values stays in HBM "
             f"({format_bytes(schedule.pipeline_bytes)}), one more layer's in flight while a stack runs"
+        )
+    if peeled := [g.name for g in schedule.groups if g.peeled]:
+        table.caption += (
+            f"; peeled ({', '.join(peeled)}): the first and last layers run outside the loop, so no placeholder "
+            "crosses the link and the last store and first reload are not bound to one layer"
         )
     if schedule.state:
         table.caption += f"; train state in pinned host {format_bytes(schedule.state_host_bytes)}, each way per step"

@@ -151,8 +151,8 @@ class _Slot:
     bytes: int
     expected: int
     layers: int  # how often one copy of this slot runs per step where the group is one loop
-    required: int  # at least this many: a pipelined stack's first store and last reload move a
-    # placeholder (`ferry.offload_scan`), which a compiler that unrolls the loop drops as dead
+    required: int  # at least this many: an unpeeled pipelined stack's first store and last reload
+    # move a placeholder (`ferry.offload_scan`), which a compiler that unrolls the loop drops as dead
     found: int = 0
     named: bool = False
     state: bool = False  # a write-back of the train state's update (`state_writes`), not a residual
@@ -190,8 +190,8 @@ def check_copies(
             r.name,
             direction,
             r.bytes_per_device,
-            g.num_layers * micro_steps,
-            g.num_layers * micro_steps,
+            (g.num_layers - g.peeled) * micro_steps,  # a peeled stack's last layer stays in HBM
+            (g.num_layers - 2 * g.peeled) * micro_steps,  # a peeled stack's loop runs its middle layers
             (g.num_layers - g.pipelined) * micro_steps,
         )
         for g in schedule.groups

@@ -128,6 +128,7 @@ class OffloadConfig:
     optimizer: str = "device"  # AdamW's moments: device | host (pinned host, streamed a layer at a time)
     params: str = "device"  # the float32 master weights: device | host (a compute-dtype copy stays in HBM)
     pipelined: bool = True  # a scanned stack's copies one layer apart (ferry.offload_scan)
+    peel: bool = False  # a pipelined stack's first and last layers outside its loop (Policy.peel)
 
     def __post_init__(self) -> None:
         self.state_placement  # noqa: B018  (refuses a placement other than device or host)
@@ -141,7 +142,7 @@ class OffloadConfig:
         placements = dict(self.tensors)
         if self.default is not None:
             placements = {name: self.default for name in tagged if name not in placements} | placements
-        return Policy.from_dict(placements, keep_all=self.keep_all, pipelined=self.pipelined)
+        return Policy.from_dict(placements, keep_all=self.keep_all, pipelined=self.pipelined, peel=self.peel)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,11 +31,20 @@ from rich.console import Console
 from ferry.models.registry import abstract_model, family_of, model_config
 from ferry.nn.stack import LayerStack
 from ferry.offload import Policy, PolicyError
+from ferry.offload_scan import PEEL_MIN_LAYERS
 from ferry.sharding import MESH_AXES
 from ferry.train.config import FerryConfig
 
 CHECK_LAYERS = 3
 """Layers per checked stack: the backward loop then reads its residuals at three different steps."""
+
+
+def check_layers(policy: Policy) -> int:
+    """Layers per checked stack under `policy`: a peeled one needs enough for its loop to stay one
+    (`ferry.offload_scan.PEEL_MIN_LAYERS`), so that the program checked is the run's."""
+    return max(CHECK_LAYERS, PEEL_MIN_LAYERS) if policy.peel and policy.pipelined else CHECK_LAYERS
+
+
 CHECK_SEQ = 64
 """Longest sequence checked (one row): enough for every code path of a layer but the chunked
 attention of sequences over 512, and cheap."""
@@ -113,7 +122,7 @@ def check_before_training(config: FerryConfig, policy: Policy, console: Console)
         config.model, policy, seq_len=config.train.seq_len, policy_name=config.offload.name, seed=config.train.seed
     )
     console.print(
-        f"gradient self-check of offload={config.offload.name} against save_all ({CHECK_LAYERS} layers of each "
+        f"gradient self-check of offload={config.offload.name} against save_all ({check_layers(policy)} layers of each "
         f"kind, one row, float32) passed in {time.perf_counter() - start:.1f} s: "
         + "; ".join(r.describe() for r in results),
         highlight=False,
@@ -196,7 +205,7 @@ def check_policy(
             results.append(GroupCheck((kind.name,), worst, time.perf_counter() - start, narrowed))
     failed = [r for r in results if not r.ok]
     if failed:
-        raise PolicyCheckError(_refusal(failed, policy_name, device))
+        raise PolicyCheckError(_refusal(failed, policy_name, device, check_layers(policy)))
     return results
 
 
@@ -206,12 +215,12 @@ def _structure(make: Callable[[PRNGKeyArray], eqx.Module]) -> Any:
     return treedef, tuple((leaf.shape, str(leaf.dtype)) if hasattr(leaf, "shape") else leaf for leaf in leaves)
 
 
-def _refusal(failed: list[GroupCheck], policy_name: str, device: jax.Device) -> str:
+def _refusal(failed: list[GroupCheck], policy_name: str, device: jax.Device, layers: int) -> str:
     worst = failed[0]
     lines = [
         f"the gradient self-check failed: offload policy {policy_name!r} compiled by jax {jax.__version__} for "
         f"{device.device_kind} ({device.platform}) gives other values than save_all on "
-        f"{CHECK_LAYERS} stacked {'/'.join(worst.groups)} layers (one row, float32): "
+        f"{layers} stacked {'/'.join(worst.groups)} layers (one row, float32): "
         f"{worst.worst.what} differs by {worst.worst.max_abs:.3g}, {worst.worst.relative:.2e} of its largest "
         f"magnitude {worst.worst.scale:.3g} (float32 rounding allows {TOLERANCE:.1e})"
     ]
@@ -232,13 +241,14 @@ def compare_group(
     key: PRNGKeyArray,
 ) -> Difference:
     """The largest difference, relative to scale, between `policy`'s and save_all's outputs and
-    gradients (every parameter's and the input's) of a `CHECK_LAYERS`-layer stack of `make`."""
+    gradients (every parameter's and the input's) of a `check_layers(policy)`-layer stack of `make`."""
     k_layers, k_x, k_cotangent = jax.random.split(key, 3)
-    stack = LayerStack(make, CHECK_LAYERS, key=k_layers)  # eagerly: a jit would compile once per call
+    stack = LayerStack(make, check_layers(policy), key=k_layers)  # eagerly: a jit would compile once per call
     x = jax.random.normal(k_x, (1, seq, dim), jnp.float32)
     # the policy of the names this layer tags: the model's other layers' names mean nothing here
     own = stack.tagged_names(x)
-    policy = Policy.from_dict({name: policy.placement(name) for name in policy if name in own})
+    own_placements = {name: policy.placement(name) for name in policy if name in own}
+    policy = Policy.from_dict(own_placements, pipelined=policy.pipelined, peel=policy.peel)
     shapes = eqx.filter_eval_shape(_outputs, stack, x, policy)
     keys = jax.random.split(k_cotangent, len(shapes))
     cotangents = tuple(jax.random.normal(k, s.shape, s.dtype) for k, s in zip(keys, shapes, strict=True))
