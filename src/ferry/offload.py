@@ -40,6 +40,11 @@ class PolicyError(FerryError, ValueError):
     """A policy that cannot be applied: a bad placement or a name the model does not tag."""
 
 
+# A peeled stack's loop keeps at least two layers: XLA unrolls a loop of one step, and there a
+# store read straight back would be folded into nothing.
+PEEL_MIN_LAYERS = 4
+
+
 @dataclasses.dataclass(frozen=True)
 class Policy(Mapping[str, Placement]):
     """Where each tagged activation lives between the forward and the backward pass: an
@@ -99,6 +104,11 @@ class Policy(Mapping[str, Placement]):
     def save_all(cls) -> Policy:
         """Keep every residual on device: no recompute, no transfers."""
         return cls(keep_all=True)
+
+    def peels(self, num_layers: int) -> bool:
+        """Does this policy peel a scanned stack of `num_layers` (`ferry.offload_scan`)? Only a
+        pipelined one, and only where the loop keeps `PEEL_MIN_LAYERS` - 2 layers or more."""
+        return self.peel and self.pipelined and not self.keep_all and num_layers >= PEEL_MIN_LAYERS
 
     def placement(self, name: str) -> Placement:
         if self.keep_all:

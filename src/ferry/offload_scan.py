@@ -16,7 +16,7 @@ Every copy so gets a whole layer's compute to hide under, both loop indices are 
 engine (the zeros' store replaces layer L-1's). The cost: one more layer of offloaded values
 in HBM, in both passes; `pipelined_bytes` says how much.
 
-Peeled (`Policy.peel`, stacks of `PEEL_MIN_LAYERS` or more), layers 0 and L-1 run outside the
+Peeled (`Policy.peels`: stacks of `PEEL_MIN_LAYERS` or more), layers 0 and L-1 run outside the
 loop: layer 0 stores nothing (no placeholder crosses the link), layer L-1 stores layer L-2's
 values, and the backward pass reloads them as layer L-1's backward starts, so those two copies
 are free to overlap whatever XLA schedules around the stack (the loss head), where in a loop an
@@ -46,10 +46,6 @@ from ferry.offload import (
 )
 from ferry.sharding import constrain
 
-# Peeling leaves the loop at least two layers: XLA unrolls a loop of one step, and there a store
-# read straight back would be folded into nothing.
-PEEL_MIN_LAYERS = 4
-
 
 def offloaded_scan(fn: Callable[..., Any], policy: Policy, *, name: str = "layers") -> Callable[..., Any]:
     """Wrap `fn(layer, x, *extra) -> (x, stats)` into `run(stacked_layers, x, *extra) -> (x,
@@ -74,7 +70,6 @@ def offloaded_scan(fn: Callable[..., Any], policy: Policy, *, name: str = "layer
 
         layout = _Layout.of(layer_fn, diff, x, fixed, extra, policy)
         num_layers = jax.tree.leaves(diff)[0].shape[0]
-        peeled = policy.peel and num_layers >= PEEL_MIN_LAYERS
 
         @jax.custom_vjp
         def run(p: Any, h: jax.Array, f: Any, e: tuple[Any, ...]) -> Any:
@@ -99,9 +94,6 @@ def offloaded_scan(fn: Callable[..., Any], policy: Policy, *, name: str = "layer
             return replay_vjp(lambda p_, h_: layer_fn(p_, h_, f_k, e), injected, p_k, h, (ct, ct_stats_k))
 
         def run_fwd(p: Any, h: jax.Array, f: Any, e: tuple[Any, ...]) -> tuple[Any, Any]:
-            if peeled:
-                return peeled_fwd(p, h, f, e)
-
             def forward_body(carry: Any, xs: Any) -> tuple[Any, Any]:
                 out_h, offloaded, stats, kept, stored = layer_forward(*xs, e, *carry)
                 return (out_h, offloaded), (stats, kept, stored)
@@ -110,8 +102,6 @@ def offloaded_scan(fn: Callable[..., Any], policy: Policy, *, name: str = "layer
             return (out, stats), (p, f, e, kept, stored, last)
 
         def run_bwd(residuals: Any, cotangent: Any) -> tuple[Any, Any, None, None]:
-            if peeled:
-                return peeled_bwd(residuals, cotangent)
             p, f, e, kept, stored, last = residuals
             ct_out, ct_stats = cotangent
 
@@ -181,7 +171,7 @@ def offloaded_scan(fn: Callable[..., Any], policy: Policy, *, name: str = "layer
             )
             return jax.tree.map(lambda a, d: _put(a, d, 0), dp, dp_0), dx, None, None
 
-        run.defvjp(run_fwd, run_bwd)
+        run.defvjp(*((peeled_fwd, peeled_bwd) if policy.peels(num_layers) else (run_fwd, run_bwd)))
         return run(diff, x, fixed, extra)
 
     return call

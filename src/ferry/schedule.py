@@ -16,7 +16,6 @@ import jax
 from rich.table import Table
 
 from ferry.offload import LAYER_INPUT, Placement, Policy, record_tags_and_axes
-from ferry.offload_scan import PEEL_MIN_LAYERS
 from ferry.precision import cast_floating
 from ferry.sharding import activation_spec, shard_shape
 
@@ -80,7 +79,7 @@ class LayerGroup:
         """Offloaded bytes crossing the host link each way per micro step, per device: every
         layer's, less the last layer's in a peeled stack (it stays in HBM; an unpeeled pipelined
         stack moves a placeholder of its size instead)."""
-        return (self.num_layers - self.peeled) * self.bytes("offload") // self.num_layers
+        return (self.num_layers - self.peeled) * self._offloaded_per_layer
 
     def bytes(self, placement: Placement | None = None) -> int:
         """Bytes of all its layers' residuals with `placement` (all when None), per device."""
@@ -92,7 +91,11 @@ class LayerGroup:
         layer's stay in HBM from the forward pass to the backward (they never cross the link),
         and while the stack runs a second layer's are in flight: the one being stored or
         reloaded."""
-        return sum(r.bytes_per_device for r in self.residuals if r.placement == "offload") if self.pipelined else 0
+        return self._offloaded_per_layer if self.pipelined else 0
+
+    @property
+    def _offloaded_per_layer(self) -> int:
+        return sum(r.bytes_per_device for r in self.residuals if r.placement == "offload")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,7 +292,7 @@ def model_schedule(
         shape = (rows, seq_len - group.seq_shrink, model.config.dim)
         pipelined = group.pipelined and policy.pipelined and not policy.keep_all
         residuals = layer_residuals(one_layer, model, jax.ShapeDtypeStruct(shape, dtype), policy, mesh, pipelined)
-        peeled = pipelined and policy.peel and group.num_layers >= PEEL_MIN_LAYERS
+        peeled = pipelined and policy.peels(group.num_layers)
         groups.append(LayerGroup(group.name, group.num_layers, residuals, pipelined, peeled))
     return TransferSchedule(policy_name, tuple(groups), micro_steps)
 

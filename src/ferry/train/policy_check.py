@@ -30,8 +30,7 @@ from rich.console import Console
 
 from ferry.models.registry import abstract_model, family_of, model_config
 from ferry.nn.stack import LayerStack
-from ferry.offload import Policy, PolicyError
-from ferry.offload_scan import PEEL_MIN_LAYERS
+from ferry.offload import PEEL_MIN_LAYERS, Policy, PolicyError
 from ferry.sharding import MESH_AXES
 from ferry.train.config import FerryConfig
 
@@ -41,8 +40,8 @@ CHECK_LAYERS = 3
 
 def check_layers(policy: Policy) -> int:
     """Layers per checked stack under `policy`: a peeled one needs enough for its loop to stay one
-    (`ferry.offload_scan.PEEL_MIN_LAYERS`), so that the program checked is the run's."""
-    return max(CHECK_LAYERS, PEEL_MIN_LAYERS) if policy.peel and policy.pipelined else CHECK_LAYERS
+    (`Policy.peels`), so that the program checked is the run's."""
+    return max(CHECK_LAYERS, PEEL_MIN_LAYERS) if policy.peels(PEEL_MIN_LAYERS) else CHECK_LAYERS
 
 
 CHECK_SEQ = 64
@@ -247,8 +246,7 @@ def compare_group(
     x = jax.random.normal(k_x, (1, seq, dim), jnp.float32)
     # the policy of the names this layer tags: the model's other layers' names mean nothing here
     own = stack.tagged_names(x)
-    own_placements = {name: policy.placement(name) for name in policy if name in own}
-    policy = Policy.from_dict(own_placements, pipelined=policy.pipelined, peel=policy.peel)
+    policy = dataclasses.replace(policy, placements={name: policy.placement(name) for name in policy if name in own})
     shapes = eqx.filter_eval_shape(_outputs, stack, x, policy)
     keys = jax.random.split(k_cotangent, len(shapes))
     cotangents = tuple(jax.random.normal(k, s.shape, s.dtype) for k, s in zip(keys, shapes, strict=True))
