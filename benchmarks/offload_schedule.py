@@ -2,8 +2,8 @@
 
 - per layer: each copy issued inside its layer (`offload.pipelined=false`);
 - ferry: copies one layer apart, in Python (`ferry.offload_scan`, the default);
-- ferry, peeled: the same with each stack's first and last layers outside its loop
-  (`offload.peel`): no placeholder copies, and the last store and first reload free of a loop;
+- ferry, peel 1 / peel 2: the same with each stack's first layer and its last one or two outside
+  its loop (`offload.peel`): no placeholder copies, and the copies of those layers free of a loop;
 - XLA: XLA's pipelined host offloading (`xla_gpu_enable_pipelined_host_offloading`) on the
   per-layer program;
 - both: ferry's schedule compiled with XLA's pass on;
@@ -15,12 +15,14 @@ each ordered by XLA's latency-hiding scheduler twice: with its own fixed estimat
 For each preset and schedule it prints the planner's reading of the compiled program: link time,
 exposed copy time, the least any order of its computations could expose (floor: a copy cannot
 outlive its loop iteration), matmul time, HBM temporaries and total, the goal of the copy schedule
-(exposed <= max(0, link - matmul) + 5% of matmul) and the ratios to the per-layer schedule with
-XLA's estimates. All numbers come from deviceless compiles (`mode=plan`), not from a GPU.
-`--fsdp N` plans N GPUs of one FSDP mesh, a row of the batch each.
+(exposed <= max(0, link - matmul) + 5% of matmul) and the ratios to the first schedule's row (per
+layer, with XLA's estimates, unless `--schedules` says otherwise). All numbers come from deviceless
+compiles (`mode=plan`), not from a GPU. `--fsdp N` plans N GPUs of one FSDP mesh, a row of the
+batch each.
 
     python benchmarks/offload_schedule.py [--model llama3_1_8b] [--layers 4] [--seq-len 4096]
         [--presets qkv_offload minimal_offloaded decoder_input_offload] [--target h200] [--fsdp 1]
+        [--schedules "per layer" ferry "ferry, peel 1" "ferry, peel 2" XLA both]
 """
 
 import argparse
@@ -38,16 +40,17 @@ from ferry.plan.transfers import TransferSummary
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEDULES = {  # name: (offload.pipelined, offload.peel, xla_gpu_enable_pipelined_host_offloading)
-    "per layer": (False, False, False),
-    "ferry": (True, False, False),
-    "ferry, peeled": (True, True, False),
-    "XLA": (False, False, True),
-    "both": (True, False, True),
+    "per layer": (False, 0, False),
+    "ferry": (True, 0, False),
+    "ferry, peel 1": (True, 1, False),
+    "ferry, peel 2": (True, 2, False),
+    "XLA": (False, 0, True),
+    "both": (True, 0, True),
 }
 COSTS = ("xla", "ferry")  # platform.scheduler_costs: XLA's fixed estimates, ferry's cost model
 
 
-def plan(args: argparse.Namespace, preset: str, schedule: tuple[bool, bool, bool], costs: str, out: Path) -> dict:
+def plan(args: argparse.Namespace, preset: str, schedule: tuple[bool, int, bool], costs: str, out: Path) -> dict:
     """One `mode=plan` of `preset` under one schedule: its plan.json entry."""
     pipelined, peel, xla = schedule
     run_dir = out / f"{preset}-{int(pipelined)}{int(peel)}{int(xla)}-{costs}"
@@ -65,7 +68,7 @@ def plan(args: argparse.Namespace, preset: str, schedule: tuple[bool, bool, bool
         f"offload={preset}",
         f"plan.presets=[{preset}]",
         f"offload.pipelined={str(pipelined).lower()}",
-        f"offload.peel={str(peel).lower()}",
+        f"offload.peel={peel}",
         f"platform.xla_flags.xla_gpu_enable_pipelined_host_offloading={str(xla).lower()}",
         f"platform.scheduler_costs={costs}",
         f"run.dir={run_dir}",
@@ -84,7 +87,11 @@ def main() -> int:
     parser.add_argument("--presets", nargs="+", default=["qkv_offload", "minimal_offloaded", "decoder_input_offload"])
     parser.add_argument("--target", default="h200")
     parser.add_argument("--fsdp", type=int, default=1, help="GPUs of one FSDP mesh, one row of the batch each")
+    parser.add_argument(
+        "--schedules", nargs="+", choices=list(SCHEDULES), default=list(SCHEDULES), help="the ratios are to the first"
+    )
     args = parser.parse_args()
+    schedules = {name: SCHEDULES[name] for name in args.schedules}
     table = Table(
         title=f"copy schedules: {args.model}, {args.layers} layers x {args.seq_len} tokens, "
         f"{args.fsdp} x {args.target} (per device and step; deviceless compiles)"
@@ -96,7 +103,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as out:
         for preset in args.presets:
             reference = None
-            for (name, schedule), costs in itertools.product(SCHEDULES.items(), COSTS):
+            for (name, schedule), costs in itertools.product(schedules.items(), COSTS):
                 p = plan(args, preset, schedule, costs, Path(out))
                 per_step = p["transfers"]["per_step"]
                 summary = TransferSummary(**per_step)

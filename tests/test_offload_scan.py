@@ -30,28 +30,28 @@ def batch_for(model, rows=2, seq=16):
 
 
 @pytest.mark.parametrize(
-    ("name", "preset", "peel"),
+    ("name", "preset", "peel", "layers"),
     [
-        ("llama_tiny", "qkv_offload", False),
-        ("llama_tiny", "minimal_offloaded", False),
-        ("llama_tiny", "decoder_input_offload", False),
-        # peeled (`Policy.peel`): the first and last layers outside the loop, tagged values and the
-        # layer input; 4 layers, so that the loop runs two (XLA unrolls a loop of one)
-        ("llama_tiny", "minimal_offloaded", True),
-        ("llama_tiny", "decoder_input_offload", True),
+        ("llama_tiny", "qkv_offload", 0, 3),
+        ("llama_tiny", "minimal_offloaded", 0, 3),
+        ("llama_tiny", "decoder_input_offload", 0, 3),
+        # peeled (`Policy.peel`): the first layer and the last `peel` outside the loop, tagged values
+        # and the layer input; a loop of two, of one, and none at all
+        ("llama_tiny", "minimal_offloaded", 1, 4),
+        ("llama_tiny", "decoder_input_offload", 2, 4),
+        ("llama_tiny", "minimal_offloaded", 3, 4),
         # op by op a MoE runs slowly (106 s); test_deepseek_v3's gradients of every preset against
         # save_all cover its pipelined MoE stack (statistics carried out of the loop) compiled
-        pytest.param("deepseek_v3_tiny", "moe_offload", False, marks=pytest.mark.slow),
-        pytest.param("deepseek_v3_tiny", "moe_offload", True, marks=pytest.mark.slow),
+        pytest.param("deepseek_v3_tiny", "moe_offload", 0, 3, marks=pytest.mark.slow),
+        pytest.param("deepseek_v3_tiny", "moe_offload", 1, 5, marks=pytest.mark.slow),  # 1 dense, then 4 MoE
     ],
 )
-def test_pipelined_equals_the_per_layer_engine_bit_for_bit(name, preset, peel):
+def test_pipelined_equals_the_per_layer_engine_bit_for_bit(name, preset, peel, layers):
     """Same replay, same injected values, only the copies' issue points differ: on CPU, where a
     copy is an identity, the loss and every gradient are equal exactly, run op by op. (Compiled,
     the two programs differ by one float32 rounding in about 80% of the weight gradients: XLA
     fuses the two loops' bodies differently. Op by op they are the same operations on the same
     values.)"""
-    layers = 3 + peel * (1 + name.startswith("deepseek"))  # DeepSeek: 1 dense, then 2 MoE (4 peeled: two in the loop)
     model = build_model(load_model_config(name, num_layers=layers), jax.random.key(0))
     batch = batch_for(model, rows=1, seq=12)
     policy = dataclasses.replace(preset_policy(preset, model), peel=peel)
@@ -139,19 +139,21 @@ def test_the_schedule_says_when_each_copy_is_issued_and_what_pipelining_keeps_in
     assert per_layer.hbm_saved_bytes == schedule.hbm_saved_bytes + schedule.pipeline_bytes
 
 
-def test_a_peeled_schedule_moves_one_layer_fewer_and_peels_only_loops_of_two_or_more():
+def test_a_peeled_schedule_moves_one_layer_fewer_and_peels_at_most_all_but_the_first_layer():
     """Peeled (`Policy.peel`), the last layer's offloaded values never cross the link and no
     placeholder does: a 4-layer stack moves 3 layers' worth each way, where the unpeeled one moves
-    4 (3 and a placeholder). A 3-layer stack is not peeled: its loop would run one layer, which
-    XLA unrolls, folding away a store read straight back."""
+    4 (3 and a placeholder), however many layers run outside the loop. A stack peels at most all
+    its layers but the first (then it has no loop)."""
     policy = Policy({"query_proj": "offload", "mlpwi_0": "offload"})
     model = build_model(load_model_config("llama_tiny", num_layers=4), jax.random.key(0))
-    peeled = model_schedule(model, dataclasses.replace(policy, peel=True), 2, 16, jnp.float32)
     unpeeled = model_schedule(model, policy, 2, 16, jnp.float32)
-    assert [g.peeled for g in peeled.groups] == [True] and [g.peeled for g in unpeeled.groups] == [False]
-    assert 4 * peeled.device_to_host_bytes == 3 * unpeeled.device_to_host_bytes > 0
-    assert peeled.host_to_device_bytes == peeled.pinned_host_bytes == peeled.device_to_host_bytes
-    assert peeled.pipeline_bytes == unpeeled.pipeline_bytes  # the last layer's stay in HBM either way
-    assert peeled.to_json()["layer_groups"][0]["peeled"] is True
-    three = build_model(load_model_config("llama_tiny", num_layers=3), jax.random.key(0))
-    assert not model_schedule(three, dataclasses.replace(policy, peel=True), 2, 16, jnp.float32).groups[0].peeled
+    assert [g.peeled for g in unpeeled.groups] == [0]
+    for peel, peeled_layers in ((1, 1), (2, 2), (7, 3)):
+        peeled = model_schedule(model, dataclasses.replace(policy, peel=peel), 2, 16, jnp.float32)
+        assert [g.peeled for g in peeled.groups] == [peeled_layers]
+        assert 4 * peeled.device_to_host_bytes == 3 * unpeeled.device_to_host_bytes > 0
+        assert peeled.host_to_device_bytes == peeled.pinned_host_bytes == peeled.device_to_host_bytes
+        assert peeled.pipeline_bytes == unpeeled.pipeline_bytes  # the last layer's stay in HBM either way
+        assert peeled.to_json()["layer_groups"][0]["peeled"] == peeled_layers
+    per_layer = dataclasses.replace(policy, peel=2, pipelined=False)
+    assert model_schedule(model, per_layer, 2, 16, jnp.float32).groups[0].peeled == 0

@@ -96,10 +96,11 @@ def test_a_broken_restore_of_every_tensor_is_refused_on_llama(broken_restore):
 
 
 def test_a_peeled_policy_is_checked_on_a_stack_it_peels(broken_restore):
-    """`offload.peel` runs the first and last layers outside the loop only in stacks of 4 or more:
-    the check stacks 4, so that the program it compiles is the run's."""
-    policy = dataclasses.replace(policy_of("llama_tiny", "minimal_offloaded"), peel=True)
-    with pytest.raises(PolicyCheckError, match=r"4 stacked decoder layers .* differs by"):
+    """`offload.peel=2` runs the first layer and the last two outside the loop: the check stacks
+    5, so that the program it compiles has the loop of a deep stack, and refuses a broken restore
+    there."""
+    policy = dataclasses.replace(policy_of("llama_tiny", "minimal_offloaded"), peel=2)
+    with pytest.raises(PolicyCheckError, match=r"5 stacked decoder layers .* differs by"):
         check_policy(model_config("llama_tiny"), policy, seq_len=SEQ)
 
 

@@ -40,11 +40,6 @@ class PolicyError(FerryError, ValueError):
     """A policy that cannot be applied: a bad placement or a name the model does not tag."""
 
 
-# A peeled stack's loop keeps at least two layers: XLA unrolls a loop of one step, and there a
-# store read straight back would be folded into nothing.
-PEEL_MIN_LAYERS = 4
-
-
 @dataclasses.dataclass(frozen=True)
 class Policy(Mapping[str, Placement]):
     """Where each tagged activation lives between the forward and the backward pass: an
@@ -56,15 +51,15 @@ class Policy(Mapping[str, Placement]):
     `pipelined` (the default) moves a scanned stack's offloaded values one layer apart
     (`ferry.offload_scan`): each copy hides under a whole layer, for one more layer of them in
     HBM; False moves them inside each layer (`offloaded`). `peel` runs a pipelined stack's
-    first and last layers outside its loop (three copies of the layer in the program): no
-    placeholder crosses the link, and the stack's last store and first reload may overlap the
-    work around the stack.
+    first layer and its last `peel` layers outside its loop (`peel` + 2 copies of the layer in the
+    program): no placeholder crosses the link, and the copies of the layers outside the loop may
+    overlap any work around them (the loss head), where a loop iteration's must finish under it.
     """
 
     placements: tuple[tuple[str, str], ...] | Mapping[str, str] = ()
     keep_all: bool = False
     pipelined: bool = True
-    peel: bool = False
+    peel: int = 0
 
     def __post_init__(self) -> None:
         # `Policy({"mlpwo": "offload"})` reads as a user writes it; stored as sorted pairs, so two
@@ -84,6 +79,8 @@ class Policy(Mapping[str, Placement]):
         names = [name for name, _ in self.placements]
         if len(set(names)) != len(names):
             raise PolicyError(f"a tensor is placed twice in {names}")
+        if self.peel < 0:
+            raise PolicyError(f"peel is {self.peel}; it counts the last layers run outside the loop: 0 or more")
         if self.keep_all and any(p != "device" for _, p in self.placements):
             raise PolicyError("keep_all keeps every residual on device; it takes no other placements")
 
@@ -94,7 +91,7 @@ class Policy(Mapping[str, Placement]):
         *,
         keep_all: bool = False,
         pipelined: bool = True,
-        peel: bool = False,
+        peel: int = 0,
     ) -> Policy:
         """Build a policy from `{tensor name: placement}` (e.g. a Hydra config node); the same as
         `Policy(tensors)`."""
@@ -105,10 +102,16 @@ class Policy(Mapping[str, Placement]):
         """Keep every residual on device: no recompute, no transfers."""
         return cls(keep_all=True)
 
-    def peels(self, num_layers: int) -> bool:
-        """Does this policy peel a scanned stack of `num_layers` (`ferry.offload_scan`)? Only a
-        pipelined one, and only where the loop keeps `PEEL_MIN_LAYERS` - 2 layers or more."""
-        return self.peel and self.pipelined and not self.keep_all and num_layers >= PEEL_MIN_LAYERS
+    @property
+    def peeled(self) -> bool:
+        """Does this policy peel its scanned stacks of two layers or more (`peels`)?"""
+        return self.peel > 0 and self.pipelined and not self.keep_all
+
+    def peels(self, num_layers: int) -> int:
+        """How many of a scanned stack's last layers run outside its loop under this policy
+        (`ferry.offload_scan`; its first layer too, where any do): `peel`, at most all but the
+        first, and only in a pipelined stack."""
+        return min(self.peel, num_layers - 1) if self.peeled and num_layers >= 2 else 0
 
     def placement(self, name: str) -> Placement:
         if self.keep_all:

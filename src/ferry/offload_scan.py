@@ -16,12 +16,12 @@ Every copy so gets a whole layer's compute to hide under, both loop indices are 
 engine (the zeros' store replaces layer L-1's). The cost: one more layer of offloaded values
 in HBM, in both passes; `pipelined_bytes` says how much.
 
-Peeled (`Policy.peels`: stacks of `PEEL_MIN_LAYERS` or more), layers 0 and L-1 run outside the
-loop: layer 0 stores nothing (no placeholder crosses the link), layer L-1 stores layer L-2's
-values, and the backward pass reloads them as layer L-1's backward starts, so those two copies
-are free to overlap whatever XLA schedules around the stack (the loss head), where in a loop an
-iteration's copies can hide only under that iteration. The layer body is then compiled three
-times.
+Peeled (`Policy.peels`: `offload.peel` = n), layer 0 and the last n layers run outside the loop:
+layer 0 stores nothing (no placeholder crosses the link), each of the last n stores the values of
+the layer before it, and the backward pass reloads them as that layer's backward starts, so those
+copies are free to overlap whatever XLA schedules around them (the later layers, the loss head),
+where in a loop an iteration's copies can hide only under that iteration. The layer body is then
+compiled n + 2 times.
 """
 
 from __future__ import annotations
@@ -115,9 +115,13 @@ def offloaded_scan(fn: Callable[..., Any], policy: Policy, *, name: str = "layer
             (dx, _), dp = jax.lax.scan(backward_body, (ct_out, last), (p, f, kept, stored, ct_stats), reverse=True)
             return dp, dx, None, None
 
+        tail = policy.peels(num_layers)  # layers after the loop (and layer 0 before it), when peeled
+        loop_end = num_layers - tail
+
         def peeled_fwd(p: Any, h: jax.Array, f: Any, e: tuple[Any, ...]) -> tuple[Any, Any]:
-            """Layer 0, a scan over layers 1..L-2, layer L-1: no placeholder is stored, and layer
-            L-2's store, outside the loop, may run on under the rest of the forward pass."""
+            """Layer 0, a scan over layers 1..L-1-tail, then the last `tail` layers: no placeholder
+            is stored, and the stores issued outside the loop may run on under the rest of the
+            forward pass and the loss head."""
             h, pending, stats_0, kept_0, _ = layer_forward(_at(p, 0), _at(f, 0), e, h, None)
 
             # Each loop reads its layer's index from an array (`jnp.arange`), and XLA copies the
@@ -130,30 +134,46 @@ def offloaded_scan(fn: Callable[..., Any], policy: Policy, *, name: str = "layer
                 out_h, offloaded, stats, kept, stored = layer_forward(_at(p, k), _at(f, k), e, *carry)
                 return (out_h, offloaded), (stats, kept, stored)
 
-            middle = jnp.arange(1, num_layers - 1)
-            (h, pending), (stats, kept, stored) = jax.lax.scan(forward_body, (h, pending), middle)
-            out, last, stats_last, kept_last, stored_last = layer_forward(
-                _at(p, num_layers - 1), _at(f, num_layers - 1), e, h, pending
-            )
-            stats = jax.tree.map(lambda a, m, z: jnp.concatenate([a[None], m, z[None]]), stats_0, stats, stats_last)
-            return (out, stats), (p, f, e, (kept_0, kept, kept_last), (stored, stored_last), last)
+            stats, kept, stored = (
+                [_stack_of_one(stats_0)],
+                None,
+                None,
+            )  # the loop's kept and stored: None without a loop
+            if loop_end > 1:
+                (h, pending), (looped, kept, stored) = jax.lax.scan(forward_body, (h, pending), jnp.arange(1, loop_end))
+                stats.append(looped)
+            kept_tail, stored_tail = [], []
+            for k in range(loop_end, num_layers):
+                h, pending, stats_k, kept_k, stored_k = layer_forward(_at(p, k), _at(f, k), e, h, pending)
+                stats.append(_stack_of_one(stats_k))
+                kept_tail.append(kept_k)
+                stored_tail.append(stored_k)  # layer k-1's values, on host
+            stats = jax.tree.map(lambda *parts: jnp.concatenate(parts), *stats)
+            return (h, stats), (p, f, e, (kept_0, kept, kept_tail), (stored, stored_tail), pending)
 
         def peeled_bwd(residuals: Any, cotangent: Any) -> tuple[Any, Any, None, None]:
-            """The reverse of `peeled_fwd`. Outside the loop the peeled layers pass barriers, as the
-            per-layer engine's unscanned layers do (`ferry.offload.offloaded`): layer L-2's reload
-            waits for the cotangent (else XLA folds a store read straight back into nothing), and
-            neither replay may merge with the forward pass."""
-            p, f, e, (kept_0, kept, kept_last), (stored, stored_last), last = residuals
+            """The reverse of `peeled_fwd`. Outside the loop the layers pass barriers, as the
+            per-layer engine's unscanned layers do (`ferry.offload.offloaded`): the host values wait
+            for the cotangent (else XLA folds a store read straight back into nothing: the loop's
+            too, which XLA unrolls where it runs one layer), each reload of a layer after the loop
+            waits for the cotangent of the layer above (so it is issued as that layer's backward
+            starts, not all at once), and no replay may merge with the forward pass."""
+            p, f, e, (kept_0, kept, kept_tail), (stored, stored_tail), current = residuals
             ct_out, ct_stats = cotangent
-            ct_out, p, f, kept_last, last, stored_last = jax.lax.optimization_barrier(
-                (ct_out, p, f, kept_last, last, stored_last)
+            dh, p, f, kept_tail, current, stored, stored_tail = jax.lax.optimization_barrier(
+                (ct_out, p, f, kept_tail, current, stored, stored_tail)
             )
-            previous = layout.reload(stored_last, name)
-            ct_last = jax.tree.map(lambda a: a[-1], ct_stats)
-            dp_last, dh = layer_backward(
-                _at(p, num_layers - 1), _at(f, num_layers - 1), e, kept_last, last, ct_out, ct_last
-            )
-            dp = jax.tree.map(lambda a, d: _put(jnp.zeros_like(a), d, num_layers - 1), p, dp_last)
+            dp = jax.tree.map(jnp.zeros_like, p)
+            for k in reversed(range(loop_end, num_layers)):
+                i = k - loop_end
+                stored_k = stored_tail[i]
+                if k < num_layers - 1:
+                    dh, stored_k = jax.lax.optimization_barrier((dh, stored_k))
+                previous = layout.reload(stored_k, name)  # layer k-1's: all of layer k's backward hides it
+                ct_stats_k = jax.tree.map(lambda a, k=k: a[k], ct_stats)
+                dp_k, dh = layer_backward(_at(p, k), _at(f, k), e, kept_tail[i], current, dh, ct_stats_k)
+                dp = jax.tree.map(lambda a, d, k=k: _put(a, d, k), dp, dp_k)
+                current = previous
 
             def backward_body(carry: Any, xs: Any) -> tuple[Any, None]:
                 ct, current, dp = carry
@@ -162,16 +182,17 @@ def offloaded_scan(fn: Callable[..., Any], policy: Policy, *, name: str = "layer
                 dp_k, dh = layer_backward(_at(p, k), _at(f, k), e, kept_k, current, ct, ct_stats_k)
                 return (dh, previous, jax.tree.map(lambda a, d: _put(a, d, k), dp, dp_k)), None
 
-            ct_middle = jax.tree.map(lambda a: a[1:-1], ct_stats)
-            xs = (jnp.arange(1, num_layers - 1), kept, stored, ct_middle)
-            (dh, current, dp), _ = jax.lax.scan(backward_body, (dh, previous, dp), xs, reverse=True)
+            if loop_end > 1:
+                ct_middle = jax.tree.map(lambda a: a[1:loop_end], ct_stats)
+                xs = (jnp.arange(1, loop_end), kept, stored, ct_middle)
+                (dh, current, dp), _ = jax.lax.scan(backward_body, (dh, current, dp), xs, reverse=True)
             dh, p, f, kept_0, current = jax.lax.optimization_barrier((dh, p, f, kept_0, current))
             dp_0, dx = layer_backward(
                 _at(p, 0), _at(f, 0), e, kept_0, current, dh, jax.tree.map(lambda a: a[0], ct_stats)
             )
             return jax.tree.map(lambda a, d: _put(a, d, 0), dp, dp_0), dx, None, None
 
-        run.defvjp(*((peeled_fwd, peeled_bwd) if policy.peels(num_layers) else (run_fwd, run_bwd)))
+        run.defvjp(*((peeled_fwd, peeled_bwd) if tail else (run_fwd, run_bwd)))
         return run(diff, x, fixed, extra)
 
     return call
@@ -180,6 +201,11 @@ def offloaded_scan(fn: Callable[..., Any], policy: Policy, *, name: str = "layer
 def _at(tree: Any, k: int | jax.Array) -> Any:
     """Layer k of stacked arrays (k may be traced: a loop's index)."""
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, k, keepdims=False), tree)
+
+
+def _stack_of_one(tree: Any) -> Any:
+    """One layer's arrays as a stack of one layer."""
+    return jax.tree.map(lambda a: a[None], tree)
 
 
 def _put(stacked: jax.Array, value: jax.Array, k: int | jax.Array) -> jax.Array:

@@ -72,14 +72,14 @@ class LayerGroup:
     num_layers: int
     residuals: tuple[Residual, ...]
     pipelined: bool = False  # its copies move one layer apart (`ferry.offload_scan`)
-    peeled: bool = False  # its first and last layers run outside its loop (`Policy.peel`)
+    peeled: int = 0  # its first and its last `peeled` layers run outside its loop (`Policy.peels`)
 
     @property
     def link_bytes(self) -> int:
         """Offloaded bytes crossing the host link each way per micro step, per device: every
         layer's, less the last layer's in a peeled stack (it stays in HBM; an unpeeled pipelined
         stack moves a placeholder of its size instead)."""
-        return (self.num_layers - self.peeled) * self._offloaded_per_layer
+        return (self.num_layers - bool(self.peeled)) * self._offloaded_per_layer
 
     def bytes(self, placement: Placement | None = None) -> int:
         """Bytes of all its layers' residuals with `placement` (all when None), per device."""
@@ -292,7 +292,7 @@ def model_schedule(
         shape = (rows, seq_len - group.seq_shrink, model.config.dim)
         pipelined = group.pipelined and policy.pipelined and not policy.keep_all
         residuals = layer_residuals(one_layer, model, jax.ShapeDtypeStruct(shape, dtype), policy, mesh, pipelined)
-        peeled = pipelined and policy.peels(group.num_layers)
+        peeled = policy.peels(group.num_layers) if pipelined else 0
         groups.append(LayerGroup(group.name, group.num_layers, residuals, pipelined, peeled))
     return TransferSchedule(policy_name, tuple(groups), micro_steps)
 
@@ -344,10 +344,10 @@ def schedule_table(schedule: TransferSchedule) -> Any:
             f"; pipelined: each stack's last layer of offloaded values stays in HBM "
             f"({format_bytes(schedule.pipeline_bytes)}), one more layer's in flight while a stack runs"
         )
-    if peeled := [g.name for g in schedule.groups if g.peeled]:
+    if peeled := [f"{g.name}: the first and the last {g.peeled}" for g in schedule.groups if g.peeled]:
         table.caption += (
-            f"; peeled ({', '.join(peeled)}): the first and last layers run outside the loop, so no placeholder "
-            "crosses the link and the last store and first reload are not bound to one layer"
+            f"; peeled ({', '.join(peeled)} layers outside the loop): no placeholder crosses the link, and "
+            "the copies of the layers outside the loop are not bound to one layer"
         )
     if schedule.state:
         table.caption += f"; train state in pinned host {format_bytes(schedule.state_host_bytes)}, each way per step"

@@ -107,7 +107,7 @@ def run_plan(
         at = dataclasses.replace(config, model=model, offload=offload)
         shown = "" if depths is None else " (" + ", ".join(f"{g} {d} layers" for g, d in depths.items()) + ")"
         console.print(f"compiling the train step for {config.mesh.num_devices} x {target.description}: {name}{shown}")
-        costs = platform.scheduler_costs == "ferry"
+        costs = platform.scheduler_costs_for(policy.peeled) == "ferry"
         cache = ProfileCache.of(platform) if costs else None
         flags = dict(platform.xla_flags)
         return plan_memory(at, target, policy, name, capacity, flags, host_capacity, costs, cache)
@@ -295,7 +295,8 @@ def transfer_table(plan: MemoryPlan) -> Table:
     if summary.floor_seconds:
         caption += (
             f" (at least {format_seconds(summary.floor_seconds)} in any order: a loop iteration's copies outlast "
-            "all its matrix work, and no copy outlives its iteration)"
+            "all its matrix work, and no copy outlives its iteration; offload.peel takes a stack's end layers out of "
+            'its loop, where their copies may overlap the loss head: README, "Peeling the stack\'s ends")'
         )
     if summary.kernel_copies:
         caption += (

@@ -190,8 +190,8 @@ def check_copies(
             r.name,
             direction,
             r.bytes_per_device,
-            (g.num_layers - g.peeled) * micro_steps,  # a peeled stack's last layer stays in HBM
-            (g.num_layers - 2 * g.peeled) * micro_steps,  # a peeled stack's loop runs its middle layers
+            (g.num_layers - bool(g.peeled)) * micro_steps,  # a peeled stack's last layer stays in HBM
+            (g.num_layers - (1 + g.peeled if g.peeled else 0)) * micro_steps,  # a peeled stack's loop runs the rest
             (g.num_layers - g.pipelined) * micro_steps,
         )
         for g in schedule.groups

@@ -128,10 +128,14 @@ class OffloadConfig:
     optimizer: str = "device"  # AdamW's moments: device | host (pinned host, streamed a layer at a time)
     params: str = "device"  # the float32 master weights: device | host (a compute-dtype copy stays in HBM)
     pipelined: bool = True  # a scanned stack's copies one layer apart (ferry.offload_scan)
-    peel: bool = False  # a pipelined stack's first and last layers outside its loop (Policy.peel)
+    peel: int = 0  # a pipelined stack's first and last `peel` layers outside its loop (Policy.peel)
 
     def __post_init__(self) -> None:
         self.state_placement  # noqa: B018  (refuses a placement other than device or host)
+        if self.peel < 0:
+            raise ConfigError(
+                f"offload.peel={self.peel}: it counts a stack's last layers run outside its loop; use 0 (none) or more"
+            )
 
     @property
     def state_placement(self) -> StatePlacement:

@@ -30,7 +30,7 @@ from rich.console import Console
 
 from ferry.models.registry import abstract_model, family_of, model_config
 from ferry.nn.stack import LayerStack
-from ferry.offload import PEEL_MIN_LAYERS, Policy, PolicyError
+from ferry.offload import Policy, PolicyError
 from ferry.sharding import MESH_AXES
 from ferry.train.config import FerryConfig
 
@@ -39,9 +39,9 @@ CHECK_LAYERS = 3
 
 
 def check_layers(policy: Policy) -> int:
-    """Layers per checked stack under `policy`: a peeled one needs enough for its loop to stay one
-    (`Policy.peels`), so that the program checked is the run's."""
-    return max(CHECK_LAYERS, PEEL_MIN_LAYERS) if policy.peels(PEEL_MIN_LAYERS) else CHECK_LAYERS
+    """Layers per checked stack under `policy`: a peeled one (`Policy.peel`) gets its first layer,
+    a loop of two and its `peel` last layers, so that the program checked is a deep stack's."""
+    return policy.peel + 3 if policy.peels(CHECK_LAYERS) else CHECK_LAYERS
 
 
 CHECK_SEQ = 64
