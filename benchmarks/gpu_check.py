@@ -218,11 +218,7 @@ def measure_slice(
             config = slice_config(preset, batch, seq_len, model)
             policy = config.offload.policy(abstract_model(config.model).tagged_names())
             # on a GPU, XLA's scheduler times the ops with ferry's costs, as training's compile does
-            scheduler = (
-                scheduler_target(config.platform, device.device_kind, policy.peeled)
-                if device.platform == "gpu"
-                else None
-            )
+            scheduler = scheduler_target(config.platform, device.device_kind) if device.platform == "gpu" else None
             step = compile_train_step(config, scheduler, policy, mesh, {}, scheduler_costs=scheduler is not None)
             memory = step.compiled.memory_analysis()
             used = memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes

@@ -93,10 +93,7 @@ def main(argv: list[str]) -> int:
             highlight=False,
         )
         check_platform(config.platform)
-        peeled = config.offload.policy().peeled
-        scheduler_target(
-            config.platform, jax.devices()[0].device_kind, peeled
-        )  # a device ferry can price, or refused now
+        scheduler_target(config.platform, jax.devices()[0].device_kind)  # a device ferry can price, or refused now
         console = make_console(quiet=jax.process_index() != 0)  # process 0 speaks for the run
         prepared = prepare(config, console)
         train(prepared, OmegaConf.to_yaml(node), console)

@@ -3,7 +3,6 @@ every instruction the scheduler orders gets a time from the compiled program and
 with them the scheduler hides the reloads its own fixed estimates leave exposed on an FSDP mesh."""
 
 import collections
-import dataclasses
 from pathlib import Path
 
 import jax
@@ -13,7 +12,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import ferry.plan.scheduler_costs as scheduler_costs
 from ferry.models.registry import abstract_model
-from ferry.offload import Policy
 from ferry.plan.hlo_stats import collectives, host_copies, scheduled_instructions
 from ferry.plan.planner import compile_only_mesh, compile_train_step, plan_memory
 from ferry.plan.scheduler_costs import (
@@ -28,7 +26,7 @@ from ferry.plan.scheduler_costs import (
 from ferry.plan.targets import TARGETS
 from ferry.plan.verify import DEAD
 from ferry.platform import PlatformConfig
-from tests.conftest import GPU_FLAGS, compose_config, load_platform, needs_cuda_plugin
+from tests.conftest import GPU_FLAGS, compose_config, needs_cuda_plugin
 
 H200 = TARGETS["h200"]
 
@@ -270,24 +268,11 @@ def test_a_profile_that_misses_an_instruction_is_refused(monkeypatch):
 
 def test_a_run_prices_its_step_only_on_a_gpu_ferry_knows():
     gpu = PlatformConfig(name="gpu", scheduler_costs="ferry")
-    assert scheduler_target(gpu, "NVIDIA H200", peeled=False) is TARGETS["h200"]
-    assert scheduler_target(gpu, "NVIDIA GB200", peeled=True) is TARGETS["gb200"]
-    assert scheduler_target(PlatformConfig(name="gpu"), "NVIDIA A100-SXM4-80GB", False) is None  # xla's estimates
+    assert scheduler_target(gpu, "NVIDIA H200") is TARGETS["h200"]
+    assert scheduler_target(gpu, "NVIDIA GB200") is TARGETS["gb200"]
+    assert scheduler_target(PlatformConfig(name="gpu"), "NVIDIA A100-SXM4-80GB") is None  # xla's estimates
     with pytest.raises(SchedulerCostsError, match="A100.*platform.scheduler_costs=xla"):
-        scheduler_target(gpu, "NVIDIA A100-SXM4-80GB", False)
-
-
-def test_auto_costs_time_a_looped_program_with_ferrys_model_and_a_peeled_one_with_xlas():
-    """`platform.scheduler_costs=auto` (gpu.yaml's): ferry's cost model, except for a policy that
-    peels its stacks (`offload.peel`), whose straight-line copies XLA's estimates order better."""
-    auto = load_platform("gpu")
-    assert auto.scheduler_costs == "auto"
-    assert scheduler_target(auto, "NVIDIA H200", peeled=False) is TARGETS["h200"]
-    assert scheduler_target(auto, "NVIDIA H200", peeled=True) is None
-    policy = Policy({"query_proj": "offload"})
-    for peel, pipelined, peeled in ((0, True, False), (2, True, True), (2, False, False)):
-        assert dataclasses.replace(policy, peel=peel, pipelined=pipelined).peeled is peeled
-    assert not Policy.save_all().peeled
+        scheduler_target(gpu, "NVIDIA A100-SXM4-80GB")
 
 
 def two_matmuls(size: int = 256):

@@ -20,7 +20,7 @@ _FLAG_VARIABLE = {"cpu": "XLA_FLAGS", "gpu": "XLA_FLAGS", "tpu": "LIBTPU_INIT_AR
 # TPU run without that hardware fails at once instead of training on the CPU
 _JAX_PLATFORM = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
 # who times the ops XLA:GPU's latency-hiding scheduler orders (`PlatformConfig.scheduler_costs`)
-SCHEDULER_COSTS = ("ferry", "xla", "auto")
+SCHEDULER_COSTS = ("ferry", "xla")
 # virtual CPU devices are threads and buffers on this host; more than this is a typo, not a mesh
 MAX_CPU_DEVICES = 1024
 
@@ -33,9 +33,8 @@ class PlatformError(FerryError, RuntimeError):
 class PlatformConfig:
     """`name`: cpu | gpu | tpu. `xla_flags`: flag name -> value; `env`: variable -> value.
     `scheduler_costs`: what XLA:GPU's latency-hiding scheduler times the step's ops with: `ferry`,
-    the plan's cost model (`ferry.plan.scheduler_costs`; two compiles where XLA autotunes), `xla`,
-    its own fixed estimates, or `auto`: ferry's for a program whose stacks run in loops, XLA's for
-    one that peels them (`scheduler_costs_for`). `scheduler_costs_cached`: keep ferry's priced profiles on disk
+    the plan's cost model (`ferry.plan.scheduler_costs`; two compiles where XLA autotunes), or
+    `xla`, its own fixed estimates. `scheduler_costs_cached`: keep ferry's priced profiles on disk
     (`ProfileCache`), so a program compiled again (a re-plan, a restarted run) is not priced again
     and, where XLA autotunes, compiles once."""
 
@@ -53,10 +52,9 @@ class PlatformConfig:
             raise ConfigError(
                 f"platform.scheduler_costs is {self.scheduler_costs!r}; use one of {', '.join(SCHEDULER_COSTS)}"
             )
-        if self.scheduler_costs != "xla" and self.name != "gpu":
+        if self.scheduler_costs == "ferry" and self.name != "gpu":
             raise ConfigError(
-                f"platform.scheduler_costs={self.scheduler_costs} is for platform=gpu (XLA:GPU's latency-hiding "
-                "scheduler); "
+                f"platform.scheduler_costs=ferry is for platform=gpu (XLA:GPU's latency-hiding scheduler); "
                 f"platform={self.name} schedules with its own estimates: set platform.scheduler_costs=xla"
             )
         if self.cpu_devices is not None and (self.name != "cpu" or self.cpu_devices < 1):
@@ -66,15 +64,6 @@ class PlatformConfig:
                 f"platform.cpu_devices={self.cpu_devices} is more than {MAX_CPU_DEVICES}: virtual CPU devices share "
                 f"this host's cores and memory, so use at most {MAX_CPU_DEVICES} to try a mesh"
             )
-
-    def scheduler_costs_for(self, peeled: bool) -> str:
-        """`ferry` or `xla`: what times the ops of a step whose policy peels its stacks or not
-        (`Policy.peeled`). `auto` picks XLA's estimates for a peeled program: ordered by ferry's
-        costs, the copies of its straight-line ends pile up behind the loss head, where XLA's
-        spread them over the layers (README, "Peeling the stack's ends")."""
-        if self.scheduler_costs == "auto":
-            return "xla" if peeled else "ferry"
-        return self.scheduler_costs
 
     @property
     def flag_variable(self) -> str:

@@ -107,7 +107,7 @@ def run_plan(
         at = dataclasses.replace(config, model=model, offload=offload)
         shown = "" if depths is None else " (" + ", ".join(f"{g} {d} layers" for g, d in depths.items()) + ")"
         console.print(f"compiling the train step for {config.mesh.num_devices} x {target.description}: {name}{shown}")
-        costs = platform.scheduler_costs_for(policy.peeled) == "ferry"
+        costs = platform.scheduler_costs == "ferry"
         cache = ProfileCache.of(platform) if costs else None
         flags = dict(platform.xla_flags)
         return plan_memory(at, target, policy, name, capacity, flags, host_capacity, costs, cache)

@@ -194,11 +194,10 @@ def _is_done(instruction: ScheduledInstruction) -> bool:
     return instruction.op.endswith("-done") and bool(instruction.start)
 
 
-def scheduler_target(platform: PlatformConfig, device_kind: str, peeled: bool) -> GpuTarget | None:
-    """The device facts ferry's cost profile prices a run's step with, where the platform times it
-    with ferry's costs (`PlatformConfig.scheduler_costs_for`; `peeled`: whether the run's policy
-    peels its stacks), None otherwise: refused for a GPU ferry has no facts of."""
-    if platform.scheduler_costs_for(peeled) != "ferry":
+def scheduler_target(platform: PlatformConfig, device_kind: str) -> GpuTarget | None:
+    """The device facts ferry's cost profile prices a run's step with, where
+    `platform.scheduler_costs=ferry` (None otherwise): refused for a GPU ferry has no facts of."""
+    if platform.scheduler_costs != "ferry":
         return None
     target = TARGETS.get(accelerator_name(device_kind) or "")
     if not isinstance(target, GpuTarget):

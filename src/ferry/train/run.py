@@ -123,7 +123,7 @@ def compile_checked(
     layout = prepared.layout
     stream = layout.streamed_update(tc)
     body = train_step_body(optimizer, settings, schedule, micro_steps, layout.sharding, tc.on_nonfinite, stream)
-    scheduler = scheduler_target(config.platform, jax.devices()[0].device_kind, prepared.policy.peeled)
+    scheduler = scheduler_target(config.platform, jax.devices()[0].device_kind)
     costs_cache = ProfileCache.of(config.platform)
     compiled, train_step = compile_step(body, prepared.layout, placement.spec(), scheduler, costs_cache)
     memory = CompiledMemory.of(compiled)
