@@ -163,29 +163,29 @@ def offloaded_scan(fn: Callable[..., Any], policy: Policy, *, name: str = "layer
             dh, p, f, kept_tail, current, stored, stored_tail = jax.lax.optimization_barrier(
                 (ct_out, p, f, kept_tail, current, stored, stored_tail)
             )
-            dp = jax.tree.map(jnp.zeros_like, p)
-            for k in reversed(range(loop_end, num_layers)):
-                i = k - loop_end
-                stored_k = stored_tail[i]
-                if k < num_layers - 1:
-                    dh, stored_k = jax.lax.optimization_barrier((dh, stored_k))
-                previous = layout.reload(stored_k, name)  # layer k-1's: all of layer k's backward hides it
-                ct_stats_k = jax.tree.map(lambda a, k=k: a[k], ct_stats)
-                dp_k, dh = layer_backward(_at(p, k), _at(f, k), e, kept_tail[i], current, dh, ct_stats_k)
-                dp = jax.tree.map(lambda a, d, k=k: _put(a, d, k), dp, dp_k)
-                current = previous
 
-            def backward_body(carry: Any, xs: Any) -> tuple[Any, None]:
-                ct, current, dp = carry
+            def backward_step(carry: Any, xs: Any) -> tuple[Any, None]:
+                """Layer k's backward pass, layer k-1's reload issued first (all of it hides the
+                copy), its gradients written into the stack's: a loop body, and the peeled layers'."""
+                dh, current, dp = carry
                 k, kept_k, stored_k, ct_stats_k = xs
                 previous = layout.reload(stored_k, name)
-                dp_k, dh = layer_backward(_at(p, k), _at(f, k), e, kept_k, current, ct, ct_stats_k)
+                dp_k, dh = layer_backward(_at(p, k), _at(f, k), e, kept_k, current, dh, ct_stats_k)
                 return (dh, previous, jax.tree.map(lambda a, d: _put(a, d, k), dp, dp_k)), None
+
+            dp = jax.tree.map(jnp.zeros_like, p)
+            for k in reversed(range(loop_end, num_layers)):
+                stored_k = stored_tail[k - loop_end]
+                if k < num_layers - 1:
+                    dh, stored_k = jax.lax.optimization_barrier((dh, stored_k))
+                ct_stats_k = jax.tree.map(lambda a, k=k: a[k], ct_stats)
+                xs = (k, kept_tail[k - loop_end], stored_k, ct_stats_k)
+                (dh, current, dp), _ = backward_step((dh, current, dp), xs)
 
             if loop_end > 1:
                 ct_middle = jax.tree.map(lambda a: a[1:loop_end], ct_stats)
                 xs = (jnp.arange(1, loop_end), kept, stored, ct_middle)
-                (dh, current, dp), _ = jax.lax.scan(backward_body, (dh, current, dp), xs, reverse=True)
+                (dh, current, dp), _ = jax.lax.scan(backward_step, (dh, current, dp), xs, reverse=True)
             dh, p, f, kept_0, current = jax.lax.optimization_barrier((dh, p, f, kept_0, current))
             dp_0, dx = layer_backward(
                 _at(p, 0), _at(f, 0), e, kept_0, current, dh, jax.tree.map(lambda a: a[0], ct_stats)

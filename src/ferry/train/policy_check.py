@@ -41,7 +41,7 @@ CHECK_LAYERS = 3
 def check_layers(policy: Policy) -> int:
     """Layers per checked stack under `policy`: a peeled one (`Policy.peel`) gets its first layer,
     a loop of two and its `peel` last layers, so that the program checked is a deep stack's."""
-    return policy.peel + 3 if policy.peels(CHECK_LAYERS) else CHECK_LAYERS
+    return policy.peel + 3 if policy.peeled else CHECK_LAYERS
 
 
 CHECK_SEQ = 64
