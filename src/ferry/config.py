@@ -9,7 +9,7 @@ import math
 import types
 import typing
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from ferry.errors import FerryError
 
@@ -18,7 +18,10 @@ class ConfigError(FerryError, ValueError):
     """A config that names a key the schema does not have, or has a value of the wrong kind."""
 
 
-def from_dict[T](cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
+T = TypeVar("T")
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
     """Build dataclass `cls` from `data`, recursing into nested dataclass fields. Each value is
     checked (and numbers widened: an int for a float field) against the field's type; a value
     the dataclass's own validation rejects is refused as a ConfigError naming `where`."""
