@@ -22,6 +22,7 @@ from typing import Any, Literal, get_args
 import equinox as eqx
 import jax
 from jax._src import core as jax_core
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ferry.errors import FerryError
@@ -31,6 +32,8 @@ Axes = tuple[str | None, ...] | None
 
 Placement = Literal["device", "offload", "remat"]
 PLACEMENTS: tuple[Placement, ...] = get_args(Placement)
+Engine = Literal["ferry", "jax"]
+ENGINES: tuple[Engine, ...] = get_args(Engine)
 LAYER_INPUT = "decoder_layer_input"
 """The name of a layer's input. It is a residual of every layer and cannot be recomputed
 inside the layer, so a policy places it on `device` (the default) or `offload`s it."""
@@ -54,12 +57,15 @@ class Policy(Mapping[str, Placement]):
     first layer and its last `peel` layers outside its loop (`peel` + 2 copies of the layer in the
     program): no placeholder crosses the link, and the copies of the layers outside the loop may
     overlap any work around them (the loss head), where a loop iteration's must finish under it.
+    `engine="jax"` places the same tensors with JAX's own offload instead (`checkpointed_by_jax`),
+    the baseline ferry's engine is measured against.
     """
 
     placements: tuple[tuple[str, str], ...] | Mapping[str, str] = ()
     keep_all: bool = False
     pipelined: bool = True
     peel: int = 0
+    engine: str = "ferry"
 
     def __post_init__(self) -> None:
         # `Policy({"mlpwo": "offload"})` reads as a user writes it; stored as sorted pairs, so two
@@ -83,6 +89,13 @@ class Policy(Mapping[str, Placement]):
             raise PolicyError(f"peel is {self.peel}; it counts the last layers run outside the loop: 0 or more")
         if self.keep_all and any(p != "device" for _, p in self.placements):
             raise PolicyError("keep_all keeps every residual on device; it takes no other placements")
+        if self.engine not in ENGINES:
+            raise PolicyError(f"engine is {self.engine!r}; an offload engine is one of {', '.join(ENGINES)}")
+        if self.engine == "jax" and dict(self.placements).get(LAYER_INPUT) == "offload":
+            raise PolicyError(
+                f"engine 'jax' cannot offload {LAYER_INPUT}: jax.checkpoint keeps a layer's input where the "
+                "scan put it (HBM); place it on 'device', or use engine 'ferry'"
+            )
 
     @classmethod
     def from_dict(
@@ -92,10 +105,11 @@ class Policy(Mapping[str, Placement]):
         keep_all: bool = False,
         pipelined: bool = True,
         peel: int = 0,
+        engine: str = "ferry",
     ) -> Policy:
         """Build a policy from `{tensor name: placement}` (e.g. a Hydra config node); the same as
         `Policy(tensors)`."""
-        return cls(dict(tensors or {}), keep_all, pipelined, peel)
+        return cls(dict(tensors or {}), keep_all, pipelined, peel, engine)
 
     @classmethod
     def save_all(cls) -> Policy:
@@ -105,7 +119,13 @@ class Policy(Mapping[str, Placement]):
     @property
     def peeled(self) -> bool:
         """Does this policy peel its scanned stacks of two layers or more (`peels`)?"""
-        return self.peel > 0 and self.pipelined and not self.keep_all
+        return self.peel > 0 and self.pipelined_by_ferry
+
+    @property
+    def pipelined_by_ferry(self) -> bool:
+        """Does ferry's engine move a scanned stack's copies one layer apart (`ferry.offload_scan`)?
+        JAX's own offload (`engine="jax"`) has no such schedule."""
+        return self.pipelined and not self.keep_all and self.engine == "ferry"
 
     def peels(self, num_layers: int) -> int:
         """How many of a scanned stack's last layers run outside its loop under this policy
@@ -199,6 +219,14 @@ class _Recorder(_Handler):
         return x
 
 
+class _Namer(_Handler):
+    """Names each tagged value for JAX's own remat policies (`jax.ad_checkpoint.checkpoint_name`)."""
+
+    def __call__(self, x: jax.Array, name: str, axes: Axes) -> jax.Array:
+        self.check_top_level(name)
+        return checkpoint_name(x, name)
+
+
 class _Injector(_Handler):
     """Replaces the k-th value tagged `name` by its saved copy; `finish` refuses a replay that
     did not reach every saved value (a layer whose tags depend on anything but its inputs)."""
@@ -228,13 +256,13 @@ class _Injector(_Handler):
             )
 
 
-_TAG_CONTEXT: contextvars.ContextVar[tuple[_Recorder | _Injector, ...]] = contextvars.ContextVar(
+_TAG_CONTEXT: contextvars.ContextVar[tuple[_Handler, ...]] = contextvars.ContextVar(
     "ferry_tag_context", default=()
 )
 
 
 @contextlib.contextmanager
-def _tag_context(handler: _Recorder | _Injector) -> Iterator[None]:
+def _tag_context(handler: _Handler) -> Iterator[None]:
     token = _TAG_CONTEXT.set((*_TAG_CONTEXT.get(), handler))
     try:
         yield
@@ -411,6 +439,8 @@ def offloaded(
     """
     if policy.keep_all:
         return fn
+    if policy.engine == "jax":
+        return checkpointed_by_jax(fn, policy, in_scan=in_scan)
 
     def save(tensor: str, value: jax.Array, axes: Axes) -> jax.Array | None:
         placement = policy.placement(tensor)
@@ -474,3 +504,25 @@ def offloaded(
         return layer(diff, x, fixed, extra)
 
     return call
+
+
+def checkpointed_by_jax(fn: Callable[..., Any], policy: Policy, *, in_scan: bool = False) -> Callable[..., Any]:
+    """The layer `fn(params, x, *extra)` with `policy`'s placements made by JAX's own offload:
+    `jax.checkpoint` with `save_and_offload_only_these_names`, each tag a `checkpoint_name`.
+    What a JAX user would write instead of ferry's engine, so the two can be compared on the
+    same model and tensors (`offload.engine=jax`). The layer input stays where the scan keeps it.
+    """
+    placed = {placement: [name for name, p in policy.placements if p == placement] for placement in PLACEMENTS}
+    remat_policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=placed["device"],
+        names_which_can_be_offloaded=placed["offload"],
+        offload_src="device",
+        offload_dst="pinned_host",
+    )
+
+    def named(params: Any, x: jax.Array, *extra: Any) -> Any:
+        with _tag_context(_Namer()):
+            return fn(params, x, *extra)
+
+    # in a scan body JAX's own advice: no CSE barrier (the loop already keeps the replay apart)
+    return eqx.filter_checkpoint(named, policy=remat_policy, prevent_cse=not in_scan)

@@ -290,7 +290,7 @@ def model_schedule(
             return run(cast_floating(model, dtype), x)
 
         shape = (rows, seq_len - group.seq_shrink, model.config.dim)
-        pipelined = group.pipelined and policy.pipelined and not policy.keep_all
+        pipelined = group.pipelined and policy.pipelined_by_ferry
         residuals = layer_residuals(one_layer, model, jax.ShapeDtypeStruct(shape, dtype), policy, mesh, pipelined)
         peeled = policy.peels(group.num_layers) if pipelined else 0
         groups.append(LayerGroup(group.name, group.num_layers, residuals, pipelined, peeled))

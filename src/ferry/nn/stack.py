@@ -69,7 +69,7 @@ class LayerStack(eqx.Module):
         names the model's other layers tag): a misspelt name is an error listing the names."""
         if not policy.keep_all and policy.names - tagged_elsewhere:  # tracing the layer only if it decides
             policy.validate(self.tagged_names(x, *extra) | tagged_elsewhere)
-        if self.pipelined and policy.pipelined:
+        if self.pipelined and policy.pipelined_by_ferry:
             return offloaded_scan(_hidden_and_stats, policy, name=self.name)(self.layers, x, *extra)
         in_scan = self.scan_layers and self.num_layers > 1  # XLA unrolls a scan of one step
         run = offloaded(_run_layer, policy, check_names=False, name=self.name, in_scan=in_scan)

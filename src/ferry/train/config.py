@@ -10,7 +10,7 @@ from hydra.core.config_store import ConfigStore
 from ferry.config import ConfigError, from_dict, require_finite
 from ferry.data.config import DataConfig
 from ferry.models.registry import model_config
-from ferry.offload import Policy
+from ferry.offload import ENGINES, Policy
 from ferry.platform import PlatformConfig
 from ferry.sharding import MeshConfig, check_divisible
 from ferry.train.state_memory import StatePlacement
@@ -129,9 +129,14 @@ class OffloadConfig:
     params: str = "device"  # the float32 master weights: device | host (a compute-dtype copy stays in HBM)
     pipelined: bool = True  # a scanned stack's copies one layer apart (ferry.offload_scan)
     peel: int = 0  # a pipelined stack's first and last `peel` layers outside its loop (Policy.peel)
+    engine: str = "ferry"  # ferry | jax: JAX's own offload of the same tensors, for comparison (Policy.engine)
 
     def __post_init__(self) -> None:
         self.state_placement  # noqa: B018  (refuses a placement other than device or host)
+        if self.engine not in ENGINES:
+            raise ConfigError(
+                f"offload.engine={self.engine}: use ferry (ferry's engine) or jax (JAX's own offload, for comparison)"
+            )
         if self.peel < 0:
             raise ConfigError(
                 f"offload.peel={self.peel}: it counts a stack's last layers run outside its loop; use 0 (none) or more"
@@ -146,7 +151,9 @@ class OffloadConfig:
         placements = dict(self.tensors)
         if self.default is not None:
             placements = {name: self.default for name in tagged if name not in placements} | placements
-        return Policy.from_dict(placements, keep_all=self.keep_all, pipelined=self.pipelined, peel=self.peel)
+        return Policy.from_dict(
+            placements, keep_all=self.keep_all, pipelined=self.pipelined, peel=self.peel, engine=self.engine
+        )
 
 
 @dataclasses.dataclass(frozen=True)
