@@ -268,3 +268,16 @@ def test_damaged_hf_checkpoints_through_the_launcher(tmp_path):
         assert "init.from_hf=" in error and str(named) in error, error
     assert "line " in error  # the JSON's line and column
     assert not (short / "run").exists() and not (bad_json / "run").exists()
+
+
+def test_checkpoint_final_false_saves_only_the_periodic_steps(tmp_path):
+    """checkpoint.final=false (a benchmark's throwaway run): no save after the last step, the
+    periodic ones and SIGTERM's kept."""
+    from ferry.train.config import CheckpointConfig
+
+    keeping = Checkpoints(tmp_path / "a", CheckpointConfig(every=5))
+    throwaway = Checkpoints(tmp_path / "b", CheckpointConfig(every=5, final=False))
+    assert keeping.due(7, last=True) and not throwaway.due(7, last=True)
+    assert throwaway.due(5) and throwaway.due(10, last=True) and not throwaway.due(7)
+    keeping.close()
+    throwaway.close()

@@ -141,11 +141,13 @@ class Checkpoints:
         )
         self.directory = directory.absolute()
         self.every = config.every
+        self.final = config.final
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
         self.own_steps: set[int] = set()  # steps this run saved or restored: their contents are known
 
-    def due(self, step: int) -> bool:
-        return self.every > 0 and step % self.every == 0
+    def due(self, step: int, last: bool = False) -> bool:
+        """Is `step` saved: every `every` steps, and the run's `last` unless `final` is off."""
+        return (self.every > 0 and step % self.every == 0) or (last and self.final)
 
     def save(self, step: int, state_arrays: Any, data_state: dict[str, Any], identity: dict[str, Any]) -> None:
         """Start saving `step` (returns once the arrays are on the host). A step this run saved or

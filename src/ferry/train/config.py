@@ -172,6 +172,7 @@ class CheckpointConfig:
     keep: int = 3
     keep_every: int | None = None
     async_save: bool = True  # write in a background thread; the step loop goes on
+    final: bool = True  # save after the last step; false: a throwaway run (a benchmark) ends without one
 
     def __post_init__(self) -> None:
         if self.every < 0:

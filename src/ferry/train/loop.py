@@ -185,7 +185,7 @@ class TrainingLoop:
         return Due(
             log=step == self.start + 1 or step % tc.log_every == 0 or step == tc.steps,
             evaluate=bool(self.eval_batches) and (step % tc.eval_every == 0 or step == tc.steps),
-            save=self.checkpoints.due(step) or step == tc.steps,
+            save=self.checkpoints.due(step, last=step == tc.steps),
             stop=self.sigterm.requested(step),
         )
 
