@@ -50,7 +50,9 @@ class StepMeter:
             record["pinned_host_bytes_compiled"] = self.memory.host_temporaries
         if self.peak:
             record["mfu"] = self.flops / step_time / self.peak
-        memory_peak = device_memory_peak()
+        if self.memory is not None:
+            record["device_memory_compiled_bytes"] = self.memory.device_bytes
+        memory_peak = device_memory_peak(self.memory)
         if memory_peak is not None:
-            record["device_memory_peak_bytes"] = memory_peak
+            record |= memory_peak.record()
         return record
