@@ -1,0 +1,303 @@
+"""ferry on one TPU chip in one command (at most about 9 minutes on a v5e):
+
+1. the gradient self-check (`train.check_policy`) at the benchmark's shape, and what it cost;
+2. the host link inside a compiled program: device->host, host->device and both at once;
+3. a Llama-shaped 386M model (dim 2048, 16/8 heads of 128, FFN 8192, 4 layers, vocabulary
+   32,768, sequence 2048) at global batches 4, 8 and 16 for every offload preset, `offload=auto`
+   and JAX's own offload of `minimal_offloaded`'s tensors (`offload.engine=jax`, recorded as
+   `preset: "jax_offload"`), each case `python launch/run.py ...` in a process of its own:
+   tokens/s and MFU (median of the steps after the first), the measured HBM peak against the
+   compiled arguments + temporaries, the host bytes, and the host copies' exposed time from a
+   `jax.profiler` trace of two steps, which ferry reads itself (`ferry.profile_trace`), beside
+   the floor the measured link sets: max(0, link time - compute time).
+
+    python benchmarks/tpu_check.py                               # writes benchmarks/results/tpu_v5e.json
+    python benchmarks/tpu_check.py --batches 8 --presets full_remat minimal_offloaded
+    python benchmarks/tpu_check.py --plot benchmarks/results/tpu_v5e.json   # the PNG and the README table
+
+A case that does not fit is ferry's one-line refusal, recorded as `oom` with the bytes it
+needed. Cases run batch 8 first, then 16, then 4, while the time budget (`--budget-s`) lasts;
+those left are recorded as skipped. The parent process never opens the chip, so each child can.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # `python benchmarks/tpu_check.py` from anywhere: benchmarks.* importable
+
+MODEL = (
+    "model=llama3_1_8b",
+    "model.dim=2048",
+    "model.num_heads=16",
+    "model.num_kv_heads=8",
+    "model.head_dim=128",
+    "model.mlp_dim=8192",
+    "model.num_layers=4",
+    "model.vocab_size=32768",
+    "train.seq_len=2048",
+    "data=synthetic",
+)
+PLATFORM = "tpu"
+PRESETS = ("save_all", "minimal", "full_remat", "decoder_input_offload", "qkv_offload", "minimal_offloaded")
+JAX_OFFLOAD = "jax_offload"  # JAX's own offload of JAX_OFFLOAD_TENSORS' tensors
+JAX_OFFLOAD_TENSORS = "minimal_offloaded"
+CASES = (*PRESETS, JAX_OFFLOAD, "auto")
+# the cases whose steps copy to host: only their trace says something (exposed copy time); the
+# others skip the profiler's seconds
+TRACED_CASES = ("decoder_input_offload", "qkv_offload", "minimal_offloaded", JAX_OFFLOAD, "auto")
+BATCH_ORDER = (8, 16, 4)  # what matters most first, should the budget run out
+STEPS = 7  # step 1 compiles; steps 2-5 timed; 6-7 traced
+TIMED = range(2, 6)
+TRACED = (6, 7)
+OUT = ROOT / "benchmarks" / "results" / "tpu_v5e.json"
+COMMAND = "python benchmarks/tpu_check.py"
+
+
+def case_overrides(case: str, batch: int, run_dir: Path, check_policy: bool) -> list[str]:
+    """The `launch/run.py` overrides of one case."""
+    offload = (
+        [f"offload={JAX_OFFLOAD_TENSORS}", "offload.engine=jax"] if case == JAX_OFFLOAD else [f"offload={case}"]
+    )
+    return [
+        *MODEL,
+        *offload,
+        f"platform={PLATFORM}",
+        f"train.global_batch_size={batch}",
+        f"train.steps={STEPS}",
+        "train.log_every=1",
+        "train.eval_batches=0",
+        f"train.check_policy={str(check_policy).lower()}",
+        *([f"profile.start_step={TRACED[0]}", f"profile.steps={len(TRACED)}"] if case in TRACED_CASES else []),
+        "checkpoint.final=false",
+        "log.tensorboard=false",
+        f"run.dir={run_dir}",
+    ]
+
+
+def scratch_root() -> Path:
+    """Where the cases' run directories go: RAM (/dev/shm) where there is one, so the final
+    checkpoint of a 4 GiB state costs seconds, not the disk's minute."""
+    shm = Path("/dev/shm")
+    return Path(tempfile.mkdtemp(prefix="ferry-tpu-check-", dir=shm if shm.is_dir() else None))
+
+
+def run_case(
+    case: str, batch: int, link: dict | None, timeout: float, check_policy: bool = False, keep: Path | None = None
+) -> dict:
+    """One case in its own process; its record. `keep`: a folder to copy its trace and log into."""
+    root = scratch_root()
+    run_dir = root / f"{case}-b{batch}"
+    command = [sys.executable, str(ROOT / "launch" / "run.py"), *case_overrides(case, batch, run_dir, check_policy)]
+    record: dict = {"preset": case, "global_batch": batch, "date": datetime.date.today().isoformat()}
+    if case == JAX_OFFLOAD:
+        record["tensors_of"] = JAX_OFFLOAD_TENSORS
+    started = time.perf_counter()
+    returncode, output = timed_output(command, timeout)
+    record["process_s"] = round(time.perf_counter() - started, 1)
+    if returncode is None:
+        shutil.rmtree(root, ignore_errors=True)
+        return record | {"status": "timeout"}
+    if keep is not None:
+        kept = keep / run_dir.name
+        kept.mkdir(parents=True, exist_ok=True)
+        (kept / "output.txt").write_text(output)
+        for xplane in (run_dir / "profile").rglob("*.xplane.pb"):
+            shutil.copy(xplane, kept / xplane.name)
+        if (run_dir / "metrics.jsonl").exists():
+            shutil.copy(run_dir / "metrics.jsonl", kept / "metrics.jsonl")
+    try:
+        if returncode != 0:
+            return record | refusal(output, returncode)
+        record |= read_metrics(run_dir / "metrics.jsonl")
+        if case in TRACED_CASES:
+            record |= read_trace(run_dir / "profile", link)
+        if check_policy:
+            record["self_check_s"] = self_check_seconds(output)
+        record["status"] = "ok"
+        return record
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def timed_output(command: list[str], timeout: float) -> tuple[int | None, str]:
+    """Run `command`; (its exit status, None if it ran past `timeout`, and its output, each line
+    prefixed with the seconds since it started: where a case's time goes)."""
+    started = time.perf_counter()
+    lines = []
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT) as child:
+        for line in child.stdout:
+            lines.append(f"[{time.perf_counter() - started:6.1f}s] {line}")
+            if time.perf_counter() - started > timeout:
+                child.kill()
+                return None, "".join(lines)
+        try:
+            returncode = child.wait(timeout=max(1.0, timeout - (time.perf_counter() - started)))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            return None, "".join(lines)
+    lines.append(f"[{time.perf_counter() - started:6.1f}s] exit {returncode}\n")
+    return returncode, "".join(lines)
+
+
+def refusal(output: str, returncode: int) -> dict:
+    """A case that did not run: out of memory (ferry's refusal, with the bytes it names) or a failure."""
+    lines = [line for line in output.splitlines() if line.strip()]
+    oom = next((line for line in lines if "RESOURCE_EXHAUSTED" in line or "does not fit" in line or "needs" in line), None)
+    if returncode == 2 and oom is not None:
+        found = re.search(r"needs ([\d.,]+) GiB", oom)
+        needed = int(float(found[1].replace(",", "")) * 2**30) if found else None
+        return {"status": "oom", "compiled_bytes": needed, "message": oom.strip()[:400]}
+    return {"status": "failed", "returncode": returncode, "message": "\n".join(lines[-30:])[-4000:]}
+
+
+def read_metrics(path: Path) -> dict:
+    """Medians of the timed steps' records; the memory figures of the last record."""
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    steps = [r for r in records if r.get("step") in TIMED and "tokens_per_s" in r]
+    if not steps:
+        raise RuntimeError(f"{path} holds no records of steps {list(TIMED)}")
+    last = steps[-1]
+    return {
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steps),
+        "step_s": statistics.median(r["step_time_s"] for r in steps),
+        "mfu": statistics.median(r["mfu"] for r in steps) if "mfu" in last else None,
+        "hbm_peak_bytes": last.get("device_memory_peak_bytes"),
+        "hbm_runtime_peak_bytes": last.get("device_memory_runtime_peak_bytes"),
+        "compiled_bytes": last.get("device_memory_compiled_bytes"),
+        "host_bytes": last.get("pinned_host_bytes_compiled"),
+        "host_bytes_planned": last.get("pinned_host_bytes_planned"),
+        "host_rss_peak_bytes": last.get("host_rss_peak_bytes"),
+        "loss": last.get("loss"),
+    }
+
+
+def read_trace(directory: Path, link: dict | None) -> dict:
+    """Exposed copy time and compute per traced step, and the floor the link sets."""
+    from ferry.profile_trace import newest_xplane, step_profiles
+
+    try:
+        profiles = step_profiles(newest_xplane(directory))
+    except (FileNotFoundError, ValueError) as error:
+        return {"trace": f"unreadable: {error}"}
+    profiles = [p for p in profiles if p.step_ns > 0][-len(TRACED) :]
+    if not profiles:
+        return {"trace": "no steps in the trace"}
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    record = {
+        "exposed_copy_s": mean([p.exposed_copy_ns for p in profiles]) / 1e9,
+        "traced_step_s": mean([p.step_ns for p in profiles]) / 1e9,
+        "compute_s": mean([p.compute_ns for p in profiles]) / 1e9,
+        "bytes_to_host": profiles[-1].bytes("to host"),
+        "bytes_to_device": profiles[-1].bytes("to device"),
+        "copies_per_step": len(profiles[-1].copies),
+    }
+    if link:
+        link_s = record["bytes_to_host"] / (link["to_host_gbps"] * 1e9) + record["bytes_to_device"] / (
+            link["to_device_gbps"] * 1e9
+        )
+        record["link_s"] = link_s
+        record["exposed_floor_s"] = max(0.0, link_s - record["compute_s"])
+    return record
+
+
+def self_check_seconds(stdout: str) -> float | None:
+    """What the start-up line says the self-check cost."""
+    found = re.search(r"self-check[^\n]*?([\d.]+) ?s\b", stdout)
+    return float(found[1]) if found else None
+
+
+def measure_link_child(out: Path) -> None:
+    """In a child: the link probe, both ways of reading it."""
+    import jax
+
+    from benchmarks.host_link import measure_traced, measure_wall_clock
+
+    result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
+    try:
+        result["trace"] = vars(measure_traced())
+    except Exception as error:  # a trace this reader cannot parse: the wall clock still answers
+        result["trace_error"] = f"{type(error).__name__}: {error}"
+    result["wall_clock"] = vars(measure_wall_clock())
+    out.write_text(json.dumps(result))
+
+
+def measure_link(timeout: float) -> dict:
+    with tempfile.TemporaryDirectory() as directory:
+        out = Path(directory) / "link.json"
+        command = [sys.executable, __file__, "--link-child", str(out)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        if done.returncode or not out.exists():
+            return {"status": "failed", "message": (done.stdout + done.stderr)[-3000:]}
+        return json.loads(out.read_text()) | {"status": "ok"}
+
+
+def link_rates(link: dict) -> dict | None:
+    """The rates the floor uses: the trace's where it read, else the wall clock's."""
+    return link.get("trace") or link.get("wall_clock")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", nargs="+", type=int, default=list(BATCH_ORDER))
+    parser.add_argument("--presets", nargs="+", default=list(CASES), help=f"cases of each batch; default {CASES}")
+    parser.add_argument("--budget-s", type=float, default=530, help="start no case after this many seconds")
+    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--no-link", action="store_true")
+    parser.add_argument("--keep", type=Path, default=None, help="copy each case's output, metrics and trace here")
+    parser.add_argument("--plot", type=Path, default=None, help="only draw the PNG and print the table of a JSON")
+    parser.add_argument("--link-child", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.link_child:
+        measure_link_child(args.link_child)
+        return 0
+    from benchmarks.tpu_report import markdown_table, plot_frontier
+
+    if args.plot:
+        results = json.loads(args.plot.read_text())
+        print(markdown_table(results))
+        print(plot_frontier(results, args.plot.with_suffix(".png")))
+        return 0
+    started = time.perf_counter()
+    deadline = started + args.budget_s
+    results: list[dict] = []
+    link = {} if args.no_link else measure_link(timeout=120)
+    if link:
+        results.append({"preset": "host_link", "date": datetime.date.today().isoformat(), **link})
+        print("host link:", json.dumps(link_rates(link)), flush=True)
+    first = True
+    for batch in args.batches:
+        for case in args.presets:
+            left = deadline - time.perf_counter()
+            if left < 20:
+                results.append({"preset": case, "global_batch": batch, "status": "skipped: --budget-s spent"})
+                continue
+            # the first case also runs the gradient self-check, timing what train.check_policy costs
+            check = first and case == "minimal_offloaded"
+            first = first and not check
+            rates = link_rates(link) if link else None
+            record = run_case(case, batch, rates, timeout=max(left, 60), check_policy=check, keep=args.keep)
+            results.append(record)
+            print(json.dumps(record), flush=True)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(results, indent=1) + "\n")  # kept if a later case fails
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    print(markdown_table(results))
+    print(plot_frontier(results, args.out.with_suffix(".png")))
+    print(f"{time.perf_counter() - started:.0f} s in all; {COMMAND} on {datetime.date.today().isoformat()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""What `tpu_check.py`'s records say, for people: a Markdown table (the README's "On a TPU"
+table) and a PNG of tokens/s against HBM per preset with the frontier (the cases no other case
+beats in both)."""
+
+from pathlib import Path
+
+GIB = 2**30
+
+
+def _gib(value: float | None) -> str:
+    return "-" if value is None else f"{value / GIB:.2f}"
+
+
+def case_records(results: list[dict]) -> list[dict]:
+    return [r for r in results if "global_batch" in r]
+
+
+def markdown_table(results: list[dict]) -> str:
+    """One row per case, tokens/s as a ratio to full_remat's at the same batch."""
+    cases = case_records(results)
+    base = {r["global_batch"]: r["tokens_per_s"] for r in cases if r["preset"] == "full_remat" and "tokens_per_s" in r}
+    header = (
+        "| batch | preset | tokens/s | vs full_remat | MFU | HBM peak (measured) GiB | compiled GiB | host GiB "
+        "| exposed copies s | link floor s |\n|---|---|---|---|---|---|---|---|---|---|"
+    )
+    rows = [header]
+    for r in sorted(cases, key=lambda r: (r["global_batch"], r["preset"])):
+        if r.get("status") != "ok":
+            needed = f" (needs {_gib(r['compiled_bytes'])} GiB)" if r.get("compiled_bytes") else ""
+            rows.append(f"| {r['global_batch']} | {r['preset']} | {r.get('status', '?')}{needed} | | | | | | | |")
+            continue
+        ratio = r["tokens_per_s"] / base[r["global_batch"]] if r["global_batch"] in base else None
+        exposed = r.get("exposed_copy_s")
+        floor = r.get("exposed_floor_s")
+        mfu = r.get("mfu")
+        cells = [
+            str(r["global_batch"]),
+            r["preset"],
+            f"{r['tokens_per_s']:,.0f}",
+            "-" if ratio is None else f"{ratio:.3f}",
+            "-" if mfu is None else f"{mfu:.1%}",
+            _gib(r.get("hbm_peak_bytes")),
+            _gib(r.get("compiled_bytes")),
+            _gib(r.get("host_bytes")),
+            "-" if exposed is None else f"{exposed:.3f}",
+            "-" if floor is None else f"{floor:.3f}",
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def frontier(points: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
+    """The (HBM, tokens/s, label) points no other point beats in both (less HBM, more tokens/s),
+    by HBM."""
+    kept, best = [], float("-inf")
+    for point in sorted(points, key=lambda p: (p[0], -p[1])):
+        if point[1] > best:
+            kept.append(point)
+            best = point[1]
+    return kept
+
+
+def plot_frontier(results: list[dict], path: Path) -> str:
+    """Draw tokens/s against the measured HBM peak per case into `path`; what was done."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return f"no PNG: matplotlib is not installed here; run `python benchmarks/tpu_check.py --plot {path.with_suffix('.json')}` where it is"
+    cases = [r for r in case_records(results) if r.get("status") == "ok" and r.get("hbm_peak_bytes")]
+    figure, axes = plt.subplots(figsize=(8, 5))
+    for batch, marker in ((4, "o"), (8, "s"), (16, "^")):
+        points = [(r["hbm_peak_bytes"] / GIB, r["tokens_per_s"], r["preset"]) for r in cases if r["global_batch"] == batch]
+        if not points:
+            continue
+        axes.scatter([p[0] for p in points], [p[1] for p in points], marker=marker, label=f"global batch {batch}")
+        for x, y, label in points:
+            axes.annotate(label, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        edge = frontier(points)
+        axes.plot([p[0] for p in edge], [p[1] for p in edge], linestyle="--", linewidth=0.8)
+    dates = sorted({r.get("date", "") for r in cases})
+    axes.set_xlabel("HBM peak, measured (GiB)")
+    axes.set_ylabel("tokens/s")
+    axes.set_title(f"Llama-shaped 386M, seq 2048, one TPU v5e ({', '.join(dates)})", fontsize=10)
+    axes.legend(fontsize=8)
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    return f"wrote {path}"

@@ -1,0 +1,59 @@
+"""benchmarks/tpu_check.py without a TPU: every case's command is a valid run config, its
+records are read as written, a refusal is recorded with the bytes it names, and the report's
+table and frontier say what the records say."""
+
+import json
+
+import pytest
+
+from benchmarks import tpu_check
+from benchmarks.tpu_report import frontier, markdown_table
+from tests.conftest import compose_config
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize("case", ["minimal_offloaded", "jax_offload", "full_remat"])
+def test_each_case_is_a_valid_run(case, tmp_path):
+    overrides = tpu_check.case_overrides(case, 16, tmp_path / "run", check_policy=case == "minimal_offloaded")
+    config = compose_config(*[o for o in overrides if not o.startswith("platform=")])
+    assert config.model.dim == 2048 and config.model.num_layers == 4 and config.model.vocab_size == 32768
+    assert config.train.global_batch_size == 16 and config.train.seq_len == 2048 and config.train.log_every == 1
+    assert not config.checkpoint.final
+    assert config.offload.engine == ("jax" if case == "jax_offload" else "ferry")
+    assert (config.profile.start_step is not None) == (case in tpu_check.TRACED_CASES)
+    assert "platform=tpu" in overrides
+
+
+def test_metrics_are_the_timed_steps_medians(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    records = [
+        {"step": step, "tokens_per_s": 1000.0 * step, "step_time_s": 1.0 / step, "mfu": 0.1 * step}
+        | {"device_memory_peak_bytes": 9 * GIB, "device_memory_compiled_bytes": 9 * GIB - 5}
+        for step in range(1, 8)
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in records))
+    read = tpu_check.read_metrics(path)
+    assert read["tokens_per_s"] == 3500.0  # steps 2-5: the first compiles, the last two are traced
+    assert read["mfu"] == pytest.approx(0.35)
+    assert read["hbm_peak_bytes"] == 9 * GIB and read["compiled_bytes"] == 9 * GIB - 5
+
+
+def test_an_out_of_memory_refusal_is_recorded_with_its_bytes():
+    line = "the compiled train step needs 16.33 GiB per device but a device has 15.75 GiB free"
+    record = tpu_check.refusal(f"platform tpu: ...\n{line}\n", 2)
+    assert record["status"] == "oom" and record["compiled_bytes"] == int(16.33 * GIB)
+    assert tpu_check.refusal("Traceback ...\nValueError: boom", 1)["status"] == "failed"
+
+
+def test_table_and_frontier():
+    results = [
+        {"preset": "full_remat", "global_batch": 8, "status": "ok", "tokens_per_s": 100.0, "hbm_peak_bytes": 8 * GIB},
+        {"preset": "minimal", "global_batch": 8, "status": "ok", "tokens_per_s": 120.0, "hbm_peak_bytes": 14 * GIB},
+        {"preset": "qkv_offload", "global_batch": 8, "status": "ok", "tokens_per_s": 90.0, "hbm_peak_bytes": 9 * GIB},
+        {"preset": "save_all", "global_batch": 8, "status": "oom", "compiled_bytes": 17 * GIB},
+    ]
+    table = markdown_table(results)
+    assert "| 8 | minimal | 120 | 1.200 |" in table and "oom (needs 17.00 GiB)" in table
+    points = [(r["hbm_peak_bytes"], r["tokens_per_s"], r["preset"]) for r in results if "tokens_per_s" in r]
+    assert [p[2] for p in frontier(points)] == ["full_remat", "minimal"]
