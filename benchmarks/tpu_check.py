@@ -64,11 +64,18 @@ OUT = ROOT / "benchmarks" / "results" / "tpu_v5e.json"
 COMMAND = "python benchmarks/tpu_check.py"
 
 
+# placements of your own, `--case LABEL=override,override,...`: LABEL -> its offload overrides
+CUSTOM: dict[str, list[str]] = {}
+
+
 def case_overrides(case: str, batch: int, run_dir: Path, check_policy: bool) -> list[str]:
     """The `launch/run.py` overrides of one case."""
-    offload = (
-        [f"offload={JAX_OFFLOAD_TENSORS}", "offload.engine=jax"] if case == JAX_OFFLOAD else [f"offload={case}"]
-    )
+    if case in CUSTOM:
+        offload = CUSTOM[case]
+    elif case == JAX_OFFLOAD:
+        offload = [f"offload={JAX_OFFLOAD_TENSORS}", "offload.engine=jax"]
+    else:
+        offload = [f"offload={case}"]
     return [
         *MODEL,
         *offload,
@@ -78,11 +85,15 @@ def case_overrides(case: str, batch: int, run_dir: Path, check_policy: bool) -> 
         "train.log_every=1",
         "train.eval_batches=0",
         f"train.check_policy={str(check_policy).lower()}",
-        *([f"profile.start_step={TRACED[0]}", f"profile.steps={len(TRACED)}"] if case in TRACED_CASES else []),
+        *([f"profile.start_step={TRACED[0]}", f"profile.steps={len(TRACED)}"] if traced(case) else []),
         "checkpoint.final=false",
         "log.tensorboard=false",
         f"run.dir={run_dir}",
     ]
+
+
+def traced(case: str) -> bool:
+    return case in TRACED_CASES or case in CUSTOM
 
 
 def scratch_root() -> Path:
@@ -120,7 +131,7 @@ def run_case(
         if returncode != 0:
             return record | refusal(output, returncode)
         record |= read_metrics(run_dir / "metrics.jsonl")
-        if case in TRACED_CASES:
+        if traced(case):
             record |= read_trace(run_dir / "profile", link)
         if check_policy:
             record["self_check_s"] = self_check_seconds(output)
@@ -255,6 +266,14 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--no-link", action="store_true")
     parser.add_argument("--keep", type=Path, default=None, help="copy each case's output, metrics and trace here")
+    parser.add_argument(
+        "--case",
+        action="append",
+        default=[],
+        metavar="LABEL=OVERRIDE,...",
+        help="a placement of your own, run after the presets at each batch, e.g. "
+        "mlp_out=offload=minimal,offload.tensors.mlpwi_0=offload",
+    )
     parser.add_argument("--plot", type=Path, default=None, help="only draw the PNG and print the table of a JSON")
     parser.add_argument("--link-child", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -268,6 +287,11 @@ def main() -> int:
         print(markdown_table(results))
         print(plot_frontier(results, args.plot.with_suffix(".png")))
         return 0
+    for spec in args.case:
+        label, _, overrides = spec.partition("=")
+        if not label or not overrides or label in CASES:
+            parser.error(f"--case {spec!r}: give LABEL=override,override,... with a label that is not a preset")
+        CUSTOM[label] = overrides.split(",")
     started = time.perf_counter()
     deadline = started + args.budget_s
     results: list[dict] = []
@@ -277,7 +301,7 @@ def main() -> int:
         print("host link:", json.dumps(link_rates(link)), flush=True)
     first = True
     for batch in args.batches:
-        for case in args.presets:
+        for case in [*args.presets, *CUSTOM]:
             left = deadline - time.perf_counter()
             if left < 20:
                 results.append({"preset": case, "global_batch": batch, "status": "skipped: --budget-s spent"})
