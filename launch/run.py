@@ -185,7 +185,7 @@ def plan(config: FerryConfig, console: Console) -> int:
         if isinstance(error, FerryError):
             raise
         raise ConfigError(str(error)) from error
-    written = write_plan(plans, choices, run_dir)
+    written = write_plan(plans, choices, run_dir, config)
     console.print("plan written to " + ", ".join(str(path) for path in written))
     return 0
 
