@@ -9,6 +9,7 @@ it; nothing was changed), 3 stopped at a non-finite loss (the last good state ch
 interrupted by Ctrl-C. Anything else is a bug, shown with its traceback.
 """
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -19,12 +20,13 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from rich.console import Console
+from rich.markup import escape
 
 from ferry import distributed
 from ferry.config import ConfigError, from_dict
 from ferry.errors import FerryError
 from ferry.plan.scheduler_costs import scheduler_target
-from ferry.platform import PlatformConfig, apply_platform, check_platform
+from ferry.platform import PlatformConfig, apply_platform, check_gpu_jax, check_platform
 from ferry.train.checkpoint import checkpoint_steps
 from ferry.train.config import FerryConfig, OffloadConfig, load_config
 from ferry.train.nonfinite import NonFiniteLossError
@@ -84,6 +86,8 @@ def main(argv: list[str]) -> int:
             console.print(f"note: {note}", highlight=False)
         if config.mode == "plan":
             return plan(config, console)
+        if config.platform.name == "gpu":
+            check_gpu_jax("platform=gpu")  # before the CUDA backend starts
         variables = apply_platform(config.platform)  # before JAX starts its backend
         processes = distributed.initialize(config.distributed)  # likewise
         console.print(
@@ -113,7 +117,8 @@ def main(argv: list[str]) -> int:
 def refuse(error: Exception, code: int = 2) -> int:
     """One line (any newlines in the message folded), exit status `code`."""
     line = " ".join(str(error).split())
-    Console(width=FILE_WIDTH, soft_wrap=True).print(f"[bold red]error:[/] {line}", highlight=False)
+    # escaped: a message's brackets (`pip install -e ".[plan]"`) are text, not rich markup
+    Console(width=FILE_WIDTH, soft_wrap=True).print(f"[bold red]error:[/] {escape(line)}", highlight=False)
     return code
 
 
@@ -152,10 +157,16 @@ def check_plan_extra(target: str, find_spec: object = None) -> None:
 def plan(config: FerryConfig, console: Console) -> int:
     """`mode=plan`: compile for `target` on this machine's CPU (never its own accelerator)."""
     jax.config.update("jax_platforms", "cpu")  # the CUDA plugin then only serves compile-only topologies
+    # libtpu's lockfile keeps a second process off a TPU VM's chips; a plan only compiles, so it may
+    # run beside a training run (or another plan) there
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     console = Console(width=max(console.width, 150), soft_wrap=console.soft_wrap)  # the tables are wide
     from ferry.plan.report import run_plan, write_plan
+    from ferry.plan.targets import TARGETS
 
     check_plan_extra(config.target)
+    if TARGETS[config.target].platform == "gpu":  # the plan compiles with the same XLA:GPU as a run
+        check_gpu_jax(f"mode=plan target={config.target}")
 
     def load_preset(name: str) -> OffloadConfig:
         path = Path(CONFIG_DIR) / "offload" / f"{name}.yaml"
@@ -174,7 +185,7 @@ def plan(config: FerryConfig, console: Console) -> int:
         if isinstance(error, FerryError):
             raise
         raise ConfigError(str(error)) from error
-    written = write_plan(plans, choices, run_dir)
+    written = write_plan(plans, choices, run_dir, config)
     console.print("plan written to " + ", ".join(str(path) for path in written))
     return 0
 

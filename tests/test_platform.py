@@ -47,3 +47,22 @@ def test_launcher_prints_the_platform_and_refuses_a_gpu_it_does_not_have(tmp_pat
     )
     assert "platform=gpu but JAX cannot start a GPU backend" in result.stdout and "platform=cpu" in result.stdout
     assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
+
+
+def test_gpu_needs_jax_0_12_and_says_why(monkeypatch):
+    """Below jax 0.12 XLA:GPU miscompiles host reads in backward loops (openxla/xla #46231):
+    platform=gpu is refused in one line naming the bug and the upgrade, before any backend
+    starts; CPU and TPU still run on that jax."""
+    from ferry.platform import jax_release
+    from tests.launcher_cases import load_launcher, run_case
+
+    assert jax_release("0.12.0.1") == (0, 12, 0, 1) and jax_release("0.10.2.dev20260101") == (0, 10, 2)
+    assert jax_release("0.13.0rc1") == (0, 13, 0) > (0, 12)
+    monkeypatch.setattr(jax, "__version__", "0.10.2")
+    launcher = load_launcher()
+    refused = run_case(launcher, ["platform=gpu", "train.steps=1", "train.warmup_steps=0"])
+    assert refused["code"] == 2, refused
+    line = refused["stdout"].strip()
+    assert "\n" not in line and "platform=gpu needs jax >= 0.12, and this is jax 0.10.2" in line
+    assert "openxla/xla #46231" in line and 'pip install -U "jax[cuda12]>=0.12"' in line
+    assert "platform gpu:" not in line  # refused before the platform's flags were applied

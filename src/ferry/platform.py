@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 from collections.abc import Iterator, Mapping
 
 from ferry.config import ConfigError
@@ -23,6 +24,10 @@ _JAX_PLATFORM = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
 SCHEDULER_COSTS = ("ferry", "xla")
 # virtual CPU devices are threads and buffers on this host; more than this is a typo, not a mesh
 MAX_CPU_DEVICES = 1024
+# ferry runs on jax >= 0.10.2 on CPU and TPU; XLA:GPU below 0.12 walks an offloaded scan
+# residual's host reads in the backward loop forwards (openxla/xla #46231, fixed with #46308 in
+# the XLA of jax 0.12): silently wrong gradients for every preset that offloads
+GPU_MIN_JAX = (0, 12)
 
 
 class PlatformError(FerryError, RuntimeError):
@@ -125,6 +130,35 @@ def _already_applied(config: PlatformConfig) -> bool:
     same_flags = not flags or flags in os.environ.get(config.flag_variable, "")
     same_env = all(os.environ.get(name) == str(value) for name, value in config.env.items())
     return same_flags and same_env and jax.config.jax_platforms == _JAX_PLATFORM[config.name]
+
+
+def jax_release(version: str) -> tuple[int, ...]:
+    """The numeric release of a JAX version string: "0.12.0.1" -> (0, 12, 0, 1), "0.10.2.dev20" -> (0, 10, 2)."""
+    numbers = []
+    for part in version.split("."):
+        match = re.match(r"\d+", part)
+        if match is None:
+            break
+        numbers.append(int(match.group()))
+        if match.group() != part:
+            break
+    return tuple(numbers)
+
+
+def check_gpu_jax(what: str, version: str | None = None) -> None:
+    """Refuse GPU work (`what`: a run's or a plan's words for it) with a JAX older than
+    `GPU_MIN_JAX`, whose XLA:GPU miscompiles host offloads in loops (#46231)."""
+    import jax
+
+    version = jax.__version__ if version is None else version
+    if jax_release(version) < GPU_MIN_JAX:
+        need = ".".join(str(n) for n in GPU_MIN_JAX)
+        raise PlatformError(
+            f"{what} needs jax >= {need}, and this is jax {version}: its XLA:GPU reads an offloaded layer's "
+            f"residuals in the backward loop in the wrong order (openxla/xla #46231, fixed in jax {need}), which "
+            f'trains on silently wrong gradients. Upgrade jax: pip install -U "jax[cuda12]>={need}" '
+            f'(or pip install -e ".[gpu]"); jax {version} serves platform=cpu and platform=tpu'
+        )
 
 
 def check_platform(config: PlatformConfig) -> None:

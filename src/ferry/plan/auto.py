@@ -388,7 +388,7 @@ def faster(predicted: StepEstimate, fastest: StepEstimate) -> bool:
 def fits_with_headroom(plan: MemoryPlan) -> bool:
     """HBM and the pinned host pool (where its size is known) each keep `HEADROOM` free."""
     host = plan.host_capacity_bytes is None or plan.host_bytes <= (1 - HEADROOM) * plan.host_capacity_bytes
-    return plan.device_bytes <= (1 - HEADROOM) * plan.capacity_bytes and host
+    return plan.compile_oom is None and plan.device_bytes <= (1 - HEADROOM) * plan.capacity_bytes and host
 
 
 @dataclasses.dataclass(frozen=True)

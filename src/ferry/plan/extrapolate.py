@@ -83,6 +83,8 @@ def extrapolated_plan(
     probes = [base_depths, *step_depths.values()]
     with ThreadPoolExecutor(max_workers=max(1, min(len(probes), os.cpu_count() or 1))) as pool:  # a core each
         base, *stepped = pool.map(compile_at, probes)
+    if any(plan.compile_oom is not None for plan in (base, *stepped)):  # no program to extend: compile the whole
+        raise ExtrapolationError("a shallow compile is over HBM already (XLA refused it)")
     steps = dict(zip(step_depths, stepped, strict=True))
     extra = {name: full[name] - base_depths[name] for name in steps}
 

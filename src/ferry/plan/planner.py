@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from ferry.compile_oom import CompileTimeOom, StepOverHbm, argument_bytes
 from ferry.errors import FerryError
 from ferry.models.registry import abstract_model
 from ferry.offload import Policy
@@ -72,6 +73,10 @@ class MemoryPlan:
     flops_bound: float | None = None
     xla_rematerialised: int = 0  # instructions XLA's own rematerialisation added (`hlo_stats.xla_rematerialised`)
     profile_cached: bool = False  # ferry's cost profile came from its cache: one compile, not two
+    # XLA refused to compile the program over HBM (`ferry.compile_oom`): what it said, in words. Then
+    # `temp_bytes` is what it said the program needs, the arguments are the state's and the batch's
+    # bytes, and `flops` the model FLOPs (no program to count them in); nothing else is known
+    compile_oom: str | None = None
 
     @property
     def device_bytes(self) -> int:
@@ -82,7 +87,7 @@ class MemoryPlan:
     def fits(self) -> bool:
         """HBM holds the step, and so does the pinned host pool where its size is known."""
         host_fits = self.host_capacity_bytes is None or self.host_bytes <= self.host_capacity_bytes
-        return self.device_bytes <= self.capacity_bytes and host_fits
+        return self.compile_oom is None and self.device_bytes <= self.capacity_bytes and host_fits
 
     @property
     def estimate(self) -> StepEstimate:
@@ -181,10 +186,18 @@ def compile_train_step(
     started = time.perf_counter()
     with jax.set_mesh(mesh):
         lowered = jax.jit(step, donate_argnums=0).lower(sharded, batch)
-        if priced:
-            compiled, _, cached = compile_with_costs(lowered, options, target, costs_cache)
-        else:
-            compiled, cached = lowered.compile(dict(options)), False
+        try:
+            if priced:
+                compiled, _, cached = compile_with_costs(lowered, options, target, costs_cache)
+            else:
+                compiled, cached = lowered.compile(dict(options)), False
+        except jax.errors.JaxRuntimeError as error:
+            oom = CompileTimeOom.of(error)
+            if oom is None:
+                raise
+            device, host = argument_bytes((sharded, batch))
+            where = f"{mesh.size} x {target.description if target else mesh.devices.flat[0].device_kind}"
+            raise StepOverHbm(oom, device, host, time.perf_counter() - started, where) from error
     seconds = time.perf_counter() - started
     return CompiledTrainStep(compiled, layout, model_config, mesh, dict(options), priced, seconds, cached)
 
@@ -207,8 +220,47 @@ def plan_memory(
     profile kept in `costs_cache`)."""
     mesh = compile_only_mesh(target, config.mesh)
     options = target.compile_options(dict(xla_flags or {}))
-    step = compile_train_step(config, target, policy, mesh, options, scheduler_costs, costs_cache)
+    try:
+        step = compile_train_step(config, target, policy, mesh, options, scheduler_costs, costs_cache)
+    except StepOverHbm as over:
+        return out_of_memory_plan(over, config, target, policy_name, options, capacity_bytes, host_capacity_bytes)
     return read_plan(step, config, target, policy, policy_name, capacity_bytes, host_capacity_bytes)
+
+
+def out_of_memory_plan(
+    over: StepOverHbm,
+    config: FerryConfig,
+    target: Target,
+    policy_name: str,
+    options: Mapping[str, object],
+    capacity_bytes: int | None = None,
+    host_capacity_bytes: int | None = None,
+) -> MemoryPlan:
+    """The plan of a step XLA refused to compile over HBM: its OOM row. The compiler's figure is
+    its temporaries; the arguments are the state's and the batch's; the FLOPs are the model's
+    (what `offload=auto` predicts its other candidates from, with no program to count them in)."""
+    model_flops = model_flops_per_device(config, target)
+    return MemoryPlan(
+        target=target.name,
+        mesh=config.mesh.describe(),
+        policy=policy_name,
+        argument_bytes=over.argument_bytes,
+        output_bytes=0,
+        alias_bytes=0,
+        temp_bytes=over.oom.needed_bytes,
+        host_bytes=over.host_argument_bytes,
+        flops=model_flops,
+        matmuls=0,
+        capacity_bytes=target.hbm_bytes if capacity_bytes is None else capacity_bytes,
+        host_capacity_bytes=host_capacity_bytes,
+        compile_options=tuple(sorted(options.items())),
+        transfers=(),
+        transfer_summary=TransferSummary(0, 0, 0.0, 0.0, 0.0),
+        compile_seconds=over.seconds,
+        model_flops=model_flops,
+        peak_flops=target.bf16_peak_flops,
+        compile_oom=over.oom.describe(),
+    )
 
 
 def read_plan(

@@ -8,13 +8,13 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import jax
 from rich.console import Console
 from rich.table import Table
 
 from ferry.config import ConfigError
 from ferry.models.registry import abstract_model
 from ferry.offload import Policy
+from ferry.plan.advice import step_identity
 from ferry.plan.auto import (
     HEADROOM,
     MIN_GAIN,
@@ -152,18 +152,8 @@ def run_plan(
             lambda policy: explain_recompute(model, groups, layers, policy),
             f"{config.model_name} compiled for {target.name}",
         )
-    except RecomputeNotChecked as error:
+    except RecomputeNotChecked as error:  # save_all (the reference) over HBM, at compile time or after
         console.print(f"recompute check not run: {error}", highlight=False)
-    except jax.errors.JaxRuntimeError as error:
-        if "RESOURCE_EXHAUSTED" not in str(error):
-            raise
-        # a TPU compiler refuses a program over HBM: save_all (or the all-saved policy) is what the
-        # matmuls are checked against, and it need not fit for the presets to be planned
-        console.print(
-            f"recompute check not run: its reference program does not compile for {target.name} "
-            f"(out of memory at compile time: {str(error).splitlines()[0][:200]})",
-            highlight=False,
-        )
     choices: list[Choice] = []
     tried: list[Tried] = []
     if auto:
@@ -183,6 +173,8 @@ def run_plan(
         )
         plans.append(auto_result)
     console.print(plan_table(plans, config))
+    for line in refused_lines(plans):
+        console.print(line, highlight=False)
     for plan in plans:
         if plan.xla_rematerialised:
             console.print(
@@ -236,6 +228,22 @@ def plan_table(plans: list[MemoryPlan], config: FerryConfig) -> Table:
         table.add_column(column, justify="left" if column in ("preset", "verdict", "planned") else "right")
     for plan in plans:
         summary = plan.transfer_summary
+        if plan.compile_oom is not None:  # no program: what XLA said it needs, the arguments, and nothing else
+            table.add_row(
+                plan.policy,
+                format_bytes(plan.argument_bytes),
+                "-",
+                format_bytes(plan.temp_bytes),
+                format_bytes(plan.device_bytes),
+                format_bytes(plan.capacity_bytes),
+                "OOM (XLA refused to compile it)",
+                "-",
+                "-",
+                "-",
+                f"{plan.compile_seconds:.0f} s",
+                "compile refused",
+            )
+            continue
         table.add_row(
             plan.policy,
             format_bytes(plan.argument_bytes),
@@ -266,7 +274,8 @@ def estimate_table(plans: list[MemoryPlan]) -> Table:
     columns = ("rank", "preset", "verdict", "matmuls", "copies exposed", "collectives")
     for column in (*columns, "best", "middle", "worst", "TFLOPs/s/device", f"vs {REFERENCE}"):
         table.add_column(column, justify="left" if column in ("preset", "verdict") else "right")
-    for rank, (name, estimate, speedup) in enumerate(ranked({p.policy: p.estimate for p in plans}), 1):
+    compiled = {p.policy: p.estimate for p in plans if p.compile_oom is None}
+    for rank, (name, estimate, speedup) in enumerate(ranked(compiled), 1):
         plan = next(p for p in plans if p.policy == name)
         table.add_row(
             str(rank),
@@ -281,7 +290,38 @@ def estimate_table(plans: list[MemoryPlan]) -> Table:
             f"{estimate.best_tflops:.1f} - {estimate.worst_tflops:.1f}",
             "-" if speedup is None else f"{speedup:.3f}x",
         )
+    for plan in plans:
+        if plan.compile_oom is not None:
+            table.add_row("-", plan.policy, "OOM (XLA refused to compile it)", *["-"] * 8)
     return table
+
+
+def refused_lines(plans: list[MemoryPlan]) -> list[str]:
+    """One line per preset XLA refused to compile over HBM: what it needs, what the device has,
+    and which of the planned presets fit, fastest first by the estimate."""
+    refused = [plan for plan in plans if plan.compile_oom is not None]
+    if not refused:
+        return []
+    fitting = fitting_presets(plans)
+    fits = (
+        "planned presets that fit, fastest first by the estimate: " + ", ".join(fitting)
+        if fitting
+        else "none of the planned presets fits; try offload=auto, train.micro_batch_size or offload.optimizer=host"
+    )
+    return [
+        f"{plan.policy}: OOM at compile for {plan.target}: {plan.compile_oom} (arguments "
+        f"{format_bytes(plan.argument_bytes)} on top); {fits}"
+        for plan in refused
+    ]
+
+
+def fitting_presets(plans: list[MemoryPlan]) -> list[str]:
+    """The plans that fit, fastest first by the estimate (`ranked`), each with its HBM."""
+    fitting = {plan.policy: plan for plan in plans if plan.fits}
+    return [
+        f"{name} ({format_bytes(fitting[name].device_bytes)})"
+        for name, _, _ in ranked({name: plan.estimate for name, plan in fitting.items()})
+    ]
 
 
 def transfer_table(plan: MemoryPlan) -> Table:
@@ -435,11 +475,17 @@ def choice_table(choices: list[Choice], plan: MemoryPlan) -> Table:
     return table
 
 
-def write_plan(plans: list[MemoryPlan], choices: list[Choice], run_dir: Path) -> list[Path]:
-    """`plan.json`, and for offload=auto the chosen placement as a preset to train with."""
+def write_plan(
+    plans: list[MemoryPlan], choices: list[Choice], run_dir: Path, config: FerryConfig | None = None
+) -> list[Path]:
+    """`plan.json` (with the step planned, `step_identity`, where `config` is given: a run of that
+    step over HBM reads what fitted: `ferry.plan.advice`), and for offload=auto the chosen
+    placement as a preset to train with."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "plan.json"
     record = {"plans": [plan.to_json() for plan in plans], "auto": [dataclasses.asdict(c) for c in choices]}
+    if config is not None:
+        record["step"] = step_identity(config)
     path.write_text(json.dumps(record, indent=2))
     if not choices:
         return [path]

@@ -4,6 +4,7 @@ facts below), TPUs through libtpu's topologies."""
 
 import dataclasses
 import math
+import threading
 from typing import Any, ClassVar
 
 from ferry.hardware import BF16_PEAK_FLOPS
@@ -22,6 +23,9 @@ _COMMON_DEVICE_INFO = {
     "registers_per_core_limit": 65536,
     "registers_per_block_limit": 65536,
 }
+# The plan compiles its presets on threads: the first topology a process asks for loads the PJRT
+# plugin, and two threads loading it at once fail ("PJRT_Api already exists for device type tpu")
+_TOPOLOGY_LOCK = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +98,10 @@ class GpuTarget(Target):
     def devices(self, num_devices: int) -> list[Any]:
         from jax.experimental import topologies
 
-        desc = topologies.get_topology_desc(
-            platform="cuda", target_config=self.target_config(), topology=self.topology(num_devices)
-        )
+        with _TOPOLOGY_LOCK:
+            desc = topologies.get_topology_desc(
+                platform="cuda", target_config=self.target_config(), topology=self.topology(num_devices)
+            )
         return list(desc.devices)
 
     def compile_options(self, xla_flags: dict[str, object]) -> dict[str, object]:
@@ -114,13 +119,26 @@ class TpuTarget(Target):
     torus_dims: int = 3  # v5p slices are 3-D tori, v5e and v6e 2-D
     max_devices: int = 8960
 
+    def slice_sizes(self) -> str:
+        """The chip counts Google Cloud rents this generation in, as a user reads them."""
+        least = "1, 4" if self.single_chip else "4"
+        return f"{least} or a larger power of two up to {self.max_devices}"
+
+    @property
+    def single_chip(self) -> bool:
+        """v5e and v6e (2-D tori) are also rented as one chip (`v5litepod-1`, `v6e-1`: a 1x1
+        topology); v5p's smallest slice is 2x2x1."""
+        return self.torus_dims == 2
+
     def topology(self, num_devices: int) -> str:
-        """The most even power-of-two slice of `num_devices` chips, hosts of 2x2 chips: 64 v5p
-        chips are `v5p:4x4x4`, 32 v6e chips `v6e:4x8`."""
-        if num_devices < 4 or num_devices & (num_devices - 1) or num_devices > self.max_devices:
-            raise ValueError(
-                f"{num_devices} {self.name} chips are not a TPU slice; use a power of two from 4 to {self.max_devices}"
-            )
+        """The most even power-of-two slice of `num_devices` chips, hosts of 2x2 chips, as Google
+        Cloud's TPU pages list them: 64 v5p chips are `v5p:4x4x4`, 8 v5e chips `v5e:2x4`, 32 v6e
+        chips `v6e:4x8`; one v5e or v6e chip is `v5e:1x1`."""
+        power_of_two = num_devices >= 4 and not num_devices & (num_devices - 1)
+        if not (power_of_two or (num_devices == 1 and self.single_chip)) or num_devices > self.max_devices:
+            raise ValueError(f"{num_devices} {self.name} chips are not a TPU slice; use {self.slice_sizes()}")
+        if num_devices == 1:
+            return f"{self.generation}:" + "x".join(["1"] * self.torus_dims)
         dims = [2, 2] + [1] * (self.torus_dims - 2)
         while math.prod(dims) < num_devices:
             smallest = min(range(len(dims)), key=lambda i: (dims[i], -i))
@@ -130,7 +148,9 @@ class TpuTarget(Target):
     def devices(self, num_devices: int) -> list[Any]:
         from jax.experimental import topologies
 
-        return list(topologies.get_topology_desc(platform="tpu", topology_name=self.topology(num_devices)).devices)
+        topology = self.topology(num_devices)
+        with _TOPOLOGY_LOCK:
+            return list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
 
 
 def _gpu(name, description, chip, hbm, hbm_bandwidth, host_link, links) -> GpuTarget:

@@ -12,6 +12,7 @@ import jax
 import optax
 from rich.console import Console
 
+from ferry.compile_oom import StepOverHbm
 from ferry.data.pipeline import PackedWindows, local_batches
 from ferry.data.placement import BatchPlacement
 from ferry.distributed import is_main_process
@@ -26,6 +27,7 @@ from ferry.train.memory_report import describe_memory, host_bytes_line, step_fit
 from ferry.train.meter import StepMeter
 from ferry.train.nonfinite import nonfinite_error
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer
+from ferry.train.out_of_memory import over_hbm_refusal
 from ferry.train.preemption import SigtermStop
 from ferry.train.prepare import PreparedRun
 from ferry.train.profiling import StepProfiler
@@ -116,7 +118,8 @@ def compile_checked(
     prepared: PreparedRun, optimizer: optax.GradientTransformation, settings: LossSettings, placement: BatchPlacement
 ) -> tuple[Callable, CompiledMemory | None]:
     """The train step, compiled from the state's layout alone; refused, before any state is
-    allocated or anything written, when its memory does not fit the device."""
+    allocated or anything written, when its memory does not fit the device: by XLA at compile
+    time (libtpu), or by its memory analysis against the device's free memory."""
     config, tc = prepared.config, prepared.config.train
     micro_steps = tc.micro_steps(config.mesh.data_parallel)
     schedule = learning_rate_schedule(tc)
@@ -125,7 +128,10 @@ def compile_checked(
     body = train_step_body(optimizer, settings, schedule, micro_steps, layout.sharding, tc.on_nonfinite, stream)
     scheduler = scheduler_target(config.platform, jax.devices()[0].device_kind)
     costs_cache = ProfileCache.of(config.platform)
-    compiled, train_step = compile_step(body, prepared.layout, placement.spec(), scheduler, costs_cache)
+    try:
+        compiled, train_step = compile_step(body, prepared.layout, placement.spec(), scheduler, costs_cache)
+    except StepOverHbm as over:  # libtpu refused it at compile time
+        raise over_hbm_refusal(over, config) from over
     memory = CompiledMemory.of(compiled)
     if memory is not None:
         check_step_fits(memory, step_fit_advice(config))
