@@ -198,3 +198,17 @@ def test_an_unwritable_checkpoint_directory_is_one_refusal(tmp_path):
     config = compose_config(*SMALL_RUN)
     with pytest.raises(OSError, match="checkpoints cannot be written in .*a_file/checkpoints"):
         Checkpoints(tmp_path / "a_file" / "checkpoints", config.checkpoint)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full, whose writes fail with ENOSPC")
+def test_metrics_on_a_full_disk_stop_the_run_in_one_line(tmp_path):
+    """metrics.jsonl on a disk that is full (/dev/full): the write is refused naming the step and
+    the file, and the file is closed, so the interpreter does not fail again on it at exit."""
+    from ferry.train.config import LogConfig
+    from ferry.train.loggers import RunLogError, RunLoggers
+
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")
+    loggers = RunLoggers(tmp_path, LogConfig(tensorboard=False), None, True)
+    with pytest.raises(RunLogError, match=r"step 3's metrics could not be written to .*metrics.jsonl \(No space left"):
+        loggers.write({"step": 3, "loss": 1.0})
+    loggers.close()

@@ -256,8 +256,9 @@ class Checkpoints:
             if earlier
             else "No earlier checkpoint was saved, so the same command starts the run over"
         )
+        cause = first_line(error) if isinstance(error, OSError) else f"{type(error).__name__}: {first_line(error)}"
         return CheckpointSaveError(
-            f"checkpoint step {step} could not be saved in {self.directory}: {first_line(error)}; the run stops here. "
+            f"checkpoint step {step} could not be saved in {self.directory}: {cause}; the run stops here. "
             f"{kept} once {self.directory} is a writable directory with room for a checkpoint"
         )
 

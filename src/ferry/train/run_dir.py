@@ -175,7 +175,13 @@ def _resumable(
 def write_start_files(run_dir: Path, config_yaml: str, schedule: TransferSchedule, resume_step: int | None) -> None:
     """config.yaml and schedule.json; a resumed run keeps the first config.yaml and writes its own
     beside it."""
-    run_dir.mkdir(parents=True, exist_ok=True)
     name = "config.yaml" if resume_step is None else f"config.resumed_at_{resume_step}.yaml"
-    (run_dir / name).write_text(config_yaml)
-    (run_dir / "schedule.json").write_text(json.dumps(schedule.to_json(), indent=2))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_text(config_yaml)
+        (run_dir / "schedule.json").write_text(json.dumps(schedule.to_json(), indent=2))
+    except OSError as error:  # a disk filled since the start-up checks
+        raise RunDirectoryError(
+            f"run.dir={run_dir}: {error.filename or name} cannot be written ({error.strerror or error}); "
+            "free space there or pass another run.dir"
+        ) from error
