@@ -43,13 +43,17 @@ def replace_with_file(path):
 
 # name: (damage to a copy of the finished run, extra overrides, what the one line must hold)
 CASES = {
-    "data keys": (None, ["train.global_batch_size=8", "train.seq_len=64", "data.seed=1"], [
-        "trained on other data",
-        "train.global_batch_size: 4 -> 8",
-        "train.seq_len: 32 -> 64",
-        "data.seed: 0 -> 1",
-        "run.allow_data_change=true",
-    ]),
+    "data keys": (
+        None,
+        ["train.global_batch_size=8", "train.seq_len=64", "data.seed=1"],
+        [
+            "trained on other data",
+            "train.global_batch_size: 4 -> 8",
+            "train.seq_len: 32 -> 64",
+            "data.seed: 0 -> 1",
+            "run.allow_data_change=true",
+        ],
+    ),
     "synthetic tokens": (None, ["data.synthetic_tokens=30000"], ["data.synthetic_tokens: 20000 -> 30000"]),
     "checksums gone": (
         lambda d: shutil.rmtree(d / "checkpoints" / "4" / "checksums"),
@@ -107,7 +111,8 @@ def test_allow_data_change_resumes_and_says_what_changes(finished_run, tmp_path)
     run_dir = copy_run(finished_run, tmp_path, "run")
     out = io.StringIO()
     console = Console(file=out, width=300)
-    config = compose_config(*SMALL_RUN, "train.steps=6", "data.seed=1", "run.allow_data_change=true", f"run.dir={run_dir}")
+    allow = ("data.seed=1", "run.allow_data_change=true")
+    config = compose_config(*SMALL_RUN, "train.steps=6", *allow, f"run.dir={run_dir}")
     with compilation_cache(tmp_path / "jax_cache"):
         train(prepare(config, console), "config: test\n", console)
     output = out.getvalue()

@@ -66,9 +66,7 @@ def test_a_disk_that_fills_during_a_save_stops_the_run_at_that_save(tmp_path):
     mount, saved = tmp_path / "small_disk", tmp_path / "saved"
     mount.mkdir()
     run_dir = mount / "run"
-    command = " ".join(
-        [sys.executable, str(ROOT / "launch" / "run.py"), *FAULT_RUN, f"run.dir={run_dir}"]
-    )
+    command = " ".join([sys.executable, str(ROOT / "launch" / "run.py"), *FAULT_RUN, f"run.dir={run_dir}"])
     script = (
         f"mount -t tmpfs -o size={TMPFS_SIZE} tmpfs {mount} || exit 99; "
         f"{command} > {tmp_path / 'stdout.txt'} 2> {tmp_path / 'stderr.txt'}; echo $? > {tmp_path / 'code'}; "

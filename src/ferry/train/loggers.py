@@ -10,11 +10,11 @@ from typing import Any
 from ferry.config import ConfigError
 from ferry.errors import FerryError
 from ferry.metrics import MetricsWriter
+from ferry.train.config import LogConfig
 
 
 class RunLogError(FerryError, OSError):
     """metrics.jsonl could not be written (a full disk, a file made unwritable): the run stops."""
-from ferry.train.config import LogConfig
 
 
 def check_wandb(config: LogConfig) -> None:

@@ -18,8 +18,11 @@ def exit_process(code: int, grace_s: float = 10.0) -> NoReturn:
         time.sleep(grace_s)
         stuck = sorted({t.name for t in threading.enumerate() if t.is_alive() and not t.daemon})
         try:
-            print(f"note: exiting without {len(stuck)} background thread(s) still blocked ({', '.join(stuck)})",
-                  file=sys.stderr, flush=True)
+            print(
+                f"note: exiting without {len(stuck)} background thread(s) still blocked ({', '.join(stuck)})",
+                file=sys.stderr,
+                flush=True,
+            )
             sys.stdout.flush()
         finally:
             os._exit(code)
