@@ -8,6 +8,7 @@ import errno
 import io
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -40,7 +41,9 @@ def mount_namespaces_work(tmp_path) -> bool:
     target = tmp_path / "probe"
     target.mkdir()
     probe = subprocess.run(
-        ["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {target}"], capture_output=True, timeout=30
+        ["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {shlex.quote(str(target))}"],
+        capture_output=True,
+        timeout=30,
     )
     return probe.returncode == 0
 
@@ -66,11 +69,12 @@ def test_a_disk_that_fills_during_a_save_stops_the_run_at_that_save(tmp_path):
     mount, saved = tmp_path / "small_disk", tmp_path / "saved"
     mount.mkdir()
     run_dir = mount / "run"
-    command = " ".join([sys.executable, str(ROOT / "launch" / "run.py"), *FAULT_RUN, f"run.dir={run_dir}"])
+    command = shlex.join([sys.executable, str(ROOT / "launch" / "run.py"), *FAULT_RUN, f"run.dir={run_dir}"])
+    stdout_path, stderr_path, code_path = (shlex.quote(str(tmp_path / n)) for n in ("stdout.txt", "stderr.txt", "code"))
     script = (
-        f"mount -t tmpfs -o size={TMPFS_SIZE} tmpfs {mount} || exit 99; "
-        f"{command} > {tmp_path / 'stdout.txt'} 2> {tmp_path / 'stderr.txt'}; echo $? > {tmp_path / 'code'}; "
-        f"cp -a {run_dir} {saved}"  # the tmpfs goes with the namespace
+        f"mount -t tmpfs -o size={TMPFS_SIZE} tmpfs {shlex.quote(str(mount))} || exit 99; "
+        f"{command} > {stdout_path} 2> {stderr_path}; echo $? > {code_path}; "
+        f"cp -a {shlex.quote(str(run_dir))} {shlex.quote(str(saved))}"  # the tmpfs goes with the namespace
     )
     env = {**os.environ, "COLUMNS": "120"}
     finished = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=ROOT, env=env, timeout=400)
