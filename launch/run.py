@@ -191,4 +191,6 @@ def plan(config: FerryConfig, console: Console) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from ferry.train.process_exit import exit_process
+
+    exit_process(main(sys.argv[1:]))  # a thread left blocked by a failed save does not hold the exit

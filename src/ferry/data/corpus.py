@@ -58,6 +58,7 @@ def open_prepared(
             f"data.prepared={directory} data.source=... data.path=..."
         )
     manifest = read_manifest(directory)
+    check_manifest_tokenizer(directory, manifest, tokenizer, tokenizer_spec)
     if manifest.vocab_size > vocab_size:
         raise PreparedDataError(
             f"{directory / 'manifest.json'} holds tokens of a {manifest.vocab_size}-id vocabulary but model "
@@ -66,6 +67,23 @@ def open_prepared(
         )
     check_prepared(directory, manifest, tokenizer.identity, tokenizer_spec)
     return manifest
+
+
+def check_manifest_tokenizer(directory: Path, manifest: Manifest, tokenizer: Tokenizer, tokenizer_spec: str) -> None:
+    """The manifest's vocabulary and end-of-document id are those of the tokenizer it names (an
+    edited manifest would otherwise pass the model's check with ids the model never sees)."""
+    if manifest.tokenizer_identity != tokenizer.identity:
+        return  # another tokenizer altogether: `check_prepared` says so
+    for what, recorded, actual in (
+        ("vocab_size", manifest.vocab_size, tokenizer.vocab_size),
+        ("end_of_document", manifest.end_of_document, tokenizer.end_of_document),
+    ):
+        if recorded != actual:
+            raise PreparedDataError(
+                f"{directory / 'manifest.json'} records tokenizer {what} {recorded}, but the tokenizer it names "
+                f"(data.tokenizer={tokenizer_spec}, {tokenizer.identity}) has {actual}: the manifest was edited or "
+                "damaged. Prepare the corpus again with python launch/prepare_data.py into a new directory"
+            )
 
 
 def load_corpus(

@@ -12,10 +12,20 @@ during a save leaves the earlier steps as they were; saves are asynchronous (the
 to host memory before `save` returns, so the next step may reuse its buffers). Every process
 calls `save` and `restore`: Orbax writes and reads each process's shards. Restoring places every
 array in the sharding of the current mesh, whatever mesh wrote it.
+
+A save that fails (a full disk, a directory made a file, any Orbax error) stops the run at that
+save with a `CheckpointSaveError` naming the step, the directory and the cause: the step
+directory is made before `save` returns (Orbax's asynchronous creation left its writer threads
+waiting forever for a directory that never came), and the background write's result is read at
+the next step boundary (`poll`) or, at the latest, before the next save. The failed step's
+temporary directory is removed; the earlier steps stay as they were. Orbax's own log records
+(a traceback per thread for one failure) are kept off the console: the error says it in one line.
 """
 
 import dataclasses
 import json
+import logging
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -31,11 +41,42 @@ from ferry.train.config import CheckpointConfig
 from ferry.train.state_memory import on_host
 
 ITEMS = ("state", "data", "model", "checksums")
+# The identity's "checkpoint_format": 2 saves the checksums (and the data the state was trained on)
+# with every step; a step of format 2 without its checksums has lost them, and is refused.
+CHECKPOINT_FORMAT = 2
 
 
 class RunCheckpointError(FerryError, ValueError):
     """A run's own checkpoint that cannot be resumed here: another model, unreadable, or changed
     since it was saved (a Hugging Face checkpoint's refusals are `ferry.hf.CheckpointError`)."""
+
+
+class CheckpointSaveError(FerryError, OSError):
+    """A checkpoint that could not be written: the run stops at that save, the earlier steps kept."""
+
+
+class _NoOrbaxRecords(logging.Filter):
+    """Orbax logs a failed save once per writer thread, each with its traceback; ferry reports
+    the failure itself, in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "/orbax/" not in record.pathname.replace("\\", "/")
+
+
+_ORBAX_FILTER = _NoOrbaxRecords()
+
+
+def quiet_orbax_logs() -> None:
+    """Keep Orbax's log records (absl's logger) off the console (idempotent)."""
+    absl_logger = logging.getLogger("absl")
+    if _ORBAX_FILTER not in absl_logger.filters:
+        absl_logger.addFilter(_ORBAX_FILTER)
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message, or its type's name."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _mix(h: UInt32[Array, "*shape"]) -> UInt32[Array, "*shape"]:
@@ -133,17 +174,28 @@ class Checkpoints:
     """The run's CheckpointManager."""
 
     def __init__(self, directory: Path, config: CheckpointConfig):
+        quiet_orbax_logs()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=config.keep,
             keep_period=config.keep_every,
             enable_async_checkpointing=config.async_save,
             create=True,
+            # the step directory made in `save`: a failure to make it raises there, and leaves no
+            # writer thread waiting for it (each would wait out Orbax's 20-minute timeout)
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
         )
         self.directory = directory.absolute()
         self.every = config.every
         self.final = config.final
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+        try:
+            self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+        except OSError as error:
+            raise CheckpointSaveError(
+                f"checkpoints cannot be written in {self.directory} ({first_line(error)}); "
+                "make it a writable directory, or pass another run.dir"
+            ) from error
         self.own_steps: set[int] = set()  # steps this run saved or restored: their contents are known
+        self.pending: int | None = None  # the step whose background write has not been checked yet
 
     def due(self, step: int, last: bool = False) -> bool:
         """Is `step` saved: every `every` steps, and the run's `last` unless `final` is off."""
@@ -160,14 +212,57 @@ class Checkpoints:
                 f"checkpoint step {step} already exists in {self.directory} but this run did not write it; "
                 "another run writes the same run.dir. Its checkpoint is left as it is"
             )
+        self.settle()  # the previous save's failure is that save's, not this one's
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state_arrays),
             data=ocp.args.JsonSave(data_state),
-            model=ocp.args.JsonSave(identity),
+            model=ocp.args.JsonSave({**identity, "checkpoint_format": CHECKPOINT_FORMAT}),
             checksums=ocp.args.JsonSave(array_checksums(state_arrays)),
         )
-        self.manager.save(step, args=args, force=True)
+        try:
+            self.manager.save(step, args=args, force=True)
+        except Exception as error:  # Orbax and TensorStore raise many kinds for a failed write
+            raise self._save_failed(step, error) from error
         self.own_steps.add(step)
+        self.pending = step
+
+    def poll(self) -> None:
+        """At a step boundary: a finished background write's failure raised now, naming its step
+        (nothing waits while the write goes on). With several processes each would see the write
+        end at its own step, and stop at a different one: there the result is read at the next save."""
+        if self.pending is not None and jax.process_count() == 1 and not self.manager.is_saving_in_progress():
+            self.settle()
+
+    def settle(self) -> None:
+        """Wait for the save in flight; its failure raised as a `CheckpointSaveError`."""
+        if self.pending is None:
+            return
+        step, self.pending = self.pending, None
+        try:
+            self.manager.wait_until_finished()
+        except Exception as error:
+            self.own_steps.discard(step)
+            raise self._save_failed(step, error) from error
+
+    def _save_failed(self, step: int, error: BaseException) -> CheckpointSaveError:
+        """The failure of saving `step`, in one line; its partial temporary directory removed (on
+        a full disk it holds the space the next attempt needs)."""
+        for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*") if self.directory.is_dir() else ():
+            shutil.rmtree(partial, ignore_errors=True)
+        try:
+            earlier = sorted(s for s in self.manager.all_steps() if s < step)
+        except Exception:  # the directory itself may be what failed
+            earlier = []
+        kept = (
+            f"The last whole checkpoint, step {earlier[-1]}, is left as it was and the same command resumes from it"
+            if earlier
+            else "No earlier checkpoint was saved, so the same command starts the run over"
+        )
+        cause = first_line(error) if isinstance(error, OSError) else f"{type(error).__name__}: {first_line(error)}"
+        return CheckpointSaveError(
+            f"checkpoint step {step} could not be saved in {self.directory}: {cause}; the run stops here. "
+            f"{kept} once {self.directory} is a writable directory with room for a checkpoint"
+        )
 
     def read_identity(self, step: int) -> dict[str, Any]:
         try:
@@ -177,8 +272,15 @@ class Checkpoints:
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
         """The state's arrays (placed as `abstract_state`'s shardings say) and the data position,
-        checked against the checksums saved with them."""
+        checked against the checksums saved with them. A step this ferry saved (format 2) without
+        its checksums lost them and is refused; an earlier ferry's is restored with a warning."""
         verified = (self.directory / str(step) / "checksums").exists()
+        if not verified and self.read_identity(step).get("checkpoint_format", 1) >= CHECKPOINT_FORMAT:
+            raise RunCheckpointError(
+                f"checkpoint step {step} in {self.directory} was saved with checksums, which are gone "
+                f"({self.directory / str(step) / 'checksums'} is missing), so it cannot be verified; "
+                f"{self._fallback(step)}"
+            )
         items = {"state": ocp.args.StandardRestore(abstract_state), "data": ocp.args.JsonRestore()}
         if verified:
             items["checksums"] = ocp.args.JsonRestore()
@@ -212,12 +314,11 @@ class Checkpoints:
         return f"move {self.directory / str(step)} aside to resume from step {max(earlier)} (left untouched)"
 
     def _unreadable(self, step: int, error: Exception) -> RunCheckpointError:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return RunCheckpointError(
-            f"checkpoint step {step} in {self.directory} cannot be read ({first_line}); {self._fallback(step)}"
+            f"checkpoint step {step} in {self.directory} cannot be read ({first_line(error)}); {self._fallback(step)}"
         )
 
     def close(self) -> None:
-        """Wait for any save in flight, then release the manager."""
-        self.manager.wait_until_finished()
+        """Wait for any save in flight (its failure raised), then release the manager."""
+        self.settle()
         self.manager.close()

@@ -161,6 +161,7 @@ class RunConfig:
     dir: str | None = None
     root: str = "runs"
     resume: bool = True  # a run.dir holding checkpoints of this model resumes from the latest
+    allow_data_change: bool = False  # resume although batch, sequence, seed or data differ from the checkpoint's
 
 
 @dataclasses.dataclass(frozen=True)

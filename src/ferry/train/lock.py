@@ -38,10 +38,11 @@ class RunLock:
     created_file: bool  # the lock file did not exist before
     stale_holder: str | None
     started: bool = False  # the run has written into the directory: keep the lock file as its mark
+    previous: str = ""  # the lock file's text before this lock wrote its holder into it
 
     def release(self) -> None:
         """Give the lock up (idempotent). A run that never started leaves the directory as it
-        found it."""
+        found it: its lock file removed, or given back its earlier text."""
         if self.fd < 0:
             return
         path = self.directory / LOCK_FILE
@@ -50,6 +51,8 @@ class RunLock:
                 path.unlink(missing_ok=True)  # while still held: no one can take the unlinked file
                 if self.created_directory and not any(self.directory.iterdir()):
                     self.directory.rmdir()
+            elif not self.started:
+                _overwrite(self.fd, self.previous)
             else:
                 os.ftruncate(self.fd, 0)
         finally:
@@ -81,14 +84,25 @@ def acquire(directory: Path) -> RunLock:
         raise RunDirectoryError(
             f"run.dir={directory} cannot be made: permission denied; pass a run.dir where you can write"
         ) from error
+    except OSError as error:  # a read-only or full file system, a path the kernel refuses
+        raise RunDirectoryError(
+            f"run.dir={directory} cannot be made ({error.strerror or error}); pass a run.dir where you can write"
+        ) from error
     path = directory / LOCK_FILE
     while True:
         created_file = not path.exists()
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except PermissionError as error:
+            _undo(directory, created_directory, created_file)
             raise RunDirectoryError(
                 f"run.dir={directory} is not writable (permission denied on {path}); pass a run.dir where you can write"
+            ) from error
+        except OSError as error:  # a directory named ferry.lock, a read-only or full file system
+            _undo(directory, created_directory, created_file)
+            raise RunDirectoryError(
+                f"run.dir={directory}: its lock file {path} cannot be opened ({error.strerror or error}); "
+                "pass a run.dir where you can write"
             ) from error
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -107,9 +121,28 @@ def acquire(directory: Path) -> RunLock:
             os.close(fd)
             continue
         previous = _read(fd)
-        _write(fd, {"host": socket.gethostname(), "pid": os.getpid(), "since": _now()})
+        try:
+            _write(fd, {"host": socket.gethostname(), "pid": os.getpid(), "since": _now()})
+        except OSError as error:  # a full disk: nothing of this run may stay behind
+            lock = RunLock(directory, fd, created_directory, created_file, None, previous=previous)
+            try:
+                lock.release()
+            except OSError:
+                pass
+            raise RunDirectoryError(
+                f"run.dir={directory}: its lock file {path} cannot be written ({error.strerror or error}); "
+                "free space there or pass a run.dir on another disk"
+            ) from error
         stale = describe_holder(previous) if previous.strip() else None
-        return RunLock(directory, fd, created_directory, created_file, stale)
+        return RunLock(directory, fd, created_directory, created_file, stale, previous=previous)
+
+
+def _undo(directory: Path, created_directory: bool, created_file: bool) -> None:
+    """Take back what `acquire` made before it was refused."""
+    if created_file:
+        (directory / LOCK_FILE).unlink(missing_ok=True)
+    if created_directory and directory.is_dir() and not any(directory.iterdir()):
+        directory.rmdir()
 
 
 def _read(fd: int) -> str:
@@ -121,9 +154,15 @@ def _read(fd: int) -> str:
 
 
 def _write(fd: int, holder: dict[str, object]) -> None:
+    _overwrite(fd, json.dumps(holder) + "\n")
+
+
+def _overwrite(fd: int, text: str) -> None:
     os.ftruncate(fd, 0)
     os.lseek(fd, 0, os.SEEK_SET)
-    os.write(fd, (json.dumps(holder) + "\n").encode())
+    data = text.encode()
+    while data:
+        data = data[os.write(fd, data) :]
     os.fsync(fd)
 
 

@@ -1,14 +1,20 @@
 """Where a logged step goes: metrics.jsonl, TensorBoard event files and (optionally) Weights &
 Biases. Only process 0 logs; the others get a `RunLoggers` that writes nothing."""
 
+import contextlib
 import json
 import warnings
 from pathlib import Path
 from typing import Any
 
 from ferry.config import ConfigError
+from ferry.errors import FerryError
 from ferry.metrics import MetricsWriter
 from ferry.train.config import LogConfig
+
+
+class RunLogError(FerryError, OSError):
+    """metrics.jsonl could not be written (a full disk, a file made unwritable): the run stops."""
 
 
 def check_wandb(config: LogConfig) -> None:
@@ -37,8 +43,12 @@ def drop_records_after(path: Path, step: int) -> None:
         if isinstance(record, dict) and record.get("step", 0) <= step:
             kept.append(line)
     temporary = path.with_suffix(".tmp")
-    temporary.write_text("".join(f"{line}\n" for line in kept))
-    temporary.replace(path)
+    try:
+        temporary.write_text("".join(f"{line}\n" for line in kept))
+        temporary.replace(path)
+    except OSError as error:
+        temporary.unlink(missing_ok=True)
+        raise RunLogError(f"{path} cannot be rewritten ({error.strerror or error}); it is left as it was") from error
 
 
 class RunLoggers:
@@ -72,7 +82,18 @@ class RunLoggers:
     def write(self, record: dict[str, Any]) -> None:
         if self.jsonl is None:
             return
-        self.jsonl.write(record)
+        try:
+            self.jsonl.write(record)
+        except OSError as error:
+            path = self.jsonl.path
+            with contextlib.suppress(OSError):  # its unwritten line would fail again at exit
+                self.jsonl.close()
+            self.jsonl = None
+            raise RunLogError(
+                f"step {record.get('step')}'s metrics could not be written to {path} "
+                f"({error.strerror or error}); the run stops here. The same command resumes from the last "
+                "checkpoint once the file can be written"
+            ) from error
         step = int(record["step"])
         numbers = {k: float(v) for k, v in record.items() if k != "step" and isinstance(v, int | float)}
         if self.tensorboard is not None:

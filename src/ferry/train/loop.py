@@ -154,6 +154,7 @@ class TrainingLoop:
         """Step `step` and its events; False when the run stops after it (or before, when the
         step before it was not finite)."""
         metrics = self.issue(step)
+        self.checkpoints.poll()  # a background save that failed stops the run now, naming its step
         due = self.due(step)
         if due.anything:
             self.watch.settle()

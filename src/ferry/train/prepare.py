@@ -27,6 +27,8 @@ from ferry.schedule import TransferSchedule, format_bytes, model_schedule
 from ferry.sharding import make_mesh, parameters_per_device
 from ferry.train.checkpoint import model_identity
 from ferry.train.config import FerryConfig, check_mesh_shape
+from ferry.train.data_identity import data_identity
+from ferry.train.disk_space import check_checkpoint_space, state_bytes
 from ferry.train.loggers import check_wandb
 from ferry.train.policy_check import check_before_training
 from ferry.train.run_dir import RunDirectory, run_directory
@@ -82,6 +84,8 @@ def prepare(config: FerryConfig, console: Console) -> PreparedRun:
     layout = run_state_layout(config, mesh)
     schedule = dataclasses.replace(schedule, state=state_copies(layout.model, layout.placement, layout.sharding.model))
     identity = model_identity(config.model_name, config.model, layout.shapes)
+    identity["data"] = data_identity(config, tokenizer)
+    check_checkpoint_space(Path(config.run.dir or config.run.root), state_bytes(layout.shapes))
     directory = locked_directory(config, identity, console)  # locked from here: release on any refusal
     prepared = PreparedRun(config, None, schedule, policy, directory, mesh, identity, layout)
     if prepared.complete:
@@ -154,6 +158,13 @@ def checked_tokenizer(config: FerryConfig) -> Tokenizer:
 def locked_directory(config: FerryConfig, identity: dict[str, Any], console: Console) -> RunDirectory:
     """The run directory, locked, saying when its lock was taken over from a dead holder."""
     directory = run_directory(config, identity)
+    if directory.data_change:
+        console.print(
+            f"run.allow_data_change=true: resuming step {directory.resume_step} on other data "
+            f"({'; '.join(directory.data_change)}); its data position (the count of batches read) now counts "
+            "batches of this data, so some examples may repeat or be skipped",
+            highlight=False,
+        )
     if directory.lock is not None and directory.lock.stale_holder is not None:
         console.print(
             f"run.dir={directory.path}: took over the lock of {directory.lock.stale_holder}, "

@@ -18,7 +18,9 @@ from ferry.errors import FerryError
 from ferry.schedule import TransferSchedule
 from ferry.train.checkpoint import Checkpoints, RunCheckpointError, checkpoint_steps, identity_difference
 from ferry.train.config import FerryConfig
+from ferry.train.data_identity import data_difference
 from ferry.train.lock import LOCK_FILE, RunDirectoryError, RunLock, acquire
+from ferry.train.run_members import check_members
 
 
 def resolve_run_dir(config: FerryConfig) -> Path:
@@ -74,6 +76,7 @@ class RunDirectory:
     resume_step: int | None
     lock: RunLock | None
     restart: bool = False
+    data_change: tuple[str, ...] = ()  # run.allow_data_change=true: the data keys that differ from the checkpoint's
 
     def mark_started(self) -> None:
         if self.lock is not None:
@@ -102,7 +105,7 @@ def run_directory(config: FerryConfig, identity: dict[str, Any]) -> RunDirectory
     try:
         steps = checkpoint_steps(path / "checkpoints")
         if steps:
-            directory.resume_step = _resumable(config, path, steps, identity)
+            directory.resume_step, directory.data_change = _resumable(config, path, steps, identity)
         else:
             directory.restart = any(p.name != LOCK_FILE for p in path.iterdir()) if path.is_dir() else False
     except BaseException:
@@ -126,6 +129,8 @@ def _claimed_dir(config: FerryConfig) -> Path:
             raise RunDirectoryError(
                 f"run.dir={path} cannot be read (permission denied); pass another run.dir"
             ) from error
+        if entries:
+            check_members(path)  # before the lock or anything else is written
         ours = LOCK_FILE in entries or checkpoint_steps(path / "checkpoints")
         if entries and not ours:
             raise RunDirectoryError(
@@ -136,8 +141,11 @@ def _claimed_dir(config: FerryConfig) -> Path:
     return path
 
 
-def _resumable(config: FerryConfig, path: Path, steps: list[int], identity: dict[str, Any]) -> int:
-    """The latest step, when this command may continue the run that saved it."""
+def _resumable(
+    config: FerryConfig, path: Path, steps: list[int], identity: dict[str, Any]
+) -> tuple[int, tuple[str, ...]]:
+    """The latest step, when this command may continue the run that saved it, and the data keys
+    that differ from its (only with run.allow_data_change=true)."""
     if not config.run.resume:
         raise RunDirectoryError(
             f"run.dir={path} holds checkpoints up to step {steps[-1]} and run.resume=false "
@@ -145,21 +153,35 @@ def _resumable(config: FerryConfig, path: Path, steps: list[int], identity: dict
         )
     checkpoints = Checkpoints(path / "checkpoints", config.checkpoint)
     try:
-        difference = identity_difference(checkpoints.read_identity(steps[-1]), identity)
+        saved = checkpoints.read_identity(steps[-1])
     finally:
         checkpoints.close()
+    difference = identity_difference(saved, identity)
     if difference is not None:
         raise RunCheckpointError(
             f"run.dir={path} holds checkpoints of another model or shape: {difference}. "
             "Resume it with its own model config, or pass a new run.dir"
         )
-    return steps[-1]
+    changed = data_difference(saved.get("data"), identity.get("data", {}))
+    if changed and not config.run.allow_data_change:
+        raise RunCheckpointError(
+            f"run.dir={path}: its checkpoint step {steps[-1]} was trained on other data ({'; '.join(changed)}); "
+            "resuming would continue its data position over other batches. Resume with the checkpoint's values, "
+            "pass a new run.dir, or pass run.allow_data_change=true to continue on this data anyway"
+        )
+    return steps[-1], tuple(changed)
 
 
 def write_start_files(run_dir: Path, config_yaml: str, schedule: TransferSchedule, resume_step: int | None) -> None:
     """config.yaml and schedule.json; a resumed run keeps the first config.yaml and writes its own
     beside it."""
-    run_dir.mkdir(parents=True, exist_ok=True)
     name = "config.yaml" if resume_step is None else f"config.resumed_at_{resume_step}.yaml"
-    (run_dir / name).write_text(config_yaml)
-    (run_dir / "schedule.json").write_text(json.dumps(schedule.to_json(), indent=2))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_text(config_yaml)
+        (run_dir / "schedule.json").write_text(json.dumps(schedule.to_json(), indent=2))
+    except OSError as error:  # a disk filled since the start-up checks
+        raise RunDirectoryError(
+            f"run.dir={run_dir}: {error.filename or name} cannot be written ({error.strerror or error}); "
+            "free space there or pass another run.dir"
+        ) from error
