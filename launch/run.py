@@ -9,20 +9,18 @@ it; nothing was changed), 3 stopped at a non-finite loss (the last good state ch
 interrupted by Ctrl-C. Anything else is a bug, shown with its traceback.
 """
 
-import re
 import sys
 from pathlib import Path
 
 import jax
-from hydra import compose, initialize_config_dir
-from hydra.errors import HydraException
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 from rich.console import Console
+from rich.markup import escape
 
 from ferry import distributed
 from ferry.config import ConfigError, from_dict
 from ferry.errors import FerryError
+from ferry.overrides import compose_node
 from ferry.plan.scheduler_costs import scheduler_target
 from ferry.platform import PlatformConfig, apply_platform, check_platform
 from ferry.train.checkpoint import checkpoint_steps
@@ -33,17 +31,10 @@ from ferry.train.run import train
 from ferry.train.run_dir import resolve_run_dir
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
-_TENSOR_OVERRIDE = re.compile(r"^offload\.tensors\.\w+=")
 # the console width when output goes to a file (SLURM, a redirect): wide enough that no table is cut
 FILE_WIDTH = 1000
 # what `mode=plan` needs for each kind of target: the module and the package that provides it
 PLAN_EXTRA = {"gpu": ("jax_plugins.xla_cuda12", "jax-cuda12-plugin"), "tpu": ("libtpu", "libtpu")}
-
-
-def allow_new_tensor_overrides(argv: list[str]) -> list[str]:
-    """Hydra refuses keys a preset does not list unless prefixed with ++; tensor names are
-    validated against the model instead, so add the prefix for them."""
-    return [f"++{arg}" if _TENSOR_OVERRIDE.match(arg) else arg for arg in argv]
 
 
 def make_console(quiet: bool = False) -> Console:
@@ -54,20 +45,12 @@ def make_console(quiet: bool = False) -> Console:
 
 
 def compose_overrides(argv: list[str]) -> dict:
-    """The resolved config for these overrides, as a plain dict; Hydra's refusals (an unknown
-    key, a bad override, a missing preset) become one-line ConfigErrors."""
+    """The resolved config for these overrides, as a plain dict; every refusal (a bad override,
+    an unknown key, a missing preset) a one-line ConfigError (`ferry.overrides`)."""
     for arg in argv:
         if arg.startswith("-"):
             raise ConfigError(f"{arg}: ferry takes config overrides (key=value), not options; see {__file__}")
-    try:
-        with initialize_config_dir(CONFIG_DIR, version_base=None):
-            cfg = compose("train", overrides=allow_new_tensor_overrides(argv))
-        return OmegaConf.to_container(cfg, resolve=True)
-    except (HydraException, OmegaConfBaseException) as error:
-        reasons = [str(error)] + ([str(error.__cause__)] if error.__cause__ is not None else [])
-        text = " ".join(" ".join(reason.split()) for reason in reasons if reason.strip())
-        text = text.split(" Config search path:")[0]  # Hydra's search path says nothing to fix
-        raise ConfigError(text or type(error).__name__) from error
+    return compose_node("train", argv, Path(CONFIG_DIR))
 
 
 def main(argv: list[str]) -> int:
@@ -112,7 +95,7 @@ def main(argv: list[str]) -> int:
 
 def refuse(error: Exception, code: int = 2) -> int:
     """One line (any newlines in the message folded), exit status `code`."""
-    line = " ".join(str(error).split())
+    line = escape(" ".join(str(error).split()))  # a message's own brackets (".[plan]") are not markup
     Console(width=FILE_WIDTH, soft_wrap=True).print(f"[bold red]error:[/] {line}", highlight=False)
     return code
 
