@@ -9,26 +9,44 @@ it; nothing was changed), 3 stopped at a non-finite loss (the last good state ch
 interrupted by Ctrl-C. Anything else is a bug, shown with its traceback.
 """
 
+import os
+import signal
 import sys
-from pathlib import Path
 
-import jax
-from omegaconf import OmegaConf
-from rich.console import Console
-from rich.markup import escape
+EARLY_INTERRUPT = "interrupted before the run started; nothing was written"
 
-from ferry import distributed
-from ferry.config import ConfigError, from_dict
-from ferry.errors import FerryError
-from ferry.overrides import compose_node
-from ferry.plan.scheduler_costs import scheduler_target
-from ferry.platform import PlatformConfig, apply_platform, check_platform
-from ferry.train.checkpoint import checkpoint_steps
-from ferry.train.config import FerryConfig, OffloadConfig, load_config
-from ferry.train.nonfinite import NonFiniteLossError
-from ferry.train.prepare import PreparedRun, prepare
-from ferry.train.run import train
-from ferry.train.run_dir import resolve_run_dir
+
+def exit_interrupted(line: str) -> None:
+    """Ctrl-C where no Python code of ferry's can handle it (the imports, the interpreter's exit):
+    one line, exit status 130, at once."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+    os._exit(130)
+
+
+if __name__ == "__main__":  # the imports below take seconds; Ctrl-C during them is one line too
+    signal.signal(signal.SIGINT, lambda signum, frame: exit_interrupted(EARLY_INTERRUPT))
+
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.markup import escape  # noqa: E402
+
+from ferry import distributed  # noqa: E402
+from ferry.config import ConfigError, from_dict  # noqa: E402
+from ferry.errors import FerryError  # noqa: E402
+from ferry.overrides import compose_node  # noqa: E402
+from ferry.plan.scheduler_costs import scheduler_target  # noqa: E402
+from ferry.platform import PlatformConfig, apply_platform, check_platform  # noqa: E402
+from ferry.train.checkpoint import checkpoint_steps  # noqa: E402
+from ferry.train.config import FerryConfig, OffloadConfig, load_config  # noqa: E402
+from ferry.train.config_paths import check_config_paths  # noqa: E402
+from ferry.train.nonfinite import NonFiniteLossError  # noqa: E402
+from ferry.train.prepare import PreparedRun, prepare  # noqa: E402
+from ferry.train.run import train  # noqa: E402
+from ferry.train.run_dir import resolve_run_dir  # noqa: E402
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 # the console width when output goes to a file (SLURM, a redirect): wide enough that no table is cut
@@ -65,6 +83,7 @@ def main(argv: list[str]) -> int:
         config = load_config(node)
         for note in config.notes:
             console.print(f"note: {note}", highlight=False)
+        check_config_paths(config)
         if config.mode == "plan":
             return plan(config, console)
         variables = apply_platform(config.platform)  # before JAX starts its backend
@@ -103,7 +122,7 @@ def refuse(error: Exception, code: int = 2) -> int:
 def interrupted(prepared: PreparedRun | None) -> str:
     """Ctrl-C's one line: where the run can continue from, if anywhere."""
     if prepared is None:
-        return "interrupted before the run started; nothing was written"
+        return EARLY_INTERRUPT
     steps = checkpoint_steps(prepared.run_dir / "checkpoints")
     if steps:
         return f"interrupted: {prepared.run_dir} holds checkpoints up to step {steps[-1]}; the same command resumes"
@@ -162,5 +181,18 @@ def plan(config: FerryConfig, console: Console) -> int:
     return 0
 
 
+def script(argv: list[str]) -> int:
+    """`main` as the command runs it: Ctrl-C anywhere, before `main`'s own handling starts or
+    after it ends (while the interpreter exits), is one line and exit status 130."""
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        code = main(argv)
+    except KeyboardInterrupt:
+        print("interrupted; the same command resumes from the run directory's latest checkpoint, if any")
+        code = 130
+    signal.signal(signal.SIGINT, lambda signum, frame: exit_interrupted("interrupted while exiting"))
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(script(sys.argv[1:]))

@@ -24,7 +24,7 @@ from ferry.train.loggers import RunLoggers
 from ferry.train.loop import RunBatches, TrainingLoop
 from ferry.train.memory_report import describe_memory, host_bytes_line, step_fit_advice
 from ferry.train.meter import StepMeter
-from ferry.train.nonfinite import nonfinite_error
+from ferry.train.nonfinite import likely_causes, nonfinite_error
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer
 from ferry.train.preemption import SigtermStop
 from ferry.train.prepare import PreparedRun
@@ -56,6 +56,8 @@ def _train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
     optimizer = make_optimizer(config.train)
     settings = loss_settings(prepared)
     batches = open_batches(prepared)
+    if (note := held_out_note(prepared)) is not None:
+        console.print(f"note: {note}", highlight=False)
     meter = StepMeter.of(config, prepared.schedule)
     # closing the iterators stops their prefetch threads, also when the run fails
     with jax.set_mesh(prepared.mesh), SigtermStop() as sigterm, contextlib.closing(batches):
@@ -90,8 +92,22 @@ def _train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
         loop.finish()
     report_skipped(loop.state, config.train.on_nonfinite, console)
     if loop.watch.bad_step is not None:
-        raise nonfinite_error(loop.watch.bad_step, checkpoints.directory)
+        raise nonfinite_error(loop.watch.bad_step, checkpoints.directory, likely_causes(config))
     return run_dir
+
+
+def held_out_note(prepared: PreparedRun) -> str | None:
+    """What an evaluation of `train.eval_batches` batches reads when the held-out split holds
+    fewer: it cycles, reading the same windows again, so it says so."""
+    tc = prepared.config.train
+    available = PackedWindows(prepared.corpus.eval, tc.seq_len).num_windows // tc.global_batch_size
+    if tc.eval_batches <= available:
+        return None
+    return (
+        f"train.eval_batches={tc.eval_batches} but the held-out split holds {available} whole batch(es) of "
+        f"{tc.global_batch_size} x {tc.seq_len} tokens, so each evaluation reads some windows more than once; "
+        f"set train.eval_batches={max(available, 1)} or a larger data.eval_fraction"
+    )
 
 
 def loss_settings(prepared: PreparedRun) -> LossSettings:
