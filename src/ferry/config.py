@@ -82,7 +82,8 @@ def checked_value(key: str, value: Any, hint: Any) -> Any:
             return str(value)
         raise ConfigError(f"{key}={value!r} ({type(value).__name__}): expected a string")
     if dataclasses.is_dataclass(hint) and not isinstance(value, hint):
-        raise ConfigError(f"{key}={'null' if value is None else repr(value)}: expected a mapping of its keys ({', '.join(_field_names(hint))})")
+        shown = "null" if value is None else repr(value)
+        raise ConfigError(f"{key}={shown}: expected a mapping of its keys ({', '.join(_field_names(hint))})")
     origin = typing.get_origin(hint)
     if origin is not None and isinstance(origin, type) and issubclass(origin, Mapping):
         if isinstance(value, Mapping):

@@ -22,6 +22,8 @@ from ferry.config import ConfigError
 # libraries smaller than this hold no flag registry (jaxlib's small extension modules)
 _MIN_LIBRARY_BYTES = 10 * 2**20
 _CHILD = "import jax; jax.devices()"
+# flags ferry sets itself (platform.cpu_devices), known to every XLA it runs on: not looked up
+FERRY_FLAGS = frozenset({"xla_force_host_platform_device_count"})
 _CHILD_TIMEOUT_S = 120
 
 
@@ -88,7 +90,9 @@ def check_xla_flags(variable: str, flags: str, libraries: list[Path] | None = No
     checked (libtpu reads LIBTPU_INIT_ARGS, with flags of its own)."""
     if variable != "XLA_FLAGS" or not flags.strip():
         return
-    names = flag_names(flags)
+    names = [name for name in flag_names(flags) if name not in FERRY_FLAGS]
+    if not names:
+        return
     missing = unmentioned(names, flag_libraries() if libraries is None else libraries)
     if not missing:
         return

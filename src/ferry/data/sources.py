@@ -170,7 +170,9 @@ def parquet_documents(files: list[Path], base: Path, field: str) -> Iterator[Doc
         try:
             column = pq.read_table(path, columns=[field]).column(field).to_pylist()
         except (pa.ArrowException, OSError) as error:
-            raise DataSourceError(f"{path}: column {field!r} cannot be read ({' '.join(str(error).split())})") from error
+            raise DataSourceError(
+                f"{path}: column {field!r} cannot be read ({' '.join(str(error).split())})"
+            ) from error
         for number, value in enumerate(column):
             yield f"{_key(path, base)}#{number}", _text_bytes(value, f"{path}#{number}", field)
 

@@ -1,7 +1,6 @@
 """Frozen configs for a training run (the `train`, `offload`, `data` and `run` config groups)."""
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -110,7 +109,8 @@ class TrainConfig:
         )
         if self.learning_rate * self.weight_decay >= 1:
             raise ConfigError(
-                f"train.learning_rate x train.weight_decay = {self.learning_rate * self.weight_decay:g} must be below 1: "
+                f"train.learning_rate x train.weight_decay = {self.learning_rate * self.weight_decay:g} "
+                "must be below 1: "
                 "decoupled weight decay multiplies every weight by 1 - their product each step, which then "
                 "flips or zeroes the weights; lower train.weight_decay"
             )
@@ -234,7 +234,9 @@ def check_address(address: str) -> None:
     if not colon or not host or host in ("[", "[]"):
         raise ConfigError(f"distributed.coordinator_address={address} has no port; {fix}")
     if not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ConfigError(f"distributed.coordinator_address={address}: the port {port!r} is not a number from 1 to 65535; {fix}")
+        raise ConfigError(
+            f"distributed.coordinator_address={address}: the port {port!r} is not a number from 1 to 65535; {fix}"
+        )
     if ":" in host and not (host.startswith("[") and host.endswith("]")):
         raise ConfigError(f"distributed.coordinator_address={address}: an IPv6 host goes in brackets, e.g. [::1]:12345")
 
@@ -328,7 +330,8 @@ class FerryConfig:
             )
         if self.profile.start_step is not None and self.profile.start_step > self.train.steps:
             raise ConfigError(
-                f"profile.start_step={self.profile.start_step} is after the last step (train.steps={self.train.steps}), "
+                f"profile.start_step={self.profile.start_step} is after the last step "
+                f"(train.steps={self.train.steps}), "
                 f"so nothing would be profiled; choose a step from 1 to {self.train.steps}"
             )
         check_peel(self.offload, self.model)

@@ -20,6 +20,7 @@ from ferry.plan.scheduler_costs import ProfileCache, scheduler_target
 from ferry.schedule import schedule_table
 from ferry.train.checkpoint import Checkpoints
 from ferry.train.compiled_step import compile_step
+from ferry.train.config import TrainConfig
 from ferry.train.loggers import RunLoggers
 from ferry.train.loop import RunBatches, TrainingLoop
 from ferry.train.memory_report import describe_memory, host_bytes_line, step_fit_advice
@@ -56,7 +57,8 @@ def _train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
     optimizer = make_optimizer(config.train)
     settings = loss_settings(prepared)
     batches = open_batches(prepared)
-    if (note := held_out_note(prepared)) is not None:
+    tc = config.train
+    if (note := held_out_note(tc, PackedWindows(prepared.corpus.eval, tc.seq_len).num_windows)) is not None:
         console.print(f"note: {note}", highlight=False)
     meter = StepMeter.of(config, prepared.schedule)
     # closing the iterators stops their prefetch threads, also when the run fails
@@ -96,16 +98,15 @@ def _train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
     return run_dir
 
 
-def held_out_note(prepared: PreparedRun) -> str | None:
-    """What an evaluation of `train.eval_batches` batches reads when the held-out split holds
-    fewer: it cycles, reading the same windows again, so it says so."""
-    tc = prepared.config.train
-    available = PackedWindows(prepared.corpus.eval, tc.seq_len).num_windows // tc.global_batch_size
-    if tc.eval_batches <= available:
+def held_out_note(train: TrainConfig, held_out_windows: int) -> str | None:
+    """What an evaluation of `train.eval_batches` batches reads when the held-out split's
+    `held_out_windows` make fewer: it cycles, reading the same windows again, so it says so."""
+    available = held_out_windows // train.global_batch_size
+    if train.eval_batches <= available:
         return None
     return (
-        f"train.eval_batches={tc.eval_batches} but the held-out split holds {available} whole batch(es) of "
-        f"{tc.global_batch_size} x {tc.seq_len} tokens, so each evaluation reads some windows more than once; "
+        f"train.eval_batches={train.eval_batches} but the held-out split holds {available} whole batch(es) of "
+        f"{train.global_batch_size} x {train.seq_len} tokens, so each evaluation reads some windows more than once; "
         f"set train.eval_batches={max(available, 1)} or a larger data.eval_fraction"
     )
 
