@@ -105,12 +105,14 @@ def require_finite(key: str, value: float) -> None:
 def require_positive(key: str, value: float, why: str) -> None:
     """A value that only a positive number makes sense of (an epsilon, a base, a factor): zero or
     a negative one can only give NaN or infinities once training starts, so it is refused now."""
+    require_finite(key, value)
     if not value > 0:
         raise ConfigError(f"{key}={value} must be greater than 0: {why}")
 
 
 def require_non_negative(key: str, value: float, why: str) -> None:
     """A weight or a rate whose sign flips what it does (a negative loss weight is maximised)."""
+    require_finite(key, value)
     if not value >= 0:
         raise ConfigError(f"{key}={value} must be 0 or more: {why}")
 

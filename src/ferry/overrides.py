@@ -37,9 +37,10 @@ def quote_non_ascii(argument: str) -> str:
     """`key=value` with a non-ASCII value single-quoted for Hydra's lexer (which takes non-ASCII
     text only inside quotes); other arguments as they are."""
     key, equals, value = argument.partition("=")
-    if not equals or value.isascii() or value[:1] in ("'", '"') or "'" in value or value.endswith("\\"):
+    if not equals or value.isascii() or value[:1] in ("'", '"') or value.endswith("\\"):
         return argument
-    return f"{key}='{value}'"
+    quote = next((q for q in ("'", '"') if q not in value), None)
+    return argument if quote is None else f"{key}={quote}{value}{quote}"
 
 
 def open_mapping_entry(key: str) -> bool:

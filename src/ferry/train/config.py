@@ -1,6 +1,7 @@
 """Frozen configs for a training run (the `train`, `offload`, `data` and `run` config groups)."""
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -292,7 +293,7 @@ class PlanConfig:
     def __post_init__(self) -> None:
         if self.presets is not None:
             object.__setattr__(self, "presets", tuple(str(p) for p in self.presets))
-        if self.capacity_gib is not None and self.capacity_gib <= 0:
+        if self.capacity_gib is not None and not (math.isfinite(self.capacity_gib) and self.capacity_gib > 0):
             raise ConfigError(f"plan.capacity_gib must be positive, got {self.capacity_gib}")
 
 
