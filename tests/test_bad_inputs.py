@@ -110,6 +110,9 @@ BAD_INPUTS = [
     (["train.adam_eps=0"], "train.adam_eps=0.0 must be greater than 0"),
     (["train.grad_clip_norm=0"], "train.grad_clip_norm=0.0 must be greater than 0"),
     (["train.learning_rate=1", "train.weight_decay=1"], "train.weight_decay"),
+    (["train.seed=-1"], "train.seed=-1"),
+    (["data.seed=4294967296"], "data.seed=4294967296"),
+    (["model.rope_scaling.factor=nan"], "model.rope_scaling.factor=nan is not a finite number"),
     # silent acceptances, now refused
     (["offload.default=bogus"], "offload.default=bogus: a placement is one of"),
     (["offload.peel=9"], "offload.peel=9 peels more layers than a stack has"),

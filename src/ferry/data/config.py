@@ -36,6 +36,8 @@ class DataConfig:
             raise ValueError(f"data.eval_fraction must lie in (0, 1), got {self.eval_fraction}")
         if self.synthetic_tokens < 2:
             raise ValueError(f"data.synthetic_tokens must be at least 2, got {self.synthetic_tokens}")
+        if not 0 <= self.seed <= 2**32 - 1:
+            raise ValueError(f"data.seed={self.seed} must lie in [0, {2**32 - 1}] (Grain's shuffle takes a 32-bit seed)")
         if self.prefetch < 1:
             raise ValueError(f"data.prefetch must be at least 1, got {self.prefetch}")
         if self.workers is not None and self.workers < 1:

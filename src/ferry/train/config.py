@@ -16,6 +16,9 @@ from ferry.sharding import MeshConfig, check_divisible
 from ferry.train.state_memory import StatePlacement
 
 
+MAX_SEED = 2**32 - 1
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     steps: int = 200
@@ -115,6 +118,8 @@ class TrainConfig:
                 "decoupled weight decay multiplies every weight by 1 - their product each step, which then "
                 "flips or zeroes the weights; lower train.weight_decay"
             )
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ConfigError(f"train.seed={self.seed} must lie in [0, {MAX_SEED}] (JAX's and Grain's seeds are 32-bit)")
         if self.on_nonfinite not in ("stop", "skip"):
             raise ConfigError(f"train.on_nonfinite is {self.on_nonfinite!r}; use stop or skip")
         if self.compute_dtype not in ("float32", "bfloat16"):
