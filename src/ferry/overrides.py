@@ -34,7 +34,7 @@ def config_groups(config_dir: Path) -> dict[str, list[str]]:
 
 
 def quote_non_ascii(argument: str) -> str:
-    """`key=value` with a non-ASCII value single-quoted for Hydra's lexer (which takes non-ASCII
+    """`key=value` with a non-ASCII value quoted for Hydra's lexer (which takes non-ASCII
     text only inside quotes); other arguments as they are."""
     key, equals, value = argument.partition("=")
     if not equals or value.isascii() or value[:1] in ("'", '"') or value.endswith("\\"):
@@ -98,7 +98,9 @@ def _check_group_value(argument: str, group: str, value: Any, presets: list[str]
         raise ConfigError(f"{argument}: there is no configs/{group}/{value}.yaml; {choose}")
 
 
-def compose_node(config_name: str, argv: list[str], config_dir: Path, allowed_groups=None) -> dict:
+def compose_node(
+    config_name: str, argv: list[str], config_dir: Path, allowed_groups: tuple[str, ...] | None = None
+) -> dict:
     """The resolved config `config_name` with these overrides, as a plain dict; every refusal
     (ferry's checks above, then Hydra's and OmegaConf's) a one-line ConfigError."""
     overrides = prepared_overrides(argv, config_dir, allowed_groups)

@@ -37,7 +37,9 @@ class DataConfig:
         if self.synthetic_tokens < 2:
             raise ValueError(f"data.synthetic_tokens must be at least 2, got {self.synthetic_tokens}")
         if not 0 <= self.seed <= 2**32 - 1:
-            raise ValueError(f"data.seed={self.seed} must lie in [0, {2**32 - 1}] (Grain's shuffle takes a 32-bit seed)")
+            raise ValueError(
+                f"data.seed={self.seed} must lie in [0, {2**32 - 1}] (Grain's shuffle takes a 32-bit seed)"
+            )
         if self.prefetch < 1:
             raise ValueError(f"data.prefetch must be at least 1, got {self.prefetch}")
         if self.workers is not None and self.workers < 1:

@@ -15,8 +15,7 @@ from ferry.platform import PlatformConfig
 from ferry.sharding import MeshConfig, check_divisible
 from ferry.train.state_memory import StatePlacement
 
-
-MAX_SEED = 2**32 - 1
+MAX_SEED = 2**32 - 1  # seeds are 32-bit: Grain's shuffle refuses others, JAX folds larger ones
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +118,9 @@ class TrainConfig:
                 "flips or zeroes the weights; lower train.weight_decay"
             )
         if not 0 <= self.seed <= MAX_SEED:
-            raise ConfigError(f"train.seed={self.seed} must lie in [0, {MAX_SEED}] (JAX's and Grain's seeds are 32-bit)")
+            raise ConfigError(
+                f"train.seed={self.seed} must lie in [0, {MAX_SEED}] (JAX's and Grain's seeds are 32-bit)"
+            )
         if self.on_nonfinite not in ("stop", "skip"):
             raise ConfigError(f"train.on_nonfinite is {self.on_nonfinite!r}; use stop or skip")
         if self.compute_dtype not in ("float32", "bfloat16"):
