@@ -47,6 +47,24 @@ def main() -> int:
         subprocess.Popen(process_command(args.overrides, port, args.processes, index))
         for index in range(args.processes)
     ]
+    try:
+        return supervise(children)
+    except KeyboardInterrupt:  # the terminal's Ctrl-C reached the children too: let them stop
+        for child in children:
+            try:
+                child.wait(timeout=INTERRUPT_WAIT_S)
+            except (subprocess.TimeoutExpired, KeyboardInterrupt):
+                child.kill()
+        print("interrupted: every process stopped; the same command resumes from the run's latest checkpoint")
+        return 130
+
+
+# seconds each process gets to stop by itself after Ctrl-C before it is killed
+INTERRUPT_WAIT_S = 30
+
+
+def supervise(children: list[subprocess.Popen]) -> int:
+    """Wait for the processes: the first failure's exit code (the others stopped), else 0."""
     while True:
         codes = [child.poll() for child in children]
         failed = [code for code in codes if code not in (None, 0)]

@@ -10,42 +10,49 @@ interrupted by Ctrl-C. Anything else is a bug, shown with its traceback.
 """
 
 import os
-import re
+import signal
 import sys
-from pathlib import Path
 
-import jax
-from hydra import compose, initialize_config_dir
-from hydra.errors import HydraException
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-from rich.console import Console
-from rich.markup import escape
+EARLY_INTERRUPT = "interrupted before the run started; nothing was written"
 
-from ferry import distributed
-from ferry.config import ConfigError, from_dict
-from ferry.errors import FerryError
-from ferry.plan.scheduler_costs import scheduler_target
-from ferry.platform import PlatformConfig, apply_platform, check_gpu_jax, check_platform
-from ferry.train.checkpoint import checkpoint_steps
-from ferry.train.config import FerryConfig, OffloadConfig, load_config
-from ferry.train.nonfinite import NonFiniteLossError
-from ferry.train.prepare import PreparedRun, prepare
-from ferry.train.run import train
-from ferry.train.run_dir import resolve_run_dir
+
+def exit_interrupted(line: str) -> None:
+    """Ctrl-C where no Python code of ferry's can handle it (the imports, the interpreter's exit):
+    one line, exit status 130, at once."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+    os._exit(130)
+
+
+if __name__ == "__main__":  # the imports below take seconds; Ctrl-C during them is one line too
+    signal.signal(signal.SIGINT, lambda signum, frame: exit_interrupted(EARLY_INTERRUPT))
+
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.markup import escape  # noqa: E402
+
+from ferry import distributed  # noqa: E402
+from ferry.config import ConfigError, from_dict  # noqa: E402
+from ferry.errors import FerryError  # noqa: E402
+from ferry.overrides import compose_node  # noqa: E402
+from ferry.plan.scheduler_costs import scheduler_target  # noqa: E402
+from ferry.platform import PlatformConfig, apply_platform, check_gpu_jax, check_platform  # noqa: E402
+from ferry.train.checkpoint import checkpoint_steps  # noqa: E402
+from ferry.train.config import FerryConfig, OffloadConfig, load_config  # noqa: E402
+from ferry.train.config_paths import check_config_paths  # noqa: E402
+from ferry.train.nonfinite import NonFiniteLossError  # noqa: E402
+from ferry.train.prepare import PreparedRun, prepare  # noqa: E402
+from ferry.train.run import train  # noqa: E402
+from ferry.train.run_dir import resolve_run_dir  # noqa: E402
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
-_TENSOR_OVERRIDE = re.compile(r"^offload\.tensors\.\w+=")
 # the console width when output goes to a file (SLURM, a redirect): wide enough that no table is cut
 FILE_WIDTH = 1000
 # what `mode=plan` needs for each kind of target: the module and the package that provides it
 PLAN_EXTRA = {"gpu": ("jax_plugins.xla_cuda12", "jax-cuda12-plugin"), "tpu": ("libtpu", "libtpu")}
-
-
-def allow_new_tensor_overrides(argv: list[str]) -> list[str]:
-    """Hydra refuses keys a preset does not list unless prefixed with ++; tensor names are
-    validated against the model instead, so add the prefix for them."""
-    return [f"++{arg}" if _TENSOR_OVERRIDE.match(arg) else arg for arg in argv]
 
 
 def make_console(quiet: bool = False) -> Console:
@@ -56,20 +63,12 @@ def make_console(quiet: bool = False) -> Console:
 
 
 def compose_overrides(argv: list[str]) -> dict:
-    """The resolved config for these overrides, as a plain dict; Hydra's refusals (an unknown
-    key, a bad override, a missing preset) become one-line ConfigErrors."""
+    """The resolved config for these overrides, as a plain dict; every refusal (a bad override,
+    an unknown key, a missing preset) a one-line ConfigError (`ferry.overrides`)."""
     for arg in argv:
         if arg.startswith("-"):
             raise ConfigError(f"{arg}: ferry takes config overrides (key=value), not options; see {__file__}")
-    try:
-        with initialize_config_dir(CONFIG_DIR, version_base=None):
-            cfg = compose("train", overrides=allow_new_tensor_overrides(argv))
-        return OmegaConf.to_container(cfg, resolve=True)
-    except (HydraException, OmegaConfBaseException) as error:
-        reasons = [str(error)] + ([str(error.__cause__)] if error.__cause__ is not None else [])
-        text = " ".join(" ".join(reason.split()) for reason in reasons if reason.strip())
-        text = text.split(" Config search path:")[0]  # Hydra's search path says nothing to fix
-        raise ConfigError(text or type(error).__name__) from error
+    return compose_node("train", argv, Path(CONFIG_DIR))
 
 
 def main(argv: list[str]) -> int:
@@ -84,6 +83,7 @@ def main(argv: list[str]) -> int:
         config = load_config(node)
         for note in config.notes:
             console.print(f"note: {note}", highlight=False)
+        check_config_paths(config)
         if config.mode == "plan":
             return plan(config, console)
         if config.platform.name == "gpu":
@@ -116,16 +116,15 @@ def main(argv: list[str]) -> int:
 
 def refuse(error: Exception, code: int = 2) -> int:
     """One line (any newlines in the message folded), exit status `code`."""
-    line = " ".join(str(error).split())
-    # escaped: a message's brackets (`pip install -e ".[plan]"`) are text, not rich markup
-    Console(width=FILE_WIDTH, soft_wrap=True).print(f"[bold red]error:[/] {escape(line)}", highlight=False)
+    line = escape(" ".join(str(error).split()))  # a message's own brackets (".[plan]") are not markup
+    Console(width=FILE_WIDTH, soft_wrap=True).print(f"[bold red]error:[/] {line}", highlight=False)
     return code
 
 
 def interrupted(prepared: PreparedRun | None) -> str:
     """Ctrl-C's one line: where the run can continue from, if anywhere."""
     if prepared is None:
-        return "interrupted before the run started; nothing was written"
+        return EARLY_INTERRUPT
     steps = checkpoint_steps(prepared.run_dir / "checkpoints")
     if steps:
         return f"interrupted: {prepared.run_dir} holds checkpoints up to step {steps[-1]}; the same command resumes"
@@ -190,7 +189,20 @@ def plan(config: FerryConfig, console: Console) -> int:
     return 0
 
 
+def script(argv: list[str]) -> int:
+    """`main` as the command runs it: Ctrl-C anywhere, before `main`'s own handling starts or
+    after it ends (while the interpreter exits), is one line and exit status 130."""
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        code = main(argv)
+    except KeyboardInterrupt:
+        print("interrupted; the same command resumes from the run directory's latest checkpoint, if any")
+        code = 130
+    signal.signal(signal.SIGINT, lambda signum, frame: exit_interrupted("interrupted while exiting"))
+    return code
+
+
 if __name__ == "__main__":
     from ferry.train.process_exit import exit_process
 
-    exit_process(main(sys.argv[1:]))  # a thread left blocked by a failed save does not hold the exit
+    exit_process(script(sys.argv[1:]))  # a thread left blocked by a failed save does not hold the exit

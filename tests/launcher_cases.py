@@ -19,11 +19,16 @@ from pathlib import Path
 LAUNCHER = Path(__file__).resolve().parent.parent / "launch" / "run.py"
 
 
-def load_launcher():
-    spec = importlib.util.spec_from_file_location("ferry_launcher", LAUNCHER)
+def load_script(name: str):
+    """A script of launch/ as a module (its `__main__` block not run)."""
+    spec = importlib.util.spec_from_file_location(f"ferry_{Path(name).stem}", LAUNCHER.parent / name)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_launcher():
+    return load_script(LAUNCHER.name)
 
 
 def run_case(launcher, argv: list[str]) -> dict:

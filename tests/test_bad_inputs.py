@@ -9,9 +9,12 @@ process (see `tests/launcher_cases.py`); those that need a backend of their own 
 import hashlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -81,6 +84,47 @@ BAD_INPUTS = [
     (["model.dim=32"], "dim: 64 -> 32"),
     (["plan.capacity_gib=-1"], "plan.capacity_gib"),
     (["--cfg", "job"], "--cfg"),
+    # Hydra's override grammar: any value, deletions, group values that are not one preset's name
+    (["~model"], "~model: deleting model"),
+    (["~train.steps"], "~train.steps"),
+    (["model=5"], "model=5: model names a preset"),
+    (["model=null"], "model=null: model names a preset, not null"),
+    (["=5"], "needs a key"),
+    (["model=../offload/save_all"], "no configs/model/../offload/save_all.yaml"),
+    (["offload=[save_all,full_remat]"], "offload takes one preset"),
+    (["train=5"], "train=5: train holds keys"),
+    (["model.rope_scaling=5"], "model.rope_scaling=5"),
+    (["model=deepseek_v3_tiny", "model.yarn=null"], "model.yarn=null"),
+    # values that can only diverge, named with the right words
+    (["model.norm_eps=-1"], "model.norm_eps=-1.0 must be greater than 0"),
+    (["model.norm_eps=0"], "model.norm_eps=0.0 must be greater than 0"),
+    (["model.rope_theta=0"], "model.rope_theta=0.0 must be greater than 0"),
+    (["model.rope_scaling.factor=0"], "model.rope_scaling.factor=0.0 must be greater than 0"),
+    (["model.rope_scaling.high_freq_factor=1"], "model.rope_scaling.high_freq_factor"),
+    (["model=qwen3_tiny", "model.norm_eps=0"], "model.norm_eps"),
+    (["model=deepseek_v3_tiny", "model.yarn.factor=0"], "model.yarn.factor"),
+    (["model=deepseek_v3_tiny", "model.yarn.beta_slow=-1"], "model.yarn.beta_slow"),
+    (["model=deepseek_v3_tiny", "model.yarn.mscale_all_dim=-20"], "model.yarn.mscale_all_dim"),
+    (["model=deepseek_v3_tiny", "model.mtp_loss_weight=-0.3"], "model.mtp_loss_weight"),
+    (["model=deepseek_v3_tiny", "model.routed_scaling=0"], "model.routed_scaling"),
+    (["train.adam_eps=0"], "train.adam_eps=0.0 must be greater than 0"),
+    (["train.grad_clip_norm=0"], "train.grad_clip_norm=0.0 must be greater than 0"),
+    (["train.learning_rate=1", "train.weight_decay=1"], "train.weight_decay"),
+    (["train.seed=-1"], "train.seed=-1"),
+    (["data.seed=4294967296"], "data.seed=4294967296"),
+    (["model.rope_scaling.factor=nan"], "model.rope_scaling.factor=nan is not a finite number"),
+    # silent acceptances, now refused
+    (["offload.default=bogus"], "offload.default=bogus: a placement is one of"),
+    (["offload.peel=9"], "offload.peel=9 peels more layers than a stack has"),
+    (["offload=save_all", "offload.peel=1"], "offload.peel=1 would do nothing"),
+    (["target=h100"], "target=h100 is the hardware mode=plan compiles for"),
+    (["profile.start_step=5"], "profile.start_step=5 is after the last step"),
+    # absolute patterns, addresses without a port
+    (["data.pattern=/tmp/*.txt"], "data.pattern=/tmp/*.txt is a path"),
+    (
+        ["distributed.coordinator_address=localhost", "distributed.num_processes=1", "distributed.process_id=0"],
+        "distributed.coordinator_address=localhost has no port",
+    ),
 ]
 
 
@@ -113,6 +157,18 @@ def run_dir_cases(root):
         "below a file": [f"run.dir={root / 'a_file' / 'below'}"],
         "new, then no data": ["data.source=text", "data.path=/nonexistent/corpus", f"run.dir={root / 'new'}"],
     }
+    (root / "corpus").mkdir()
+    (root / "corpus" / "a.txt").write_text("some text\n" * 50)
+    (root / "garbage.jsonl").write_bytes(bytes(range(256)) * 8)
+    text = ["data.source=text", f"data.path={root / 'corpus'}"]
+    cases |= {
+        "cache_dir a file": [*text, f"data.cache_dir={root / 'a_file'}", f"run.dir={root / 'cache'}"],
+        "prepared a file": ["data=stdlib", f"data.prepared={root / 'a_file'}", f"run.dir={root / 'prepared'}"],
+        "from_hf a file": [f"init.from_hf={root / 'a_file'}", f"run.dir={root / 'from_hf'}"],
+        "garbage jsonl": ["data.source=jsonl", f"data.path={root / 'garbage.jsonl'}", f"run.dir={root / 'jsonl'}"],
+    }
+    if Path("/proc/self").is_dir():
+        cases["under /proc"] = [f"run.dir=/proc/ferry-{os.getpid()}/run"]
     if os.geteuid() != 0:  # root writes through permission bits
         (root / "unwritable").mkdir(mode=0o500)
         cases["unwritable"] = [f"run.dir={root / 'unwritable' / 'run'}"]
@@ -138,7 +194,7 @@ def refused(finished_run, tmp_path_factory):
 
 
 def test_the_table_is_large():
-    assert len(BAD_INPUTS) >= 40
+    assert len(BAD_INPUTS) >= 80
 
 
 def assert_refused(result, key):
@@ -193,3 +249,195 @@ def test_a_platform_this_machine_lacks_is_refused(tmp_path, platform):
     (error,) = [line for line in result.stdout.splitlines() if line.startswith("error:")]
     assert f"platform={platform}" in error and "platform=cpu" in error
     assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
+
+
+# --- the kinds of paths, the data's files -----------------------------------------------------
+
+
+def test_a_file_where_a_directory_belongs_is_refused_naming_the_key(refused):
+    _, _, by_dir, root = refused
+    assert_refused(by_dir["cache_dir a file"], f"data.cache_dir={root / 'a_file'} is a file, not a directory")
+    assert_refused(by_dir["prepared a file"], f"data.prepared={root / 'a_file'} is a file, not a directory")
+    assert_refused(by_dir["from_hf a file"], f"init.from_hf={root / 'a_file'} is a file, not a directory")
+    for name in ("cache", "prepared", "from_hf"):
+        assert not (root / name).exists()
+    assert (root / "a_file").read_text() == "precious\n"
+
+
+def test_a_run_dir_on_a_kernel_filesystem_is_refused(refused):
+    if "under /proc" not in refused[2]:
+        pytest.skip("no /proc here")
+    assert_refused(refused[2]["under /proc"], "run.dir=/proc/")
+    assert "takes no new directories" in refused[2]["under /proc"]["stdout"]
+
+
+def test_a_jsonl_file_of_garbage_is_refused_naming_the_file(refused):
+    _, _, by_dir, root = refused
+    assert_refused(by_dir["garbage jsonl"], f"{root / 'garbage.jsonl'}:1 is not JSON")
+
+
+def test_a_parquet_file_of_garbage_is_refused_naming_it(tmp_path):
+    pytest.importorskip("pyarrow")
+    from ferry.data.sources import DataSourceError, parquet_documents
+
+    garbage = tmp_path / "a.parquet"
+    garbage.write_bytes(b"PAR1" + bytes(range(256)) * 4)
+    with pytest.raises(DataSourceError, match=f"{garbage} is not a Parquet file"):
+        list(parquet_documents([garbage], tmp_path, "text"))
+
+
+def test_directory_checks(tmp_path):
+    from ferry.config import ConfigError
+    from ferry.paths import check_directory_to_write, check_existing_directory, check_existing_file
+
+    (tmp_path / "file").write_text("x")
+    check_directory_to_write("k", str(tmp_path / "new" / "deeper"))  # makes nothing
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+    with pytest.raises(ConfigError, match="k=.* cannot be made: a part of its path is a file"):
+        check_directory_to_write("k", str(tmp_path / "file" / "below"))
+    with pytest.raises(ConfigError, match="is a file, not a directory"):
+        check_existing_directory("k", str(tmp_path / "file"), "a directory")
+    with pytest.raises(ConfigError, match="is a directory, not a file"):
+        check_existing_file("k", str(tmp_path), "a file")
+    check_existing_directory("k", str(tmp_path / "missing"), "a directory")  # absence: the reader's to explain
+
+
+# --- the override grammar, Unicode, XLA's flags ----------------------------------------------
+
+
+def test_unicode_values_need_no_quotes(tmp_path):
+    from ferry.overrides import compose_node, quote_non_ascii
+
+    run_dir = str(tmp_path / "ünïcødé" / "rün")
+    assert quote_non_ascii(f"run.dir={run_dir}") == f"run.dir='{run_dir}'"
+    assert quote_non_ascii("train.steps=5") == "train.steps=5"
+    node = compose_node("train", [f"run.dir={run_dir}", "data.eos_token=<|ënd|>"], ROOT / "configs")
+    assert node["run"]["dir"] == run_dir and node["data"]["eos_token"] == "<|ënd|>"
+
+
+def test_open_mappings_take_new_entries_and_deletions():
+    from ferry.overrides import compose_node
+
+    node = compose_node(
+        "train",
+        ["platform.xla_flags.xla_cpu_enable_fast_math=false", "~offload.tensors.decoder_layer_input"],
+        ROOT / "configs",
+    )
+    assert node["platform"]["xla_flags"] == {"xla_cpu_enable_fast_math": False}
+    assert "decoder_layer_input" not in node["offload"]["tensors"]
+
+
+def test_xla_flags_are_looked_up_in_xla_and_unknown_ones_confirmed_by_xla(tmp_path):
+    from ferry.xla_flags import XlaFlagError, check_xla_flags, flag_libraries, flag_names, unmentioned
+
+    assert flag_names("--a=1  --b --c=x=y") == ["a", "b", "c"]
+    libraries = flag_libraries()
+    assert libraries, "jaxlib's library holding XLA's flags was not found"
+    assert unmentioned(
+        ["xla_force_host_platform_device_count", "xla_dump_to", "xla_no_such_flag_ferry"], libraries
+    ) == ["xla_no_such_flag_ferry"]
+
+    def never(flags):
+        raise AssertionError("a flag found in the library needs no child process")
+
+    check_xla_flags("XLA_FLAGS", "--xla_dump_to=/tmp/x", libraries, confirm=never)
+    check_xla_flags("LIBTPU_INIT_ARGS", "--anything", libraries, confirm=never)  # libtpu's own flags
+    check_xla_flags("XLA_FLAGS", "--xla_missed_by_search=1", libraries, confirm=lambda flags: None)  # XLA takes it
+    with pytest.raises(XlaFlagError, match="XLA does not know the flag.s. xla_bogus_ferry .XLA_FLAGS: Unknown flag"):
+        check_xla_flags(
+            "XLA_FLAGS", "--xla_bogus_ferry=1", libraries, confirm=lambda flags: "Unknown flag in XLA_FLAGS"
+        )
+
+
+def test_xla_itself_refuses_an_unknown_flag_in_a_child_process():
+    from ferry.xla_flags import xla_refusal
+
+    reason = xla_refusal("--xla_bogus_ferry_flag=1")
+    assert reason is not None and "xla_bogus_ferry_flag" in reason, reason
+    assert xla_refusal("--xla_force_host_platform_device_count=2") is None
+
+
+def test_prepare_data_takes_its_own_keys_only(tmp_path, capsys):
+    from tests.launcher_cases import load_script
+
+    prepare_data = load_script("prepare_data.py")
+    cases = {
+        "train.steps=5": "train.steps is not a key of this command; it takes data keys only; training keys go to",
+        "data=5": "data=5: data names a preset",
+        f"data.prepared={tmp_path}/f": "",  # made below: a file
+    }
+    (tmp_path / "f").write_text("x")
+    cases[f"data.prepared={tmp_path}/f"] = "is a file, not a directory"
+    for argument, message in cases.items():
+        assert prepare_data.main(["data.source=text", f"data.path={tmp_path}", argument]) == 2
+        out = capsys.readouterr().out
+        assert len(out.strip().splitlines()) == 1 and message in out, out
+
+
+def test_a_refusal_keeps_its_brackets(capsys):
+    from ferry.config import ConfigError
+    from tests.launcher_cases import load_launcher
+
+    assert load_launcher().refuse(ConfigError('pip install -e ".[parquet]"')) == 2
+    assert 'pip install -e ".[parquet]"' in capsys.readouterr().out
+
+
+def test_ctrl_c_during_the_imports_is_one_line_and_130(tmp_path):
+    """SIGINT while `launch/run.py` is still importing JAX (well before any backend)."""
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "launch" / "run.py"), *COMMON, f"run.dir={tmp_path / 'run'}"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(0.6)
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stdout + stderr
+    assert "Traceback" not in stderr and len(stdout.strip().splitlines()) == 1, stdout + stderr
+    assert "interrupted" in stdout and not (tmp_path / "run").exists()
+
+
+# --- the likely causes of a non-finite loss, non-finite weights, a cycling evaluation ----------
+
+
+def test_the_nonfinite_stop_names_this_runs_likely_causes():
+    from ferry.train.nonfinite import likely_causes, nonfinite_error
+    from tests.conftest import compose_config
+
+    risky = likely_causes(compose_config("train.warmup_steps=0", "train.learning_rate=0.05", "train.adam_eps=1e-20"))
+    assert any("train.warmup_steps=0" in c for c in risky)
+    assert any("train.learning_rate=0.05" in c for c in risky)
+    assert any("train.adam_eps=1e-20" in c for c in risky)
+    calm = likely_causes(compose_config("train.learning_rate=1e-4", "train.compute_dtype=float32"))
+    assert not any("learning_rate=0.0001 is high" in c for c in calm) and len(calm) == 1
+    message = str(nonfinite_error(7, "/runs/x/checkpoints", risky))
+    assert "not finite at step 7" in message and "(1) no warmup" in message and "(2) train.learning_rate" in message
+
+
+def test_a_checkpoint_weight_holding_nan_is_refused_naming_the_tensor(tmp_path):
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from ferry.hf.safetensors_io import CheckpointError, CheckpointReader
+
+    weight = np.ones((4, 4), np.float32)
+    weight[2, 3] = np.nan
+    save_file(
+        {"model.norm.weight": np.ones(4, np.float32), "lm_head.weight": weight}, str(tmp_path / "model.safetensors")
+    )
+    reader = CheckpointReader(tmp_path)
+    assert reader.read("model.norm.weight").sum() == 4
+    with pytest.raises(CheckpointError, match=r"tensor lm_head.weight holds 1 non-finite value.*first at \[2, 3\]"):
+        reader.read("lm_head.weight")
+
+
+def test_an_evaluation_longer_than_the_held_out_split_is_noted():
+    from ferry.train.config import TrainConfig
+    from ferry.train.run import held_out_note
+
+    train = TrainConfig(global_batch_size=4, seq_len=32, eval_batches=3)
+    assert held_out_note(train, held_out_windows=12) is None
+    note = held_out_note(train, held_out_windows=9)
+    assert "train.eval_batches=3 but the held-out split holds 2 whole batch(es)" in note

@@ -81,6 +81,9 @@ def checked_value(key: str, value: Any, hint: Any) -> Any:
         if isinstance(value, int | float) and not isinstance(value, bool):  # Hydra parsed a name as a number
             return str(value)
         raise ConfigError(f"{key}={value!r} ({type(value).__name__}): expected a string")
+    if dataclasses.is_dataclass(hint) and not isinstance(value, hint):
+        shown = "null" if value is None else repr(value)
+        raise ConfigError(f"{key}={shown}: expected a mapping of its keys ({', '.join(_field_names(hint))})")
     origin = typing.get_origin(hint)
     if origin is not None and isinstance(origin, type) and issubclass(origin, Mapping):
         if isinstance(value, Mapping):
@@ -99,10 +102,29 @@ def require_finite(key: str, value: float) -> None:
         raise ConfigError(f"{key}={value} is not a finite number")
 
 
+def require_positive(key: str, value: float, why: str) -> None:
+    """A value that only a positive number makes sense of (an epsilon, a base, a factor): zero or
+    a negative one can only give NaN or infinities once training starts, so it is refused now."""
+    require_finite(key, value)
+    if not value > 0:
+        raise ConfigError(f"{key}={value} must be greater than 0: {why}")
+
+
+def require_non_negative(key: str, value: float, why: str) -> None:
+    """A weight or a rate whose sign flips what it does (a negative loss weight is maximised)."""
+    require_finite(key, value)
+    if not value >= 0:
+        raise ConfigError(f"{key}={value} must be 0 or more: {why}")
+
+
 def _union_members(hint: Any) -> tuple[Any, ...] | None:
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         return typing.get_args(hint)
     return None
+
+
+def _field_names(cls: Any) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
 
 
 def _type_name(hint: Any) -> str:

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping
 
 from ferry.config import ConfigError
 from ferry.errors import FerryError
+from ferry.xla_flags import check_xla_flags
 
 _FLAG_VARIABLE = {"cpu": "XLA_FLAGS", "gpu": "XLA_FLAGS", "tpu": "LIBTPU_INIT_ARGS"}
 # JAX's name of each platform's backend: the only one a run starts, so a CPU run never wakes the
@@ -117,6 +118,8 @@ def apply_platform(config: PlatformConfig) -> dict[str, str]:
             "apply the platform config before any JAX computation"
         )
     variables = config.environment(os.environ)
+    variable = config.flag_variable
+    check_xla_flags(variable, variables.get(variable, os.environ.get(variable, "")))  # XLA would abort on one
     os.environ.update(variables)
     jax.config.update("jax_platforms", _JAX_PLATFORM[config.name])
     return variables

@@ -1,6 +1,7 @@
 """The `data` config group: where documents come from, how they are tokenized, stored and batched."""
 
 import dataclasses
+from pathlib import Path
 
 from ferry.data.sources import FILE_SOURCES
 
@@ -35,12 +36,22 @@ class DataConfig:
             raise ValueError(f"data.eval_fraction must lie in (0, 1), got {self.eval_fraction}")
         if self.synthetic_tokens < 2:
             raise ValueError(f"data.synthetic_tokens must be at least 2, got {self.synthetic_tokens}")
+        if not 0 <= self.seed <= 2**32 - 1:
+            raise ValueError(
+                f"data.seed={self.seed} must lie in [0, {2**32 - 1}] (Grain's shuffle takes a 32-bit seed)"
+            )
         if self.prefetch < 1:
             raise ValueError(f"data.prefetch must be at least 1, got {self.prefetch}")
         if self.workers is not None and self.workers < 1:
             raise ValueError(f"data.workers must be at least 1 (or null: every core), got {self.workers}")
         if self.shard_bytes < 1:
             raise ValueError(f"data.shard_bytes must be at least 1, got {self.shard_bytes}")
+        if self.pattern is not None and (Path(self.pattern).is_absolute() or self.pattern.startswith("~")):
+            folder, _, name = self.pattern.rpartition("/")
+            raise ValueError(
+                f"data.pattern={self.pattern} is a path; it matches files under data.path: set "
+                f"data.path={folder or '/'} data.pattern={name or '*'}"
+            )
         if self.separator is not None and self.document_bytes is not None:
             raise ValueError("set data.separator or data.document_bytes, not both: a file is split one way")
         if (self.separator is not None or self.document_bytes is not None) and self.source != "text":

@@ -136,6 +136,11 @@ def jsonl_documents(files: list[Path], base: Path, field: str) -> Iterator[Docum
                     value = json.loads(line)[field]
                 except json.JSONDecodeError as error:
                     raise DataSourceError(f"{path}:{number} is not JSON ({error})") from error
+                except UnicodeDecodeError as error:  # binary, or text in another encoding
+                    raise DataSourceError(
+                        f"{path}:{number} is not JSON: not UTF-8 text ({error.reason} at byte {error.start}); "
+                        "is it a JSONL file?"
+                    ) from error
                 except (KeyError, TypeError) as error:
                     raise DataSourceError(
                         f"{path}:{number} has no field {field!r}; set data.field to the field holding the text"
@@ -150,14 +155,25 @@ def parquet_documents(files: list[Path], base: Path, field: str) -> Iterator[Doc
     except ImportError as error:
         raise DataSourceError('data.source=parquet needs pyarrow: pip install -e ".[parquet]"') from error
 
+    import pyarrow as pa
+
     for path in files:
-        schema = pq.read_schema(path)
+        try:
+            schema = pq.read_schema(path)
+        except (pa.ArrowException, OSError) as error:
+            raise DataSourceError(f"{path} is not a Parquet file ({' '.join(str(error).split())})") from error
         if field not in schema.names:
             raise DataSourceError(
                 f"{path} has no column {field!r} (columns: {', '.join(schema.names)}); "
                 "set data.field to the text column"
             )
-        for number, value in enumerate(pq.read_table(path, columns=[field]).column(field).to_pylist()):
+        try:
+            column = pq.read_table(path, columns=[field]).column(field).to_pylist()
+        except (pa.ArrowException, OSError) as error:
+            raise DataSourceError(
+                f"{path}: column {field!r} cannot be read ({' '.join(str(error).split())})"
+            ) from error
+        for number, value in enumerate(column):
             yield f"{_key(path, base)}#{number}", _text_bytes(value, f"{path}#{number}", field)
 
 
@@ -166,8 +182,12 @@ def arrayrecord_documents(files: list[Path], base: Path) -> Iterator[Document]:
     import grain
 
     for path in files:
-        source = grain.sources.ArrayRecordDataSource([str(path)])
-        for number in range(len(source)):
+        try:
+            source = grain.sources.ArrayRecordDataSource([str(path)])
+            records = len(source)
+        except (RuntimeError, ValueError, OSError) as error:  # the reader's damaged-file statuses
+            raise DataSourceError(f"{path} is not an ArrayRecord file ({' '.join(str(error).split())})") from error
+        for number in range(records):
             yield f"{_key(path, base)}#{number}", bytes(source[number])
 
 

@@ -153,12 +153,27 @@ class CheckpointReader:
         """The tensor's `index` slices (unit steps) in float32; FP8 dequantised block by block."""
         entry = self.entries[name]
         block = np.asarray(self._mapped(entry)[index]).astype(np.float32)
-        if entry.dtype != FP8:
-            return block
-        full = tuple(index) + (slice(None),) * (len(entry.shape) - len(index))
-        rows, cols = (np.arange(*s.indices(n)) // b for s, n, b in zip(full, entry.shape, self.fp8_block, strict=True))
-        scales = self._mapped(self.entries[name + SCALE_SUFFIX])[np.ix_(rows, cols)]
-        return block * scales.astype(np.float32)
+        if entry.dtype == FP8:
+            full = tuple(index) + (slice(None),) * (len(entry.shape) - len(index))
+            blocks = zip(full, entry.shape, self.fp8_block, strict=True)
+            rows, cols = (np.arange(*s.indices(n)) // b for s, n, b in blocks)
+            block = block * self._mapped(self.entries[name + SCALE_SUFFIX])[np.ix_(rows, cols)].astype(np.float32)
+        check_finite(block, name, entry.file)
+        return block
+
+
+def check_finite(block: np.ndarray, name: str, file: Path) -> None:
+    """A weight holding NaN or an infinity makes every loss NaN from the first step: refused
+    naming the tensor and its file, before training starts."""
+    finite = np.isfinite(block)
+    if finite.all():
+        return
+    bad = int(finite.size - np.count_nonzero(finite))
+    first = tuple(int(i) for i in np.argwhere(~finite)[0])
+    raise CheckpointError(
+        f"{file}: tensor {name} holds {bad} non-finite value(s) (NaN or infinity; the first at {list(first)} of the "
+        "part read); a model cannot train from it: repair the checkpoint or use another"
+    )
 
 
 class ShardedWriter:

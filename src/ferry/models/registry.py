@@ -2,6 +2,9 @@
 needs before building a model. A family is a package under `ferry.models` defining `FAMILY`
 (`ferry.models.family.Family`); adding one is that package and one line in `FAMILIES`."""
 
+import math
+import types
+import typing
 from collections.abc import Mapping
 from typing import Any
 
@@ -44,7 +47,34 @@ def model_config(node: Mapping[str, Any]) -> AbstractModelConfig:
     family = fields.pop("family", None)
     if family not in FAMILIES:
         raise ConfigError(f"model.family is {family!r}; known families: {sorted(FAMILIES)}")
+    check_model_sizes(fields, FAMILIES[family].config)
     return from_dict(FAMILIES[family].config, fields, "model")
+
+
+# model sizes that may be 0: DeepSeek-V3 without dense layers, shared experts or MTP
+_MAY_BE_ZERO = {"num_dense_layers", "num_shared_experts", "mtp_depth"}
+
+
+def check_model_sizes(model: Mapping[str, Any], config_class: type) -> None:
+    """Every count (a field the family's config types as an integer) in a `model` node is at
+    least 1 (0 layers or a 0-token vocabulary fail deep inside the model's construction
+    otherwise), and every number is finite; checked before the family's config is built, whose
+    own checks divide by some of them. A number given for a float field (`model.norm_eps=-1`,
+    which Hydra reads as an integer) is left to the config's own checks of that field."""
+    hints = typing.get_type_hints(config_class)
+    for name, value in model.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"model.{name}={value} is not a finite number")
+        if isinstance(value, int) and _counts(hints.get(name)) and value < (0 if name in _MAY_BE_ZERO else 1):
+            bound = "0 or more" if name in _MAY_BE_ZERO else "at least 1"
+            raise ConfigError(f"model.{name}={value} must be {bound}")
+
+
+def _counts(hint: Any) -> bool:
+    """Is a field of this type a count (int, or int | None)?"""
+    return hint is int or (typing.get_origin(hint) in (typing.Union, types.UnionType) and int in typing.get_args(hint))
 
 
 def build_model(config: AbstractModelConfig, key: jax.Array) -> AbstractLanguageModel:

@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from ferry.config import ConfigError, require_positive
+
 
 @dataclasses.dataclass(frozen=True)
 class Llama3RopeScaling:
@@ -21,6 +23,21 @@ class Llama3RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+
+
+def check_llama3_scaling(scaling: Llama3RopeScaling, key: str) -> None:
+    """Refuse a scaling whose frequencies would be infinite or NaN (`key`: where it was set)."""
+    why = "the low frequencies are divided by it"
+    require_positive(f"{key}.factor", scaling.factor, why)
+    for name in ("low_freq_factor", "high_freq_factor"):
+        require_positive(f"{key}.{name}", getattr(scaling, name), "the band's wavelengths are divided by it")
+    if not scaling.high_freq_factor > scaling.low_freq_factor:
+        raise ConfigError(
+            f"{key}.high_freq_factor={scaling.high_freq_factor} must be greater than {key}.low_freq_factor="
+            f"{scaling.low_freq_factor}: the band between them is interpolated over their difference"
+        )
+    if scaling.original_max_position < 1:
+        raise ConfigError(f"{key}.original_max_position={scaling.original_max_position} must be at least 1")
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: Llama3RopeScaling | None) -> np.ndarray:
@@ -57,6 +74,22 @@ class YarnScaling:
 def yarn_mscale(factor: float, mscale: float) -> float:
     """YaRN's attention temperature: 0.1 * mscale * ln(factor) + 1 (1 when not extending)."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def check_yarn(scaling: YarnScaling, key: str) -> None:
+    """Refuse a YaRN scaling whose frequencies or attention temperature would be infinite or NaN."""
+    require_positive(f"{key}.factor", scaling.factor, "the long wavelengths are divided by it")
+    for name in ("beta_fast", "beta_slow"):
+        require_positive(f"{key}.{name}", getattr(scaling, name), "YaRN's ramp takes its logarithm")
+    if scaling.original_max_position < 1:
+        raise ConfigError(f"{key}.original_max_position={scaling.original_max_position} must be at least 1")
+    for name in ("mscale", "mscale_all_dim"):
+        temperature = yarn_mscale(scaling.factor, getattr(scaling, name))
+        if not temperature > 0:
+            raise ConfigError(
+                f"{key}.{name}={getattr(scaling, name)} gives YaRN's temperature 0.1 x {name} x ln(factor) + 1 = "
+                f"{temperature:.3g}; it divides the rotations and scales the attention logits, so it must be above 0"
+            )
 
 
 def yarn_frequencies(head_dim: int, theta: float, scaling: YarnScaling) -> tuple[np.ndarray, float]:

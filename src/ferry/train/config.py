@@ -7,13 +7,15 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from ferry.config import ConfigError, from_dict, require_finite
+from ferry.config import ConfigError, from_dict, require_finite, require_positive
 from ferry.data.config import DataConfig
 from ferry.models.registry import model_config
-from ferry.offload import ENGINES, Policy
+from ferry.offload import ENGINES, PLACEMENTS, Policy
 from ferry.platform import PlatformConfig
 from ferry.sharding import MeshConfig, check_divisible
 from ferry.train.state_memory import StatePlacement
+
+MAX_SEED = 2**32 - 1  # seeds are 32-bit: Grain's shuffle refuses others, JAX folds larger ones
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +96,31 @@ class TrainConfig:
         for name in ("adam_b1", "adam_b2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"train.{name}={getattr(self, name)} must lie in [0, 1)")
-        for name in ("weight_decay", "adam_eps", "grad_clip_norm", "z_loss_weight"):
+        for name in ("weight_decay", "z_loss_weight"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name}={getattr(self, name)} must not be negative")
+        require_positive(
+            "train.adam_eps",
+            self.adam_eps,
+            "Adam divides each update by the root of its second moment plus it, which is 0 for a weight "
+            "whose gradient has been 0 (use 1e-8)",
+        )
+        require_positive(
+            "train.grad_clip_norm",
+            self.grad_clip_norm,
+            "clipping scales the gradient to this norm, so 0 divides 0 by 0 (use a large value, e.g. 1e9, to not clip)",
+        )
+        if self.learning_rate * self.weight_decay >= 1:
+            raise ConfigError(
+                f"train.learning_rate x train.weight_decay = {self.learning_rate * self.weight_decay:g} "
+                "must be below 1: "
+                "decoupled weight decay multiplies every weight by 1 - their product each step, which then "
+                "flips or zeroes the weights; lower train.weight_decay"
+            )
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ConfigError(
+                f"train.seed={self.seed} must lie in [0, {MAX_SEED}] (JAX's and Grain's seeds are 32-bit)"
+            )
         if self.on_nonfinite not in ("stop", "skip"):
             raise ConfigError(f"train.on_nonfinite is {self.on_nonfinite!r}; use stop or skip")
         if self.compute_dtype not in ("float32", "bfloat16"):
@@ -133,6 +157,18 @@ class OffloadConfig:
 
     def __post_init__(self) -> None:
         self.state_placement  # noqa: B018  (refuses a placement other than device or host)
+        choices = ", ".join(PLACEMENTS)
+        if self.default is not None and self.default not in PLACEMENTS:
+            raise ConfigError(
+                f"offload.default={self.default}: a placement is one of {choices} (every tensor the model tags "
+                "and offload.tensors does not list gets it; null: rematerialised)"
+            )
+        for name, placement in self.tensors.items():
+            if placement not in PLACEMENTS:
+                raise ConfigError(
+                    f"offload.tensors.{name}={placement}: tensor {name!r} has placement {placement!r}; "
+                    f"a placement is one of {choices}"
+                )
         if self.engine not in ENGINES:
             raise ConfigError(
                 f"offload.engine={self.engine}: use ferry (ferry's engine) or jax (JAX's own offload, for comparison)"
@@ -207,6 +243,20 @@ class ProfileConfig:
             raise ConfigError(f"profile.steps must be at least 1, got {self.steps}")
 
 
+def check_address(address: str) -> None:
+    """host:port, the port a number from 1 to 65535 (an IPv6 host in brackets: [::1]:1234)."""
+    host, colon, port = address.rpartition(":")
+    fix = "give it as host:port, e.g. distributed.coordinator_address=node0:12345"
+    if not colon or not host or host in ("[", "[]"):
+        raise ConfigError(f"distributed.coordinator_address={address} has no port; {fix}")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(
+            f"distributed.coordinator_address={address}: the port {port!r} is not a number from 1 to 65535; {fix}"
+        )
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise ConfigError(f"distributed.coordinator_address={address}: an IPv6 host goes in brackets, e.g. [::1]:12345")
+
+
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
     """One process per host (multi-controller JAX). Leave everything unset on one host; under
@@ -217,6 +267,8 @@ class DistributedConfig:
     process_id: int | None = None
 
     def __post_init__(self) -> None:
+        if self.coordinator_address is not None:
+            check_address(self.coordinator_address)
         given = [v is not None for v in (self.coordinator_address, self.num_processes, self.process_id)]
         if any(given) and not all(given):
             raise ConfigError(
@@ -256,7 +308,7 @@ class PlanConfig:
     def __post_init__(self) -> None:
         if self.presets is not None:
             object.__setattr__(self, "presets", tuple(str(p) for p in self.presets))
-        if self.capacity_gib is not None and self.capacity_gib <= 0:
+        if self.capacity_gib is not None and not (math.isfinite(self.capacity_gib) and self.capacity_gib > 0):
             raise ConfigError(f"plan.capacity_gib must be positive, got {self.capacity_gib}")
 
 
@@ -287,11 +339,47 @@ class FerryConfig:
             raise ConfigError(f"mode is {self.mode!r}; use train or plan")
         if self.mode == "plan" and self.target is None:
             raise ConfigError("mode=plan needs a target: target=h100|h200|b200|gb200|v5p|v5e|v6e")
+        if self.mode == "train" and self.target is not None:
+            raise ConfigError(
+                f"target={self.target} is the hardware mode=plan compiles for; a training run uses this machine's. "
+                f"Add mode=plan to plan for {self.target}, or drop target= to train here"
+            )
+        if self.profile.start_step is not None and self.profile.start_step > self.train.steps:
+            raise ConfigError(
+                f"profile.start_step={self.profile.start_step} is after the last step "
+                f"(train.steps={self.train.steps}), "
+                f"so nothing would be profiled; choose a step from 1 to {self.train.steps}"
+            )
+        check_peel(self.offload, self.model)
         if self.mode == "train" and self.offload.name == "auto":
             raise ConfigError(
                 "offload=auto is chosen for a target by the planner: run mode=plan target=<target> offload=auto, "
                 "copy the offload_auto.yaml it writes into configs/offload/ and train with that preset"
             )
+
+
+def check_peel(offload: OffloadConfig, model: Any) -> None:
+    """`offload.peel` takes layers out of a pipelined scanned stack's loop: refused where it would
+    do nothing (no scanned stack, no pipelining, every tensor kept) or be cut to fit the stack."""
+    if offload.peel == 0:
+        return
+    why = None
+    if offload.keep_all:
+        why = f"offload={offload.name} keeps every tensor on the device (keep_all), so there are no copies to peel"
+    elif not offload.pipelined:
+        why = "offload.pipelined=false: only a pipelined stack is peeled"
+    elif not model.scan_layers:
+        why = "model.scan_layers=false: the layers run one by one, not as a loop to peel"
+    if why is not None:
+        raise ConfigError(f"offload.peel={offload.peel} would do nothing: {why}; set offload.peel=0")
+    depths = model.stack_depths()
+    deepest = max(depths.values(), default=0)
+    if offload.peel > deepest - 1:
+        stacks = ", ".join(f"{name} {depth}" for name, depth in depths.items())
+        raise ConfigError(
+            f"offload.peel={offload.peel} peels more layers than a stack has after its first (layers per stack: "
+            f"{stacks}); use at most {max(deepest - 1, 0)}"
+        )
 
 
 def check_mesh_shape(config: FerryConfig) -> None:
@@ -309,8 +397,12 @@ def load_config(node: Mapping) -> FerryConfig:
     unknown = sorted(set(node) - known)
     if unknown:
         raise ConfigError(f"unknown top-level config key(s) {unknown}; known: {sorted(known)}")
+    for key in sorted(known - {"mode", "target"}):
+        if node.get(key) is not None and not isinstance(node[key], Mapping):
+            raise ConfigError(f"{key}={node[key]!r}: {key} holds keys ({key}.NAME=VALUE), not a value of its own")
+    if not isinstance(node.get("model"), Mapping):
+        raise ConfigError("the config has no model: choose one with model=NAME (a file of configs/model/)")
     model = dict(node["model"])
-    check_model_sizes(model)
     model_settings = model_config(model)
     train_node, notes = fit_warmup(dict(node.get("train", {})))
     train = from_dict(TrainConfig, train_node, "train")
@@ -335,24 +427,6 @@ def load_config(node: Mapping) -> FerryConfig:
         init=from_dict(InitConfig, node.get("init", {}), "init"),
         notes=tuple(notes),
     )
-
-
-# model sizes that may be 0: DeepSeek-V3 without dense layers, shared experts or MTP
-_MAY_BE_ZERO = {"num_dense_layers", "num_shared_experts", "mtp_depth"}
-
-
-def check_model_sizes(model: Mapping[str, Any]) -> None:
-    """Every count in a `model` node is at least 1 (0 layers or a 0-token vocabulary fail deep
-    inside the model's construction otherwise) and every float is finite; checked before the
-    family's config is built, whose own checks divide by some of them."""
-    for name, value in model.items():
-        if isinstance(value, bool):
-            continue
-        if isinstance(value, int) and value < (0 if name in _MAY_BE_ZERO else 1):
-            bound = "0 or more" if name in _MAY_BE_ZERO else "at least 1"
-            raise ConfigError(f"model.{name}={value} must be {bound}")
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"model.{name}={value} is not a finite number")
 
 
 def fit_warmup(train: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:

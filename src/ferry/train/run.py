@@ -21,11 +21,12 @@ from ferry.plan.scheduler_costs import ProfileCache, scheduler_target
 from ferry.schedule import schedule_table
 from ferry.train.checkpoint import Checkpoints
 from ferry.train.compiled_step import compile_step
+from ferry.train.config import TrainConfig
 from ferry.train.loggers import RunLoggers
 from ferry.train.loop import RunBatches, TrainingLoop
 from ferry.train.memory_report import describe_memory, host_bytes_line, step_fit_advice
 from ferry.train.meter import StepMeter
-from ferry.train.nonfinite import nonfinite_error
+from ferry.train.nonfinite import likely_causes, nonfinite_error
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer
 from ferry.train.out_of_memory import over_hbm_refusal
 from ferry.train.preemption import SigtermStop
@@ -58,6 +59,9 @@ def _train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
     optimizer = make_optimizer(config.train)
     settings = loss_settings(prepared)
     batches = open_batches(prepared)
+    tc = config.train
+    if (note := held_out_note(tc, PackedWindows(prepared.corpus.eval, tc.seq_len).num_windows)) is not None:
+        console.print(f"note: {note}", highlight=False)
     meter = StepMeter.of(config, prepared.schedule)
     # closing the iterators stops their prefetch threads, also when the run fails
     with jax.set_mesh(prepared.mesh), SigtermStop() as sigterm, contextlib.closing(batches):
@@ -92,8 +96,21 @@ def _train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
         loop.finish()
     report_skipped(loop.state, config.train.on_nonfinite, console)
     if loop.watch.bad_step is not None:
-        raise nonfinite_error(loop.watch.bad_step, checkpoints.directory)
+        raise nonfinite_error(loop.watch.bad_step, checkpoints.directory, likely_causes(config))
     return run_dir
+
+
+def held_out_note(train: TrainConfig, held_out_windows: int) -> str | None:
+    """What an evaluation of `train.eval_batches` batches reads when the held-out split's
+    `held_out_windows` make fewer: it cycles, reading the same windows again, so it says so."""
+    available = held_out_windows // train.global_batch_size
+    if train.eval_batches <= available:
+        return None
+    return (
+        f"train.eval_batches={train.eval_batches} but the held-out split holds {available} whole batch(es) of "
+        f"{train.global_batch_size} x {train.seq_len} tokens, so each evaluation reads some windows more than once; "
+        f"set train.eval_batches={max(available, 1)} or a larger data.eval_fraction"
+    )
 
 
 def loss_settings(prepared: PreparedRun) -> LossSettings:

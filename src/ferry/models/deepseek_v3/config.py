@@ -6,11 +6,12 @@ import dataclasses
 import jax
 from jaxtyping import PRNGKeyArray
 
+from ferry.config import require_non_negative, require_positive
 from ferry.models.base import AbstractModelConfig, MeshDim
 from ferry.models.flops import causal_attention_flops, swiglu_flops
 from ferry.nn.mla import MultiHeadLatentAttention
 from ferry.nn.moe import DeepSeekMoE
-from ferry.nn.rope import YarnScaling
+from ferry.nn.rope import YarnScaling, check_yarn
 
 
 class DeepSeekV3Config(AbstractModelConfig):
@@ -96,6 +97,16 @@ class DeepSeekV3Config(AbstractModelConfig):
             self.capacity_factor is None or self.capacity_factor > 0,
             f"capacity_factor must be positive or null (dropless), got {self.capacity_factor}",
         )
+        require_positive("model.norm_eps", self.norm_eps, "RMSNorm divides by the root of the mean square plus it")
+        require_positive("model.rope_theta", self.rope_theta, "RoPE's wavelengths are its powers")
+        check_yarn(self.yarn, "model.yarn")
+        require_positive("model.routed_scaling", self.routed_scaling, "it scales the routed experts' output")
+        for name, why in (
+            ("bias_update_rate", "a negative rate pushes load towards the busiest experts"),
+            ("balance_loss_weight", "a negative weight rewards unbalanced routing"),
+            ("mtp_loss_weight", "a negative weight maximises the multi-token prediction loss"),
+        ):
+            require_non_negative(f"model.{name}", getattr(self, name), why)
 
     def mesh_dims(self) -> list[MeshDim]:
         return [

@@ -3,6 +3,7 @@ biases, plain RoPE (theta 1e6) and, in its small models, the output head tied to
 
 import dataclasses
 
+from ferry.config import require_positive
 from ferry.models.base import AbstractModelConfig, MeshDim
 from ferry.models.flops import grouped_query_attention_flops, swiglu_flops
 
@@ -25,6 +26,8 @@ class Qwen3Config(AbstractModelConfig):
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        require_positive("model.norm_eps", self.norm_eps, "RMSNorm divides by the root of the mean square plus it")
+        require_positive("model.rope_theta", self.rope_theta, "RoPE's wavelengths are its powers")
 
     @property
     def mtp_depth(self) -> int:

@@ -1,0 +1,121 @@
+"""The command line's Hydra overrides, checked before Hydra composes them, and the composition
+itself with every refusal as one `ConfigError` line.
+
+Hydra accepts some overrides it then fails on with a traceback (a group given a number, `null`
+or a list, a deleted group, an empty key) or merges silently (`offload=[a,b]`), and its lexer
+refuses unquoted non-ASCII text (`run.dir=/data/ünïcødé`). Each is settled here: group values
+must name one preset file of the group, deletions are allowed only of mapping entries, non-ASCII
+values are quoted for Hydra, and keys whose entries no preset lists (`offload.tensors.*`,
+`platform.xla_flags.*`, `platform.env.*`) are added without the `++` Hydra asks for.
+"""
+
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from ferry.config import ConfigError
+
+# mappings whose entries a user names freely (validated later against the model or XLA)
+OPEN_MAPPINGS = ("offload.tensors.", "platform.xla_flags.", "platform.env.")
+
+
+def config_groups(config_dir: Path) -> dict[str, list[str]]:
+    """Each config group (a folder of configs/) and its presets' names."""
+    return {
+        folder.name: sorted(p.stem for p in folder.glob("*.yaml"))
+        for folder in sorted(Path(config_dir).iterdir())
+        if folder.is_dir()
+    }
+
+
+def quote_non_ascii(argument: str) -> str:
+    """`key=value` with a non-ASCII value quoted for Hydra's lexer (which takes non-ASCII
+    text only inside quotes); other arguments as they are."""
+    key, equals, value = argument.partition("=")
+    if not equals or value.isascii() or value[:1] in ("'", '"') or value.endswith("\\"):
+        return argument
+    quote = next((q for q in ("'", '"') if q not in value), None)
+    return argument if quote is None else f"{key}={quote}{value}{quote}"
+
+
+def open_mapping_entry(key: str) -> bool:
+    return key.startswith(OPEN_MAPPINGS) and key.count(".") >= 2
+
+
+def prepared_overrides(argv: list[str], config_dir: Path, allowed_groups: tuple[str, ...] | None = None) -> list[str]:
+    """`argv` as Hydra should compose it: checked one by one (see the module's docstring), non-ASCII
+    values quoted, entries of open mappings given `++`. `allowed_groups`: the top-level keys a
+    command takes (None: every key)."""
+    groups = config_groups(config_dir)
+    parser = OverridesParser.create()
+    out = []
+    for argument in argv:
+        if argument.startswith("-"):
+            raise ConfigError(f"{argument}: ferry takes config overrides (key=value), not options")
+        argument = quote_non_ascii(argument)
+        try:
+            (override,) = parser.parse_overrides([argument])
+        except HydraException as error:
+            raise ConfigError(f"{argument}: not an override Hydra can read ({_one_line(error)})") from error
+        key = override.key_or_group
+        if not key:
+            raise ConfigError(f"{argument}: an override needs a key before the '=' (e.g. train.steps=100)")
+        top = key.split(".")[0]
+        if allowed_groups is not None and top not in allowed_groups:
+            raise ConfigError(
+                f"{argument}: {key} is not a key of this command; it takes {', '.join(allowed_groups)} keys only"
+            )
+        if override.is_delete():
+            if not open_mapping_entry(key):
+                raise ConfigError(
+                    f"{argument}: deleting {key} leaves the run without it; set another value instead (or null "
+                    "where the key allows it)"
+                )
+        elif key in groups and override.package is None:
+            _check_group_value(argument, key, override.value(), groups[key])
+        if open_mapping_entry(key) and override.type.name == "CHANGE":
+            argument = f"++{argument}"
+        out.append(argument)
+    return out
+
+
+def _check_group_value(argument: str, group: str, value: Any, presets: list[str]) -> None:
+    """A group override names exactly one preset of the group."""
+    choose = f"choose one of configs/{group}/: {', '.join(presets)}"
+    if isinstance(value, list):
+        raise ConfigError(
+            f"{argument}: {group} takes one preset; a list would merge them silently, key by key. {choose}"
+        )
+    if not isinstance(value, str) or not value:
+        shown = "null" if value is None else repr(value)
+        raise ConfigError(f"{argument}: {group} names a preset, not {shown}; {choose}")
+    if value not in presets:
+        raise ConfigError(f"{argument}: there is no configs/{group}/{value}.yaml; {choose}")
+
+
+def compose_node(
+    config_name: str, argv: list[str], config_dir: Path, allowed_groups: tuple[str, ...] | None = None
+) -> dict:
+    """The resolved config `config_name` with these overrides, as a plain dict; every refusal
+    (ferry's checks above, then Hydra's and OmegaConf's) a one-line ConfigError."""
+    overrides = prepared_overrides(argv, config_dir, allowed_groups)
+    try:
+        with initialize_config_dir(str(config_dir), version_base=None):
+            cfg = compose(config_name, overrides=overrides)
+        node = OmegaConf.to_container(cfg, resolve=True)
+    except (HydraException, OmegaConfBaseException, ValueError, TypeError) as error:
+        reasons = [_one_line(error)] + ([_one_line(error.__cause__)] if error.__cause__ is not None else [])
+        text = " ".join(reason for reason in reasons if reason)
+        text = text.split(" Config search path:")[0]  # Hydra's search path says nothing to fix
+        raise ConfigError(text or type(error).__name__) from error
+    assert isinstance(node, dict)
+    return node
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())

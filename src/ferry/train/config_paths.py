@@ -1,0 +1,27 @@
+"""The run's paths checked for kind and reach before the backend starts (`ferry.paths`): the
+run directory (or the root a new one goes under), the token cache, a prepared directory, a
+Hugging Face checkpoint and a saved dataset."""
+
+from pathlib import Path
+
+from ferry.paths import check_directory_to_write, check_existing_directory
+from ferry.train.config import FerryConfig
+
+
+def check_config_paths(config: FerryConfig) -> None:
+    """Refuse, naming the key, a path of the wrong kind or a directory that cannot be made. An
+    existing run directory is left to the run directory's own checks (`ferry.train.run_dir`)."""
+    run, data = config.run, config.data
+    if run.dir is not None:
+        if not Path(run.dir).expanduser().exists():
+            check_directory_to_write("run.dir", run.dir)
+    else:
+        check_directory_to_write("run.root", run.root)
+    if data.cache_dir is not None and data.prepared is None and data.source != "synthetic":
+        check_directory_to_write("data.cache_dir", data.cache_dir)
+    if data.prepared is not None:
+        check_existing_directory("data.prepared", data.prepared, "a directory written by launch/prepare_data.py")
+    if data.source == "hf_dataset" and data.path is not None:
+        check_existing_directory("data.path", data.path, "a directory written by datasets' save_to_disk")
+    if config.init.from_hf is not None:
+        check_existing_directory("init.from_hf", config.init.from_hf, "a Hugging Face checkpoint directory")
