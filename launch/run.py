@@ -85,7 +85,7 @@ def main(argv: list[str]) -> int:
             console.print(f"note: {note}", highlight=False)
         check_config_paths(config)
         if config.mode == "plan":
-            return plan(config, console)
+            return plan(config, console, node)
         if config.platform.name == "gpu":
             check_gpu_jax("platform=gpu")  # before the CUDA backend starts
         variables = apply_platform(config.platform)  # before JAX starts its backend
@@ -153,14 +153,18 @@ def check_plan_extra(target: str, find_spec: object = None) -> None:
         )
 
 
-def plan(config: FerryConfig, console: Console) -> int:
-    """`mode=plan`: compile for `target` on this machine's CPU (never its own accelerator)."""
+def plan(config: FerryConfig, console: Console, node: dict) -> int:
+    """`mode=plan`: compile for `target` on this machine's CPU (never its own accelerator here);
+    offload=auto's best candidates may then be timed on the accelerator, each in its own process
+    (`offload.auto.measure`), as runs of the resolved config `node`."""
     jax.config.update("jax_platforms", "cpu")  # the CUDA plugin then only serves compile-only topologies
     # libtpu's lockfile keeps a second process off a TPU VM's chips; a plan only compiles, so it may
     # run beside a training run (or another plan) there
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     console = Console(width=max(console.width, 150), soft_wrap=console.soft_wrap)  # the tables are wide
-    from ferry.plan.report import run_plan, write_plan
+    from ferry.plan.auto_measure import resolve_measure, subprocess_measurer
+    from ferry.plan.measure import accelerator_present
+    from ferry.plan.report import plan_presets, run_plan, target_platform, write_plan
     from ferry.plan.targets import TARGETS
 
     check_plan_extra(config.target)
@@ -178,13 +182,22 @@ def plan(config: FerryConfig, console: Console) -> int:
         return from_dict(PlatformConfig, OmegaConf.to_container(OmegaConf.load(path)), f"platform {name}")
 
     run_dir = resolve_run_dir(config)
+    measure_one = None
+    if "auto" in plan_presets(config):
+        target = TARGETS[config.target]
+        settings = config.offload.auto
+        measure, why = resolve_measure(settings, target.platform, accelerator_present())
+        console.print(why, highlight=False)
+        if measure:
+            platform = target_platform(config, target, load_platform)
+            measure_one = subprocess_measurer(config, node, platform, load_preset, settings)
     try:
-        plans, choices = run_plan(config, load_preset, load_platform, console)
+        plans, choices, measured = run_plan(config, load_preset, load_platform, console, measure_one)
     except ValueError as error:  # the planner's checks of the target's device count and topology
         if isinstance(error, FerryError):
             raise
         raise ConfigError(str(error)) from error
-    written = write_plan(plans, choices, run_dir, config)
+    written = write_plan(plans, choices, run_dir, config, measured)
     console.print("plan written to " + ", ".join(str(path) for path in written))
     return 0
 

@@ -517,10 +517,20 @@ def known_values(decisions: list[Decision], policy: Policy, config: FerryConfig)
     return values if valid else None
 
 
-def _choices(
-    pick: Tried, costs: dict[str, TensorCost], decisions: list[Decision], fitting: list[Tried]
+def choices_of(
+    config: FerryConfig, target: Target, mesh: Any, pick: Tried, extra: tuple[Decision, ...], why: str
 ) -> list[Choice]:
-    why = (
+    """The choices of a compiled candidate other than the search's own pick (the one measuring
+    chose: `ferry.plan.auto_measure`), each decision's saying `why`."""
+    costs, _ = tensor_costs(config, target, mesh)
+    decisions = tensor_decisions(costs, config.train.micro_steps(config.mesh.data_parallel)) + list(extra)
+    return _choices(pick, costs, decisions, [], why)
+
+
+def _choices(
+    pick: Tried, costs: dict[str, TensorCost], decisions: list[Decision], fitting: list[Tried], why: str = ""
+) -> list[Choice]:
+    why = why or (
         f"the fastest estimate ({pick.plan.estimate.middle_seconds * 1e3:.2f} ms) of {len(fitting)} compiled "
         "candidates that fit with headroom"
         if pick in fitting

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import jax
+import yaml
 from rich.console import Console
 from rich.table import Table
 
@@ -22,10 +24,12 @@ from ferry.plan.auto import (
     Choice,
     Tried,
     auto_plan,
+    choices_of,
     fits_with_headroom,
     state_decisions,
     state_of,
 )
+from ferry.plan.auto_measure import MeasuredPick, measure_candidates, measured_table
 from ferry.plan.estimate import REFERENCE, ranked
 from ferry.plan.extrapolate import (
     ExtrapolationError,
@@ -34,6 +38,7 @@ from ferry.plan.extrapolate import (
     probe_depths,
     with_depths,
 )
+from ferry.plan.measure import Measurement
 from ferry.plan.planner import (
     MemoryPlan,
     compile_only_mesh,
@@ -76,9 +81,12 @@ def run_plan(
     load_preset: Callable[[str], OffloadConfig],
     load_platform: Callable[[str], PlatformConfig],
     console: Console,
-) -> tuple[list[MemoryPlan], list[Choice]]:
+    measure_one: Callable[[int, Tried], Measurement] | None = None,
+) -> tuple[list[MemoryPlan], list[Choice], MeasuredPick | None]:
     """One plan per preset (`auto`: the one it chooses, with its choices); every check first
-    (target, mesh, presets), then the compiles."""
+    (target, mesh, presets), then the compiles. With `measure_one` (`ferry.plan.auto_measure`),
+    auto's best candidates are timed on this machine and the fastest that fits is its pick: the
+    third value says how it went (None: not measured)."""
     if config.target not in TARGETS:
         raise ConfigError(f"target is {config.target!r}; the planner knows {', '.join(TARGETS)}")
     target = TARGETS[config.target]
@@ -156,21 +164,31 @@ def run_plan(
         console.print(f"recompute check not run: {error}", highlight=False)
     choices: list[Choice] = []
     tried: list[Tried] = []
+    measured: MeasuredPick | None = None
     if auto:
         mesh = compile_only_mesh(target, config.mesh)
 
         def compile_choice(policy: Policy, values: dict[str, str]) -> MemoryPlan:
             return compile_policy(policy, "auto", state_of(values))
 
+        extra = state_decisions(config, target, mesh)
         auto_result, choices, tried = auto_plan(
             config,
             target,
             mesh,
             compile_policy,
-            state_decisions(config, target, mesh),
+            extra,
             compile_choice,
             known=list(zip(policies.values(), plans, strict=True)),
         )
+        if measure_one is not None:
+            say = lambda line: console.print(line, highlight=False)  # noqa: E731
+            strict = config.offload.auto.measure is True
+            measured = measure_candidates(tried, config.offload.auto.candidates, measure_one, say, strict)
+            if measured.pick is not None:
+                pick = tried[measured.pick.number - 1]
+                auto_result = dataclasses.replace(pick.plan, policy="auto")
+                choices = choices_of(config, target, mesh, pick, extra, "measured: " + measured.reason)
         plans.append(auto_result)
     console.print(plan_table(plans, config))
     for line in refused_lines(plans):
@@ -191,8 +209,10 @@ def run_plan(
             console.print(verification_table(plan))
     if choices:
         console.print(candidate_table(tried))
+        if measured is not None:
+            console.print(measured_table(measured))
         console.print(choice_table(choices, plans[-1]))
-    return plans, choices
+    return plans, choices, measured
 
 
 def format_seconds(seconds: float) -> str:
@@ -476,24 +496,35 @@ def choice_table(choices: list[Choice], plan: MemoryPlan) -> Table:
 
 
 def write_plan(
-    plans: list[MemoryPlan], choices: list[Choice], run_dir: Path, config: FerryConfig | None = None
+    plans: list[MemoryPlan],
+    choices: list[Choice],
+    run_dir: Path,
+    config: FerryConfig | None = None,
+    measured: MeasuredPick | None = None,
 ) -> list[Path]:
     """`plan.json` (with the step planned, `step_identity`, where `config` is given: a run of that
     step over HBM reads what fitted: `ferry.plan.advice`), and for offload=auto the chosen
-    placement as a preset to train with."""
+    placement as a preset to train with; where auto measured its candidates, the record of them in
+    both (`measured`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "plan.json"
     record = {"plans": [plan.to_json() for plan in plans], "auto": [dataclasses.asdict(c) for c in choices]}
     if config is not None:
         record["step"] = step_identity(config)
+    if measured is not None:
+        record["measured"] = measured.record()
     path.write_text(json.dumps(record, indent=2))
     if not choices:
         return [path]
     preset = run_dir / "offload_auto.yaml"
     tensors = "\n".join(f"  {c.name}: {c.placement}" for c in choices if c.name not in STATE_DECISIONS)
     state = "".join(f"{STATE_DECISIONS[c.name][0]}: {c.placement}\n" for c in choices if c.name in STATE_DECISIONS)
-    preset.write_text(
-        f"# offload=auto for {plans[-1].target} ({plans[-1].mesh}), chosen by mode=plan\n"
+    how = "the fastest of its best candidates timed on this machine" if measured and measured.pick else "estimated"
+    text = (
+        f"# offload=auto for {plans[-1].target} ({plans[-1].mesh}), chosen by mode=plan: {how}\n"
         f"name: auto_{plans[-1].target}\nkeep_all: false\ndefault: null\n{state}tensors:\n{tensors}\n"
     )
+    if measured is not None:  # read by no run: every candidate timed, and why this one
+        text += yaml.safe_dump({"measured": measured.record()}, sort_keys=False, width=1000)
+    preset.write_text(text)
     return [path, preset]

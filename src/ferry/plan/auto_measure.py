@@ -1,0 +1,212 @@
+"""`offload=auto` that measures: on a machine with the accelerator, the deviceless search's
+fastest-estimated candidates that fit (`offload.auto.candidates` of them) are each run on the
+real train step (`ferry.plan.measure`), and the fastest measured step that fits the device is
+chosen. The estimate does not time the chip's own scheduler: on a TPU v5e (issue 47) it held the
+copies of `minimal_offloaded` hidden while that preset ran at 0.74x full_remat's tokens/s.
+
+A candidate is dropped, with the reason recorded, where it runs out of memory (at compile time
+or while running) or its compiled program exceeds the device. Where none is left, the search's
+own pick stands and the record says why. Every timed candidate, its predicted and measured step,
+its memory and the reason for the pick go into `offload_auto.yaml` (`measured:`) and `plan.json`.
+"""
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from rich.table import Table
+
+from ferry.config import ConfigError
+from ferry.plan.auto import STATE_DECISIONS, Tried, banded_rank, state_of
+from ferry.plan.measure import MeasureError, Measurement, StepTimer, measure_in_subprocess
+from ferry.platform import PlatformConfig
+from ferry.schedule import format_bytes
+from ferry.train.config import AutoMeasureConfig, FerryConfig, OffloadConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasuredCandidate:
+    """A compiled candidate of the search, as timed on this machine."""
+
+    number: int  # its row in the candidate table (`report.candidate_table`), from 1
+    source: str  # the preset it is, or `auto` for the search's own
+    values: Mapping[str, str]  # each decision's value
+    predicted_seconds: float  # its compiled program's middle estimate on the target
+    predicted_bytes: int  # its compiled program's HBM per device on the target
+    measurement: Measurement
+
+    def to_json(self) -> dict[str, Any]:
+        m = self.measurement
+        return {
+            "candidate": self.number,
+            "from": self.source,
+            "off_device": {k: v for k, v in self.values.items() if v != "device"},
+            "predicted_step_s": self.predicted_seconds,
+            "measured_step_s": m.step_seconds,
+            "step_times_s": list(m.step_times),
+            "predicted_hbm_bytes": self.predicted_bytes,
+            "device_bytes": m.device_bytes,
+            "peak_bytes": m.peak_bytes,
+            "capacity_bytes": m.capacity_bytes,
+            "fits": m.fits,
+            "reason": m.reason,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasuredPick:
+    """Every candidate timed, the one chosen (None: none fits; the search's pick stands) and why."""
+
+    candidates: tuple[MeasuredCandidate, ...]
+    pick: MeasuredCandidate | None
+    reason: str
+
+    def record(self) -> dict[str, Any]:
+        """What `offload_auto.yaml` keeps under `measured:` and `plan.json` under `measured`."""
+        kinds = {c.measurement.device_kind for c in self.candidates if c.measurement.device_kind}
+        return {
+            "device": ", ".join(sorted(kinds)) or "unknown",
+            "pick": None if self.pick is None else self.pick.number,
+            "reason": self.reason,
+            "candidates": [c.to_json() for c in self.candidates],
+        }
+
+
+def ranked_candidates(tried: Sequence[Tried], count: int) -> list[tuple[int, Tried]]:
+    """The `count` compiled candidates that fit with headroom, fastest estimate first (as the
+    search ranks them: `banded_rank`), each with its number in the candidate table."""
+    fitting = [(number, t) for number, t in enumerate(tried, 1) if t.fits]
+    least = min((t.plan.estimate.middle_seconds for _, t in fitting), default=None)
+    return sorted(fitting, key=lambda item: banded_rank(item[1].plan.estimate, least))[:count]
+
+
+def measure_candidates(
+    tried: Sequence[Tried],
+    count: int,
+    measure_one: Callable[[int, Tried], Measurement],
+    say: Callable[[str], None] = lambda line: None,
+    strict: bool = False,
+) -> MeasuredPick:
+    """Time the search's `count` best candidates that fit (`measure_one(number, candidate)`) and
+    pick the fastest median step of those that fit the device. Where this machine cannot run
+    them at all (`MeasureError`: the mesh is not its devices, say), the search's pick stands and
+    the record says why; `strict` (offload.auto.measure=true) refuses instead."""
+    measured = []
+    for number, candidate in ranked_candidates(tried, count):
+        say(f"offload=auto: timing candidate #{number} ({describe(candidate)}) on this machine")
+        try:
+            measurement = measure_one(number, candidate)
+        except MeasureError as error:
+            if strict:
+                raise MeasureError(f"offload.auto.measure=true, but this machine cannot run it: {error}") from error
+            say(f"offload=auto: not measured: {error}")
+            return MeasuredPick((), None, f"not measured (this machine cannot run the step: {error}); the search's")
+        estimate = candidate.plan.estimate.middle_seconds
+        entry = MeasuredCandidate(
+            number, candidate.plan.policy, dict(candidate.values), estimate, candidate.plan.device_bytes, measurement
+        )
+        measured.append(entry)
+        shown = "dropped" if not measurement.fits else f"{measurement.step_seconds * 1e3:.2f} ms"
+        say(f"offload=auto: candidate #{number}: {shown} ({measurement.reason})")
+    timed = [c for c in measured if c.measurement.fits and c.measurement.step_seconds is not None]
+    if not measured:
+        return MeasuredPick((), None, "no compiled candidate fits the target with headroom: nothing to time")
+    if not timed:
+        return MeasuredPick(
+            tuple(measured), None, f"none of the {len(measured)} candidates timed fits this device: the search's pick"
+        )
+    pick = min(timed, key=lambda c: c.measurement.step_seconds)
+    ranks = [c.number for c in measured]
+    reason = (
+        f"the fastest measured step ({pick.measurement.step_seconds * 1e3:.2f} ms, estimated "
+        f"{pick.predicted_seconds * 1e3:.2f} ms) of {len(timed)} candidates timed that fit this device; "
+        f"the estimate ranked it {ranks.index(pick.number) + 1} of {len(measured)}"
+    )
+    return MeasuredPick(tuple(measured), pick, reason)
+
+
+def describe(candidate: Tried) -> str:
+    moved = [f"{name}={value}" for name, value in candidate.values.items() if value != "device"]
+    return f"{candidate.plan.policy}: " + (", ".join(moved) or "all on device")
+
+
+def candidate_offload(
+    number: int, candidate: Tried, config: FerryConfig, load_preset: Callable[[str], OffloadConfig]
+) -> dict[str, Any]:
+    """The `offload` config node that trains `candidate`: the preset it is (with the state
+    placement it was compiled with), or, for the search's own, its values as a preset compiled
+    as `auto_plan` compiles them (no other key set)."""
+    state = state_of(candidate.values)
+    source = candidate.plan.policy
+    if source != "auto":
+        preset = config.offload if source == config.offload.name else load_preset(source)
+        node = dataclasses.asdict(preset)
+    else:
+        tensors = {name: value for name, value in candidate.values.items() if name not in STATE_DECISIONS}
+        node = {"name": f"auto_candidate_{number}", "tensors": tensors}
+    return node | {"optimizer": state.optimizer, "params": state.params, "auto": {}, "measured": {}}
+
+
+def resolve_measure(settings: AutoMeasureConfig, target_platform: str, present: str | None) -> tuple[bool, str]:
+    """Whether to measure, and the line saying why. `present`: the accelerator on this machine
+    (`accelerator_present`). Asked for explicitly on a machine without the target's accelerator,
+    it is refused: a CPU's or another chip's step times say nothing of the target's."""
+    if settings.measure is False:
+        return False, "offload.auto.measure=false: the search's estimated pick, not timed"
+    if present == target_platform:
+        return True, f"offload.auto.measure: timing the best candidates on this machine's {present.upper()}"
+    where = "no accelerator" if present is None else f"a {present.upper()}, not the target's {target_platform.upper()}"
+    if settings.measure is None:
+        return False, f"offload.auto.measure: off (this machine has {where}); the search's estimated pick"
+    raise ConfigError(
+        f"offload.auto.measure=true times the candidates on this machine's {target_platform.upper()}, and it has "
+        f"{where}: run the plan on the machine you train on, or set offload.auto.measure=false"
+    )
+
+
+def subprocess_measurer(
+    config: FerryConfig,
+    node: Mapping[str, Any],
+    platform: PlatformConfig,
+    load_preset: Callable[[str], OffloadConfig],
+    settings: AutoMeasureConfig,
+) -> Callable[[int, Tried], Measurement]:
+    """`measure_one` for `measure_candidates`: each candidate in its own process
+    (`measure_in_subprocess`) as a run of the resolved config `node` with the candidate's offload
+    and the target's `platform`."""
+    timer = StepTimer(settings.warmup_steps, settings.steps)
+    platform_node = dataclasses.asdict(platform) | {"xla_flags": dict(platform.xla_flags), "env": dict(platform.env)}
+
+    def measure_one(number: int, candidate: Tried) -> Measurement:
+        offload = candidate_offload(number, candidate, config, load_preset)
+        run = {**node, "offload": offload, "platform": platform_node, "mode": "train"}
+        return measure_in_subprocess(run, timer)
+
+    return measure_one
+
+
+def measured_table(measured: MeasuredPick) -> Table:
+    """The candidates timed, in the search's order: estimate against measurement."""
+    device = measured.record()["device"]
+    table = Table(
+        title=f"offload=auto: candidates MEASURED on this machine ({device})",
+        caption=f"pick: {'#' + str(measured.pick.number) if measured.pick else 'none'}: {measured.reason}",
+    )
+    columns = ("#", "from", "off device", "estimated step", "measured step", "HBM (compiled here)", "peak", "verdict")
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("from", "off device", "verdict") else "right")
+    for c in measured.candidates:
+        m = c.measurement
+        moved = ", ".join(f"{k}={v}" for k, v in c.values.items() if v != "device") or "(all on device)"
+        chosen = measured.pick is not None and c.number == measured.pick.number
+        table.add_row(
+            str(c.number),
+            c.source,
+            moved,
+            f"{c.predicted_seconds * 1e3:.2f} ms",
+            "-" if m.step_seconds is None else f"{m.step_seconds * 1e3:.2f} ms",
+            "-" if m.device_bytes is None else format_bytes(m.device_bytes),
+            "-" if m.peak_bytes is None else format_bytes(m.peak_bytes),
+            ("PICK: " if chosen else "") + ("timed" if m.fits else f"dropped: {m.reason}"),
+        )
+    return table

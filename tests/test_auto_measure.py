@@ -1,0 +1,169 @@
+"""offload=auto that measures (`ferry.plan.auto_measure`, `ferry.plan.measure`): the search's best
+candidates are run on the real train step, timed with an injectable clock, and the fastest that
+fits the device is chosen and recorded in offload_auto.yaml. On this CPU a fake clock decides
+which candidate is "fastest"; the steps themselves really compile and run."""
+
+import dataclasses
+import functools
+import io
+import itertools
+
+import jax
+import pytest
+import yaml
+from rich.console import Console
+
+from ferry.config import ConfigError, from_dict
+from ferry.plan.auto import MIN_GAIN
+from ferry.plan.auto_measure import candidate_offload, resolve_measure
+from ferry.plan.measure import (
+    MeasureError,
+    StepTimer,
+    accelerator_present,
+    measure_in_subprocess,
+    measure_train_step,
+)
+from ferry.plan.report import run_plan, write_plan
+from ferry.platform import PlatformConfig
+from ferry.train.config import AutoMeasureConfig, OffloadConfig
+from ferry.train.policy_check import one_device_mesh
+from tests.conftest import CONFIGS, compose_config, load_platform, load_preset, needs_cuda_plugin, run_launcher
+
+# llama_tiny at 256 tokens on an H200 (1 GiB of it): everything fits, so the search's candidates are
+# its all-on-device one and the two presets planned beside it, ranked by estimate in that order
+# (minimal_offloaded's copies are exposed under llama_tiny's microseconds of compute)
+PLANNED = (
+    "model=llama_tiny",
+    "offload=auto",
+    "train.seq_len=256",
+    "mode=plan",
+    "target=h200",
+    "plan.capacity_gib=1",
+    "plan.presets=[full_remat,minimal_offloaded,auto]",
+)
+
+
+def fake_clock(step_seconds: float):
+    """A clock that advances `step_seconds` between any two readings: every timed step takes that."""
+    ticks = itertools.count(0.0, step_seconds)
+    return lambda: next(ticks)
+
+
+def test_the_timer_times_each_step_after_the_warm_up_with_its_clock():
+    ran = []
+    readings = iter([10.0, 10.5, 20.0, 20.25, 30.0, 31.0])
+    timer = StepTimer(warmup_steps=2, steps=3, clock=lambda: next(readings))
+    timing = timer.time(lambda x: ran.append(x) or x, lambda: len(ran))
+    assert ran == [0, 1, 2, 3, 4]  # 2 untimed, 3 timed; each input made before its step
+    assert timing.seconds == (0.5, 0.25, 1.0) and timing.median == 0.5
+
+
+def test_measuring_is_on_where_the_targets_accelerator_is_and_refused_where_asked_without_it():
+    assert resolve_measure(AutoMeasureConfig(), "tpu", "tpu")[0]
+    assert not resolve_measure(AutoMeasureConfig(), "tpu", None)[0]  # a CPU-only machine: the estimate
+    assert not resolve_measure(AutoMeasureConfig(), "gpu", "tpu")[0]  # another chip says nothing of the target
+    assert not resolve_measure(AutoMeasureConfig(measure=False), "tpu", "tpu")[0]
+    with pytest.raises(ConfigError, match="offload.auto.measure=true .* has no accelerator"):
+        resolve_measure(AutoMeasureConfig(measure=True), "tpu", None)
+    files = {"/dev/vfio/0"}
+    assert accelerator_present({}, files.__contains__) == "tpu"
+    assert accelerator_present({}, {"/dev/nvidia0"}.__contains__) == "gpu"
+    assert accelerator_present({"JAX_PLATFORMS": "cpu"}, files.__contains__) is None
+    assert accelerator_present({}, set().__contains__) is None
+    with pytest.raises(ConfigError, match="offload.auto.steps must be at least 1"):
+        from_dict(OffloadConfig, {"auto": {"steps": 0}}, "offload")
+
+
+def candidate_run(config, number, candidate):
+    """The run that trains a candidate, on this process's CPU (measuring's subprocess runs it on the
+    target's platform)."""
+    offload = from_dict(OffloadConfig, candidate_offload(number, candidate, config, load_preset), "offload")
+    return dataclasses.replace(config, offload=offload, platform=PlatformConfig(), mode="train")
+
+
+@functools.cache
+def measured_plan(fastest: int | None):
+    """mode=plan offload=auto of PLANNED with each candidate measured on this CPU: the one the search
+    ranks `fastest` (from 0) takes 1 ms a step by the fake clock, the others 5 ms, except the one it
+    ranks first, which is over the device's memory (given as one byte) and dropped untimed. None:
+    measuring off. Returns the config, run_plan's result, the candidates timed and the output."""
+    config = compose_config(*PLANNED)
+    console = Console(file=io.StringIO(), width=250)
+    timed = []
+
+    def measure_one(number, candidate):  # called in the search's order, best estimate first
+        rank = len(timed)
+        timed.append(number)
+        timer = StepTimer(1, 2, clock=fake_clock(1e-3 if rank == fastest else 5e-3))
+        run = candidate_run(config, number, candidate)
+        capacity = 1 if rank == 0 else None
+        return measure_train_step(run, timer, one_device_mesh(jax.devices()[0]), capacity_bytes=capacity)
+
+    result = run_plan(config, load_preset, load_platform, console, None if fastest is None else measure_one)
+    return config, result, timed, console.file.getvalue()
+
+
+@needs_cuda_plugin
+def test_auto_picks_the_fastest_measured_candidate_and_says_why_in_its_preset(tmp_path):
+    config, (plans, choices, measured), timed, output = measured_plan(2)
+    assert len(timed) == config.offload.auto.candidates == 3
+    assert [c.number for c in measured.candidates] == timed  # the search's best three, best first
+    estimates = [c.predicted_seconds for c in measured.candidates]
+    assert estimates == sorted(estimates) or max(estimates) <= (1 + MIN_GAIN) * min(estimates)  # ties: the worst
+    first, _, third = measured.candidates
+    assert measured.pick == third and "the estimate ranked it 3 of 3" in measured.reason
+    assert not first.measurement.fits and "of the device's" in first.measurement.reason
+    assert first.measurement.step_seconds is None  # dropped untimed
+    assert set(first.values.values()) == {"device"}  # the search's own pick (measuring off keeps it)
+    placements = {c.name: c.placement for c in choices}
+    assert {name: placements[name] for name in third.values} == third.values != first.values
+    why = "measured: the fastest measured step (1.00 ms"
+    assert all(c.reason.startswith(why) for c in choices if c.name in third.values)
+    assert plans[-1].policy == "auto" and plans[-1].device_bytes == third.predicted_bytes
+    assert "candidates MEASURED on this machine" in output and "PICK" in output
+    written = yaml.safe_load(write_plan(plans, choices, tmp_path, measured)[1].read_text())
+    record = written["measured"]
+    assert record["pick"] == third.number and record["device"] == jax.devices()[0].device_kind
+    assert [c["candidate"] for c in record["candidates"]] == timed
+    for entry, step in zip(record["candidates"], (None, 5e-3, 1e-3), strict=True):
+        assert entry["predicted_step_s"] > 0 and entry["device_bytes"] > 0 and entry["reason"]
+        assert entry["measured_step_s"] == (None if step is None else pytest.approx(step))
+    preset = from_dict(OffloadConfig, written, "offload_auto.yaml")  # still a preset a run trains with
+    tensors = {k: v for k, v in third.values.items() if not k.startswith("offload.")}
+    assert {k: preset.tensors[k] for k in tensors} == tensors
+    assert (preset.optimizer, preset.params) == (third.values["offload.optimizer"], third.values["offload.params"])
+
+
+@needs_cuda_plugin
+def test_with_measuring_off_auto_keeps_the_searchs_pick(tmp_path):
+    """The same plan unmeasured keeps the search's pick, the first-ranked candidate (everything on
+    device, which measuring above dropped), and its preset records no measurement."""
+    _, (plans, choices, measured), timed, output = measured_plan(None)
+    assert measured is None and timed == [] and "MEASURED" not in output
+    placements = {c.name: c.placement for c in choices}
+    assert placements.pop("mlpwo") == "remat"  # never read by the backward pass: no decision
+    assert set(placements.values()) == {"device"}
+    written = yaml.safe_load(write_plan(plans, choices, tmp_path)[1].read_text())
+    assert "measured" not in written and "estimated" in write_plan(plans, choices, tmp_path)[1].read_text()
+
+
+def test_the_measuring_process_times_a_run_on_this_machine_and_refuses_a_mesh_it_lacks():
+    """`measure_in_subprocess` runs a resolved config in a fresh process (here on the CPU) and
+    reads back its measurement; a mesh of devices the machine lacks is a refusal."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(str(CONFIGS), version_base=None):
+        cfg = compose("train", overrides=["model=llama_tiny", "train.seq_len=32", "train.global_batch_size=2"])
+    node = OmegaConf.to_container(cfg, resolve=True)
+    measured = measure_in_subprocess(node, StepTimer(1, 2), timeout_s=300)
+    assert measured.fits and measured.step_seconds > 0 and len(measured.step_times) == 2
+    assert measured.device_kind == "cpu" and measured.device_bytes > 0
+    with pytest.raises(MeasureError, match="mesh"):
+        measure_in_subprocess({**node, "mesh": {**node["mesh"], "fsdp": 2}}, StepTimer(0, 1), timeout_s=300)
+
+
+def test_the_launcher_leaves_measuring_off_on_a_cpu_and_refuses_it_asked_for():
+    result = run_launcher("mode=plan", "target=h200", "offload=auto", "offload.auto.measure=true")
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "offload.auto.measure=true times the candidates on this machine's GPU" in result.stdout
