@@ -54,6 +54,7 @@ class DeepSeekV3Config(AbstractModelConfig):
     yarn: YarnScaling = YarnScaling()
     norm_eps: float = 1e-6
     scan_layers: bool = True
+    attention: str = "auto"  # the attention kernel: auto, xla, splash, cudnn (ferry.nn.kernels.choice)
 
     def __check_init__(self) -> None:
         def require(ok: bool, message: str) -> None:
@@ -97,6 +98,10 @@ class DeepSeekV3Config(AbstractModelConfig):
             f"capacity_factor must be positive or null (dropless), got {self.capacity_factor}",
         )
 
+    def attention_heads(self) -> tuple[int, int, int, int]:
+        """MLA: every head its own key and value; q/k heads qk_nope + qk_rope wide, v heads v_dim."""
+        return (self.num_heads, self.num_heads, self.qk_nope_dim + self.qk_rope_dim, self.v_dim)
+
     def mesh_dims(self) -> list[MeshDim]:
         return [
             ("model.num_heads", self.num_heads, "tensor"),
@@ -109,7 +114,7 @@ class DeepSeekV3Config(AbstractModelConfig):
             ("model.kv_lora_rank", self.kv_lora_rank, "fsdp"),
         ]
 
-    def attention(self, key: PRNGKeyArray) -> MultiHeadLatentAttention:
+    def attention_layer(self, key: PRNGKeyArray) -> MultiHeadLatentAttention:
         return MultiHeadLatentAttention(
             self.dim,
             self.num_heads,
@@ -122,6 +127,7 @@ class DeepSeekV3Config(AbstractModelConfig):
             self.yarn,
             self.norm_eps,
             key=key,
+            attention=self.attention,
         )
 
     def for_platform(self, platform: str) -> "DeepSeekV3Config":
