@@ -40,5 +40,5 @@ def test_yarn_mscale_and_the_mla_softmax_scale():
     assert math.isclose(yarn_mscale(40.0, 1.0), mscale)
     assert math.isclose(mscale, 1.3688879454113936)
     config = load_model_config("deepseek_v3")
-    abstract = jax.eval_shape(lambda: config.attention(jax.random.key(0)))
+    abstract = jax.eval_shape(lambda: config.attention_layer(jax.random.key(0)))
     assert math.isclose(abstract.softmax_scale(), 192**-0.5 * mscale**2)

@@ -15,6 +15,7 @@ import equinox as eqx
 import jax
 from rich.table import Table
 
+from ferry.nn.kernels.choice import attention_platform, mesh_platform
 from ferry.offload import LAYER_INPUT, Placement, Policy, record_tags_and_axes
 from ferry.precision import cast_floating
 from ferry.sharding import activation_spec, shard_shape
@@ -217,7 +218,9 @@ def layer_residuals(
     each copy is issued (`pipelined`: in a pipelined stack). Without a mesh `layer_input`
     is one device's input; with one it is the global input, the layer is traced under the mesh
     (so the MoE takes its expert-parallel path) and each residual is split by the spec of its
-    logical axes. `params` may be abstract (ShapeDtypeStructs): nothing is computed."""
+    logical axes. `params` may be abstract (ShapeDtypeStructs): nothing is computed. The
+    attention kernel is the one the mesh's platform runs (`model.attention=auto`: a flash kernel
+    on a GPU or TPU target tags its log-sum-exp too)."""
     recorded: list[tuple[str, jax.ShapeDtypeStruct, Any]] = []
 
     def record(params: Any, x: jax.Array) -> Any:
@@ -225,11 +228,12 @@ def layer_residuals(
         recorded.extend((n, jax.ShapeDtypeStruct(v.shape, v.dtype), a) for (n, v), a in zip(values, axes, strict=True))
         return out
 
-    if mesh is None or mesh.size == 1:
-        eqx.filter_eval_shape(record, params, layer_input)
-    else:
-        with jax.sharding.use_abstract_mesh(getattr(mesh, "abstract_mesh", mesh)):
+    with attention_platform(mesh_platform(mesh)):
+        if mesh is None or mesh.size == 1:
             eqx.filter_eval_shape(record, params, layer_input)
+        else:
+            with jax.sharding.use_abstract_mesh(getattr(mesh, "abstract_mesh", mesh)):
+                eqx.filter_eval_shape(record, params, layer_input)
     residuals = []
     for name, value, axes in [(LAYER_INPUT, layer_input, None), *recorded]:
         placement = policy.placement(name)

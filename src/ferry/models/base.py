@@ -17,6 +17,8 @@ from jaxtyping import Array, Float, Int
 from ferry.data.segments import DocumentMask, document_segments, loss_weights
 from ferry.loss import next_token_loss
 from ferry.nn.attention import Segments
+from ferry.nn.kernels.choice import check_attention_setting, describe_attention
+from ferry.nn.kernels.flash import with_declared_lse
 from ferry.offload import SAVE_ALL, Policy, tagged_names
 from ferry.schedule import LayerKind
 
@@ -33,6 +35,32 @@ class AbstractModelConfig(eqx.Module):
     num_layers: AbstractVar[int]
     mtp_depth: AbstractVar[int]  # multi-token prediction depths (0 for a family without them)
     scan_layers: AbstractVar[bool]
+    attention: AbstractVar[str]  # the attention kernel: auto, xla, splash or cudnn (`ferry.nn.kernels.choice`)
+
+    def __check_init__(self) -> None:
+        check_attention_setting(self.attention)
+
+    @abc.abstractmethod
+    def attention_heads(self) -> tuple[int, int, int, int]:
+        """(query heads, key/value heads, q/k head width, v head width) of every attention layer."""
+
+    def describe_attention(
+        self, seq_len: int, compute_dtype: str, document_mask: bool = False, platform: str | None = None
+    ) -> str:
+        """One line for the start-up report: the attention kernel this config runs at `seq_len` on
+        `platform` (default: this process's backend), and why."""
+        heads, kv_heads, qk_dim, v_dim = self.attention_heads()
+        return describe_attention(
+            self.attention,
+            heads=heads,
+            kv_heads=kv_heads,
+            qk_dim=qk_dim,
+            v_dim=v_dim,
+            seq=seq_len,
+            dtype=compute_dtype,
+            segmented=document_mask,
+            platform=platform,
+        )
 
     @abc.abstractmethod
     def mesh_dims(self) -> list[MeshDim]:
@@ -101,8 +129,8 @@ class AbstractLanguageModel(eqx.Module):
         """Every activation name a decoder layer of this model tags (found abstractly; the model
         may be abstract)."""
         example = jax.ShapeDtypeStruct((1, 2, self.config.dim), jax.numpy.float32)
-        names = [tagged_names(kind.run, self, example) for kind in self.layer_kinds()]
-        return frozenset().union(*names)
+        names = frozenset().union(*(tagged_names(kind.run, self, example) for kind in self.layer_kinds()))
+        return with_declared_lse(names)  # attention_lse on every backend (`with_declared_lse`)
 
 
 def dense_training_loss(

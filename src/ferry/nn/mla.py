@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from ferry.nn.attention import Segments, causal_attention
+from ferry.nn.attention import Segments
+from ferry.nn.kernels.choice import attend
 from ferry.nn.linear import Linear
 from ferry.nn.norm import RMSNorm
 from ferry.nn.rope import YarnScaling, apply_rope, yarn_frequencies, yarn_mscale
@@ -31,6 +32,7 @@ class MultiHeadLatentAttention(eqx.Module):
     kv_lora_rank: int = eqx.field(static=True)
     rope_theta: float = eqx.field(static=True)
     yarn: YarnScaling = eqx.field(static=True)
+    attention: str = eqx.field(static=True)  # model.attention: auto, xla, splash or cudnn
 
     def __init__(
         self,
@@ -46,6 +48,7 @@ class MultiHeadLatentAttention(eqx.Module):
         norm_eps: float,
         *,
         key: PRNGKeyArray,
+        attention: str = "auto",
     ):
         keys = jax.random.split(key, 5)
         self.q_a = Linear(dim, q_lora_rank, axes=("embed", None), key=keys[0])
@@ -57,6 +60,7 @@ class MultiHeadLatentAttention(eqx.Module):
         self.out = Linear(num_heads * v_dim, dim, axes=("heads", "embed"), key=keys[4])
         self.num_heads, self.qk_nope_dim, self.qk_rope_dim, self.v_dim = num_heads, qk_nope_dim, qk_rope_dim, v_dim
         self.kv_lora_rank, self.rope_theta, self.yarn = kv_lora_rank, rope_theta, yarn
+        self.attention = attention
 
     def softmax_scale(self) -> float:
         """(qk_nope + qk_rope)^-0.5 x mscale^2, YaRN's temperature applied to the logits."""
@@ -87,6 +91,5 @@ class MultiHeadLatentAttention(eqx.Module):
         key = tag(jnp.concatenate([k_nope, k_rope], axis=-1), "key_proj", SPLIT_HEADS)
         value = tag(value, "value_proj", SPLIT_HEADS)
 
-        context = causal_attention(query, key, value, scale=self.softmax_scale(), segment_ids=segment_ids)
-        context = tag(context.reshape(batch, seq, self.num_heads * self.v_dim), "attention_out", HEADS)
+        context = attend(self.attention, query, key, value, self.softmax_scale(), segment_ids)
         return tag(self.out(context), "out_proj", EMBED)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from ferry.nn.block import LayerOutput
+from ferry.nn.kernels.flash import with_declared_lse
 from ferry.offload import Policy, offloaded, tagged_names
 from ferry.offload_scan import offloaded_scan
 
@@ -51,7 +52,8 @@ class LayerStack(eqx.Module):
     def tagged_names(self, x: Any, *extra: Any) -> frozenset[str]:
         """The activation names one layer tags for an input like `x` (found abstractly; the stack
         itself may be abstract)."""
-        return tagged_names(lambda stack, h, *e: stack.layer(0)(h, *e), self, x, *extra)
+        names = tagged_names(lambda stack, h, *e: stack.layer(0)(h, *e), self, x, *extra)
+        return with_declared_lse(names)  # attention_lse on every backend
 
     def __call__(
         self,

@@ -72,6 +72,7 @@ def prepare(config: FerryConfig, console: Console) -> PreparedRun:
     """Every check that can refuse the run, cheapest first; allocates no model, writes nothing."""
     model = abstract_model(config.model)  # traced once, shapes only
     num_parameters = count_parameters(model)
+    attention = describe_run_attention(config)  # refuses a kernel this backend cannot run
     check_pretrained(config)
     check_mesh_shape(config)
     mesh = make_mesh(config.mesh)  # the devices
@@ -96,8 +97,18 @@ def prepare(config: FerryConfig, console: Console) -> PreparedRun:
         directory.release()
         raise
     announce(config, num_parameters, corpus, console)
+    console.print(attention, highlight=False)
     announce_state(layout, console)
     return dataclasses.replace(prepared, corpus=corpus)
+
+
+def describe_run_attention(config: FerryConfig) -> str:
+    """The start-up line naming the attention kernel `model.attention` picks for this run's
+    backend, sequence, compute dtype and document mask, and why (an AttentionChoiceError where
+    the setting names one that cannot run here)."""
+    return config.model.describe_attention(
+        config.train.seq_len, config.train.compute_dtype, document_mask=config.data.document_mask
+    )
 
 
 def check_pretrained(config: FerryConfig) -> None:

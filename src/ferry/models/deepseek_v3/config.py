@@ -55,6 +55,7 @@ class DeepSeekV3Config(AbstractModelConfig):
     yarn: YarnScaling = YarnScaling()
     norm_eps: float = 1e-6
     scan_layers: bool = True
+    attention: str = "auto"  # the attention kernel: auto, xla, splash, cudnn (ferry.nn.kernels.choice)
 
     def __check_init__(self) -> None:
         def require(ok: bool, message: str) -> None:
@@ -108,6 +109,10 @@ class DeepSeekV3Config(AbstractModelConfig):
         ):
             require_non_negative(f"model.{name}", getattr(self, name), why)
 
+    def attention_heads(self) -> tuple[int, int, int, int]:
+        """MLA: every head its own key and value; q/k heads qk_nope + qk_rope wide, v heads v_dim."""
+        return (self.num_heads, self.num_heads, self.qk_nope_dim + self.qk_rope_dim, self.v_dim)
+
     def mesh_dims(self) -> list[MeshDim]:
         return [
             ("model.num_heads", self.num_heads, "tensor"),
@@ -120,7 +125,7 @@ class DeepSeekV3Config(AbstractModelConfig):
             ("model.kv_lora_rank", self.kv_lora_rank, "fsdp"),
         ]
 
-    def attention(self, key: PRNGKeyArray) -> MultiHeadLatentAttention:
+    def attention_layer(self, key: PRNGKeyArray) -> MultiHeadLatentAttention:
         return MultiHeadLatentAttention(
             self.dim,
             self.num_heads,
@@ -133,6 +138,7 @@ class DeepSeekV3Config(AbstractModelConfig):
             self.yarn,
             self.norm_eps,
             key=key,
+            attention=self.attention,
         )
 
     def for_platform(self, platform: str) -> "DeepSeekV3Config":

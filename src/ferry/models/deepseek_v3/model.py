@@ -28,7 +28,7 @@ def dense_layer(config: DeepSeekV3Config, *, key: PRNGKeyArray) -> DecoderBlock:
     """MLA + a SwiGLU feed-forward: DeepSeek-V3's first `num_dense_layers` layers."""
     k_attention, k_mlp = jax.random.split(key)
     mlp = SwiGLU(config.dim, config.dense_mlp_dim, key=k_mlp)
-    return DecoderBlock(config.attention(k_attention), mlp, config.dim, config.norm_eps)
+    return DecoderBlock(config.attention_layer(k_attention), mlp, config.dim, config.norm_eps)
 
 
 class MoEDecoderBlock(AbstractDecoderBlock):
@@ -42,7 +42,7 @@ class MoEDecoderBlock(AbstractDecoderBlock):
     def __init__(self, config: DeepSeekV3Config, *, key: PRNGKeyArray):
         k_attention, k_moe = jax.random.split(key)
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attention = config.attention(k_attention)
+        self.attention = config.attention_layer(k_attention)
         self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
         self.mlp = config.moe(k_moe)
 

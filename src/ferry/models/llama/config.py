@@ -20,6 +20,7 @@ class LlamaConfig(AbstractModelConfig):
     rope_scaling: Llama3RopeScaling | None = Llama3RopeScaling()
     norm_eps: float = 1e-5
     scan_layers: bool = True
+    attention: str = "auto"  # the attention kernel: auto, xla, splash, cudnn (ferry.nn.kernels.choice)
 
     def __check_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -35,6 +36,9 @@ class LlamaConfig(AbstractModelConfig):
     def mtp_depth(self) -> int:
         """Llama predicts the next token only."""
         return 0
+
+    def attention_heads(self) -> tuple[int, int, int, int]:
+        return (self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim)
 
     def mesh_dims(self) -> list[MeshDim]:
         return [

@@ -28,6 +28,7 @@ def llama_decoder_layer(config: LlamaConfig, *, key: PRNGKeyArray) -> DecoderBlo
         config.rope_theta,
         config.rope_scaling,
         key=k_attention,
+        attention=config.attention,
     )
     return DecoderBlock(attention, SwiGLU(config.dim, config.mlp_dim, key=k_mlp), config.dim, config.norm_eps)
 

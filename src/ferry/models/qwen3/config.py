@@ -20,6 +20,7 @@ class Qwen3Config(AbstractModelConfig):
     norm_eps: float = 1e-6  # every RMSNorm's, the per-head query and key norms' too
     tie_embeddings: bool = False  # the head reads the embedding table (Qwen3 0.6B, 1.7B, 4B)
     scan_layers: bool = True
+    attention: str = "auto"  # the attention kernel: auto, xla, splash, cudnn (ferry.nn.kernels.choice)
 
     def __check_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -33,6 +34,9 @@ class Qwen3Config(AbstractModelConfig):
     def mtp_depth(self) -> int:
         """Qwen3 predicts the next token only."""
         return 0
+
+    def attention_heads(self) -> tuple[int, int, int, int]:
+        return (self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim)
 
     def mesh_dims(self) -> list[MeshDim]:
         return [

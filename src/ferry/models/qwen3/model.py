@@ -11,9 +11,10 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from ferry.data.segments import DocumentMask
 from ferry.models.base import AbstractLanguageModel, dense_training_loss
 from ferry.models.qwen3.config import Qwen3Config
-from ferry.nn.attention import Segments, causal_attention
+from ferry.nn.attention import Segments
 from ferry.nn.block import DecoderBlock
 from ferry.nn.embedding import Embedding
+from ferry.nn.kernels.choice import attend
 from ferry.nn.linear import Linear
 from ferry.nn.mlp import SwiGLU
 from ferry.nn.norm import RMSNorm
@@ -37,6 +38,7 @@ class Qwen3Attention(eqx.Module):
     num_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
     rope_theta: float = eqx.field(static=True)
+    attention: str = eqx.field(static=True)  # model.attention: auto, xla, splash or cudnn
 
     def __init__(self, config: Qwen3Config, *, key: PRNGKeyArray):
         kq, kk, kv, ko = jax.random.split(key, 4)
@@ -48,6 +50,7 @@ class Qwen3Attention(eqx.Module):
         self.query_norm = RMSNorm(head_dim, config.norm_eps)
         self.key_norm = RMSNorm(head_dim, config.norm_eps)
         self.num_heads, self.head_dim, self.rope_theta = (heads, head_dim, config.rope_theta)
+        self.attention = config.attention
 
     def __call__(
         self, x: Float[Array, "batch seq dim"], segments: Segments | None = None
@@ -63,8 +66,7 @@ class Qwen3Attention(eqx.Module):
         frequencies = rope_frequencies(self.head_dim, self.rope_theta, None)
         segment_ids, positions = (None, None) if segments is None else segments
         q, k = (apply_rope(q, frequencies, positions=positions), apply_rope(k, frequencies, positions=positions))
-        context = causal_attention(q, k, v, scale=float(np.sqrt(1.0 / self.head_dim)), segment_ids=segment_ids)
-        context = tag(context.reshape(batch, seq, self.num_heads * self.head_dim), "attention_out", HEADS)
+        context = attend(self.attention, q, k, v, float(np.sqrt(1.0 / self.head_dim)), segment_ids)
         return tag(self.out(context), "out_proj", EMBED)
 
 
