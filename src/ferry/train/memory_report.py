@@ -29,12 +29,15 @@ def describe_memory(memory: CompiledMemory | None) -> str:
     if memory is None:
         return "compiled step: no memory analysis on this backend"
     platform = jax.devices()[0].platform
-    how = (
-        "metrics.jsonl's device_memory_peak_bytes adds these temporaries to memory_stats()'s peak, which on "
-        f"{platform.upper()} counts no program's temporaries"
-        if platform in RUNTIMES_WITHOUT_TEMPORARIES
-        else "metrics.jsonl's device_memory_peak_bytes is memory_stats()'s peak"
-    )
+    if platform in RUNTIMES_WITHOUT_TEMPORARIES:
+        how = (
+            "metrics.jsonl's device_memory_peak_bytes adds these temporaries to memory_stats()'s peak, which on "
+            f"{platform.upper()} counts no program's temporaries"
+        )
+    elif jax.local_devices()[0].memory_stats():
+        how = "metrics.jsonl's device_memory_peak_bytes is memory_stats()'s peak"
+    else:
+        how = f"the {platform.upper()} runtime reports no peak of its own"
     return f"compiled step, per device: {memory.describe()}; step peak {_gib(memory.device_bytes)} ({how})"
 
 
