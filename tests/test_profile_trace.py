@@ -59,6 +59,11 @@ def test_exposed_time_is_the_wait_in_each_done():
     assert step.compute_ns == 65  # busy 0-100 less the two waits
     assert step.bytes("to host") == step.bytes("to device") == SLICE_BYTES
     assert step.link_busy_ns() == 80 and step.link_busy_ns("to host") == 60
+    assert step.compute_before_reload_ns == 45  # 0-40 and 70-75: the reload starts at 75
+    # at 1 byte/ns a store of SLICE_BYTES outlasts the 45 ns of compute before the reload, and the
+    # reload the 20 after it
+    assert step.exposed_floor_ns(1.0, 1.0) == (SLICE_BYTES - 45) + (SLICE_BYTES - 20)
+    assert step.exposed_floor_ns(1e9, 1e9) == 0.0
 
 
 @pytest.mark.parametrize(

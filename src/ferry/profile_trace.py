@@ -46,6 +46,18 @@ class StepProfile:
     step_ns: float
     compute_ns: float  # core busy, host-copy waits excluded
     copies: tuple[TracedCopy, ...]
+    # compute before the first reload starts (the forward pass and the loss head, when the step
+    # offloads): all the stores have, once reloads need the link back
+    compute_before_reload_ns: float = 0.0
+
+    def exposed_floor_ns(self, to_host_gbps: float, to_device_gbps: float) -> float:
+        """The least exposed copy time the link allows: stores that take longer than the compute
+        before the reloads start, and reloads longer than the compute after, at these rates (GB/s
+        = bytes per ns)."""
+        stores = self.bytes("to host") / to_host_gbps
+        reloads = self.bytes("to device") / to_device_gbps
+        before = self.compute_before_reload_ns
+        return max(0.0, stores - before) + max(0.0, reloads - (self.compute_ns - before))
 
     @property
     def exposed_copy_ns(self) -> float:
@@ -196,5 +208,8 @@ def _step_profile(step, ops: list[tuple[float, float, str]], copies_all: list) -
             )
         )
     # compute: the core's busy time, waits for host copies excluded (overlapping waits counted once)
-    busy = busy_ns((op[0], op[1]) for i, op in enumerate(in_step) if i not in waits)
-    return StepProfile(end - begin, busy, tuple(copies))
+    working = [(op[0], op[1]) for i, op in enumerate(in_step) if i not in waits]
+    reloads = [begin + c.start_ns for c in copies if c.direction == "to device"]
+    first_reload = min(reloads, default=end)
+    before = busy_ns((start, min(stop, first_reload)) for start, stop in working if start < first_reload)
+    return StepProfile(end - begin, busy_ns(working), tuple(copies), before)
