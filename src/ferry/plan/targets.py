@@ -198,7 +198,10 @@ def _tpu(name, description, hbm, host_link, ici, generation, torus_dims, max_dev
 # - Host link: H100, H200 and B200 reach the CPU over PCIe Gen5 x16, 128 GB/s bidirectional (their
 #   data sheets): 64 GB/s. GB200's GPUs reach Grace's LPDDR5X over NVLink-C2C, 900 GB/s
 #   bidirectional (GB200 NVL72 data sheet): 450 GB/s. v6e chips connect to their host over PCIe
-#   Gen5 (the v6e page): 64 GB/s; v5p and v5e publish none, PCIe Gen4 x16 is assumed: 32 GB/s.
+#   Gen5 (the v6e page): 64 GB/s; v5p publishes none, PCIe Gen4 x16 is assumed: 32 GB/s. v5e:
+#   measured, not assumed: one v5e chip moves 14.7 GB/s to host and 14.2 GB/s back inside a compiled
+#   program, 25.7 GB/s both ways at once (benchmarks/tpu_check.py's link probe, jax 0.10.2,
+#   2026-12-06, benchmarks/results/tpu_v5e.json): 14.5 GB/s, under half the PCIe Gen4 figure.
 # - Scale-up: H100 and H200 SXM have NVLink 4 at 900 GB/s bidirectional per GPU, 8 GPUs per HGX
 #   board; B200 NVLink 5 at 1.8 TB/s, 8 per HGX board; GB200 NVLink 5 at 1.8 TB/s, 72 GPUs in an
 #   NVL72 domain (the data sheets). TPU ICI per chip, bidirectional (the TPU pages): v5p 1,200 GB/s,
@@ -206,6 +209,9 @@ def _tpu(name, description, hbm, host_link, ici, generation, torus_dims, max_dev
 #   collective over one axis of the torus does not use: optimistic.
 # - Scale-out: one ConnectX-7 400 Gb/s InfiniBand port per GPU (DGX H100/H200/B200 and GB200 NVL72
 #   compute trays): 50 GB/s. A TPU slice is one ICI domain (multislice DCN is not planned).
+# what a v5e chip lets a program use: memory_stats()["bytes_limit"] on the chip (jax 0.10.2), the
+# "available HBM (15.75G)" of XLA's out-of-memory error; its 16 GiB less the runtime's reserve
+V5E_HBM = 16_909_336_064
 _HGX_NVLINK4 = (450e9, 8, 50e9)  # H100, H200: NVLink 4 within an 8-GPU board, 400 Gb/s IB between
 _HGX_NVLINK5 = (900e9, 8, 50e9)  # B200: NVLink 5 within an 8-GPU board
 _NVL72 = (900e9, 72, 50e9)  # GB200: NVLink 5 across a 72-GPU rack
@@ -220,7 +226,7 @@ TARGETS: dict[str, Target] = {
         _gpu("b200", "NVIDIA B200", (10, 148, 1.965, 132644864), 191514411008, 7672320e6, 64e9, _HGX_NVLINK5),
         _gpu("gb200", "NVIDIA GB200", (10, 152, 2.062, 135528448), 197897748480, 7928064e6, 450e9, _NVL72),
         _tpu("v5p", "TPU v5p", 95 * 2**30, 32e9, 600e9, "v5p", 3, 8960),
-        _tpu("v5e", "TPU v5e", 16 * 2**30, 32e9, 200e9, "v5e", 2, 256),
+        _tpu("v5e", "TPU v5e", V5E_HBM, 14.5e9, 200e9, "v5e", 2, 256),
         _tpu("v6e", "TPU v6e", 32 * 2**30, 64e9, 400e9, "v6e", 2, 256),
     )
 }
