@@ -130,7 +130,7 @@ def _claimed_dir(config: FerryConfig) -> Path:
                 f"run.dir={path} cannot be read (permission denied); pass another run.dir"
             ) from error
         if entries:
-            check_members(path)  # before the lock or anything else is written
+            check_members(path, resuming=bool(checkpoint_steps(path / "checkpoints")))  # before anything is written
         ours = LOCK_FILE in entries or checkpoint_steps(path / "checkpoints")
         if entries and not ours:
             raise RunDirectoryError(

@@ -24,9 +24,10 @@ def _writable(path: Path, is_dir: bool) -> bool:
     return os.access(path, os.W_OK | (os.X_OK if is_dir else 0))
 
 
-def check_members(run_dir: Path) -> None:
+def check_members(run_dir: Path, resuming: bool) -> None:
     """Refuse, naming the member and the fix, when `run_dir` or a member is of the wrong kind or
-    not writable, or a checkpoint step is not a directory."""
+    not writable, or a checkpoint step is not a directory. A resumed run keeps its first
+    config.yaml (it writes its own beside it), which may then be read-only."""
     if not run_dir.is_dir():
         return  # a new directory: nothing to check yet
     if not _writable(run_dir, True):
@@ -42,7 +43,7 @@ def check_members(run_dir: Path) -> None:
         if path.is_dir() != is_dir:
             found, wanted = ("a directory", "a file") if path.is_dir() else ("a file", "a directory")
             raise RunDirectoryError(f"run.dir={run_dir}: {path} is {found}, where ferry keeps {wanted}; {fix}")
-        if not _writable(path, is_dir):
+        if not _writable(path, is_dir) and not (resuming and name == "config.yaml"):
             raise RunDirectoryError(
                 f"run.dir={run_dir}: {path} is not writable (permission denied, immutable or a read-only file "
                 f"system); make it writable, or {fix}"
