@@ -119,6 +119,8 @@ BAD_INPUTS = [
     (["offload=save_all", "offload.peel=1"], "offload.peel=1 would do nothing"),
     (["target=h100"], "target=h100 is the hardware mode=plan compiles for"),
     (["profile.start_step=5"], "profile.start_step=5 is after the last step"),
+    # an XLA flag XLA does not know, refused before the backend would abort the process on it
+    (["platform.xla_flags.xla_bogus_ferry_flag=1"], "XLA does not know the flag(s) xla_bogus_ferry_flag"),
     # absolute patterns, addresses without a port
     (["data.pattern=/tmp/*.txt"], "data.pattern=/tmp/*.txt is a path"),
     (
