@@ -335,6 +335,12 @@ class FerryConfig:
                 f"target={self.target} is the hardware mode=plan compiles for; a training run uses this machine's. "
                 f"Add mode=plan to plan for {self.target}, or drop target= to train here"
             )
+        if self.mode == "train" and self.plan != PlanConfig():
+            changed = [f.name for f in dataclasses.fields(PlanConfig) if getattr(self.plan, f.name) != f.default]
+            raise ConfigError(
+                f"plan.{changed[0]} is read by mode=plan only; add mode=plan target=<target> to plan, or drop "
+                "the plan.* keys to train"
+            )
         if self.profile.start_step is not None and self.profile.start_step > self.train.steps:
             raise ConfigError(
                 f"profile.start_step={self.profile.start_step} is after the last step "
