@@ -456,3 +456,18 @@ def test_an_evaluation_longer_than_the_held_out_split_is_noted():
     assert held_out_note(train, held_out_windows=12) is None
     note = held_out_note(train, held_out_windows=9)
     assert "train.eval_batches=3 but the held-out split holds 2 whole batch(es)" in note
+
+
+def test_data_keys_the_source_does_not_read_are_noted():
+    from tests.conftest import compose_config
+
+    notes = compose_config("data=synthetic", "data.path=/corpus", "data.tokenizer=/tok.json").notes
+    assert notes == (
+        "data.path=/corpus is not read: data.source=synthetic makes random tokens",
+        "data.tokenizer=/tok.json is not read: data.source=synthetic makes random tokens",
+    )
+    prepared = compose_config("data=stdlib", "data.prepared=/shards", "data.eval_fraction=0.2").notes
+    assert prepared == (
+        "data.eval_fraction=0.2 is not read: a run reads the shards in data.prepared=/shards as written",
+    )
+    assert compose_config("data=stdlib").notes == compose_config("data=synthetic").notes == ()

@@ -403,6 +403,8 @@ def load_config(node: Mapping) -> FerryConfig:
     model_settings = model_config(model)
     train_node, notes = fit_warmup(dict(node.get("train", {})))
     train = from_dict(TrainConfig, train_node, "train")
+    data = from_dict(DataConfig, node.get("data", {}), "data")
+    notes += data.ignored()
     if train.learning_rate == 0:
         notes.append("train.learning_rate=0: the parameters will not change (the optimizer's steps are all zero)")
     return FerryConfig(
@@ -410,7 +412,7 @@ def load_config(node: Mapping) -> FerryConfig:
         model=model_settings,
         train=train,
         offload=from_dict(OffloadConfig, node.get("offload", {}), "offload"),
-        data=from_dict(DataConfig, node.get("data", {}), "data"),
+        data=data,
         run=from_dict(RunConfig, node.get("run", {}), "run"),
         checkpoint=from_dict(CheckpointConfig, node.get("checkpoint", {}), "checkpoint"),
         log=from_dict(LogConfig, node.get("log", {}), "log"),
