@@ -461,10 +461,10 @@ def test_an_evaluation_longer_than_the_held_out_split_is_noted():
 def test_data_keys_the_source_does_not_read_are_noted():
     from tests.conftest import compose_config
 
-    notes = compose_config("data=synthetic", "data.path=/corpus", "data.tokenizer=/tok.json").notes
+    notes = compose_config("data=synthetic", "data.path=/corpus", "data.field=body").notes
     assert notes == (
         "data.path=/corpus is not read: data.source=synthetic makes random tokens",
-        "data.tokenizer=/tok.json is not read: data.source=synthetic makes random tokens",
+        "data.field=body is not read: data.source=synthetic makes random tokens",
     )
     prepared = compose_config("data=stdlib", "data.prepared=/shards", "data.eval_fraction=0.2").notes
     assert prepared == (

@@ -75,7 +75,7 @@ class DataConfig:
         start-up: `data=synthetic data.path=corpus/` would otherwise train on random tokens
         without a word)."""
         if self.source == "synthetic":
-            unread, why = ("path", "pattern", "field", "tokenizer", "eos_token", "cache_dir"), "makes random tokens"
+            unread, why = ("path", "pattern", "field", "cache_dir"), "makes random tokens"
         elif self.prepared is not None:
             unread = ("path", "pattern", "field", "separator", "document_bytes", "cache_dir", "workers", "shard_bytes")
             unread, why = (*unread, "eval_fraction"), f"reads the shards in data.prepared={self.prepared} as written"
