@@ -113,12 +113,19 @@ BAD_INPUTS = [
     (["train.seed=-1"], "train.seed=-1"),
     (["data.seed=4294967296"], "data.seed=4294967296"),
     (["model.rope_scaling.factor=nan"], "model.rope_scaling.factor=nan is not a finite number"),
+    (["model.head_dim=15"], "model.head_dim=15 must be even"),
     # silent acceptances, now refused
+    (["run.root=", "run.dir=null"], "run.root is empty"),
+    (["data.path="], "data.path is empty"),
+    (["data.pattern="], "data.pattern is empty"),
+    (["plan.presets=[save_all]"], "plan.presets is read by mode=plan only"),
     (["offload.default=bogus"], "offload.default=bogus: a placement is one of"),
     (["offload.peel=9"], "offload.peel=9 peels more layers than a stack has"),
     (["offload=save_all", "offload.peel=1"], "offload.peel=1 would do nothing"),
     (["target=h100"], "target=h100 is the hardware mode=plan compiles for"),
     (["profile.start_step=5"], "profile.start_step=5 is after the last step"),
+    # an XLA flag XLA does not know, refused before the backend would abort the process on it
+    (["platform.xla_flags.xla_bogus_ferry_flag=1"], "XLA does not know the flag(s) xla_bogus_ferry_flag"),
     # absolute patterns, addresses without a port
     (["data.pattern=/tmp/*.txt"], "data.pattern=/tmp/*.txt is a path"),
     (
@@ -305,7 +312,8 @@ def test_directory_checks(tmp_path):
 # --- the override grammar, Unicode, XLA's flags ----------------------------------------------
 
 
-def test_unicode_values_need_no_quotes(tmp_path):
+def test_unicode_values_and_reserved_characters_need_no_quotes(tmp_path):
+    from ferry.config import ConfigError
     from ferry.overrides import compose_node, quote_non_ascii
 
     run_dir = str(tmp_path / "ünïcødé" / "rün")
@@ -313,6 +321,10 @@ def test_unicode_values_need_no_quotes(tmp_path):
     assert quote_non_ascii("train.steps=5") == "train.steps=5"
     node = compose_node("train", [f"run.dir={run_dir}", "data.eos_token=<|ënd|>"], ROOT / "configs")
     assert node["run"]["dir"] == run_dir and node["data"]["eos_token"] == "<|ënd|>"
+    node = compose_node("train", ["data.eos_token=<|endoftext|>", "run.dir=/tmp/a run"], ROOT / "configs")
+    assert node["data"]["eos_token"] == "<|endoftext|>" and node["run"]["dir"] == "/tmp/a run"
+    with pytest.raises(ConfigError, match=r"plan.presets=\[a,b: not an override Hydra can read .*goes in quotes"):
+        compose_node("train", ["plan.presets=[a,b"], ROOT / "configs")
 
 
 def test_open_mappings_take_new_entries_and_deletions():
@@ -410,6 +422,9 @@ def test_the_nonfinite_stop_names_this_runs_likely_causes():
     assert any("train.warmup_steps=0" in c for c in risky)
     assert any("train.learning_rate=0.05" in c for c in risky)
     assert any("train.adam_eps=1e-20" in c for c in risky)
+    assert any(
+        "train.z_loss_weight=1e+30 outweighs" in c for c in likely_causes(compose_config("train.z_loss_weight=1e30"))
+    )
     calm = likely_causes(compose_config("train.learning_rate=1e-4", "train.compute_dtype=float32"))
     assert not any("learning_rate=0.0001 is high" in c for c in calm) and len(calm) == 1
     message = str(nonfinite_error(7, "/runs/x/checkpoints", risky))
@@ -441,3 +456,18 @@ def test_an_evaluation_longer_than_the_held_out_split_is_noted():
     assert held_out_note(train, held_out_windows=12) is None
     note = held_out_note(train, held_out_windows=9)
     assert "train.eval_batches=3 but the held-out split holds 2 whole batch(es)" in note
+
+
+def test_data_keys_the_source_does_not_read_are_noted():
+    from tests.conftest import compose_config
+
+    notes = compose_config("data=synthetic", "data.path=/corpus", "data.field=body").notes
+    assert notes == (
+        "data.path=/corpus is not read: data.source=synthetic makes random tokens",
+        "data.field=body is not read: data.source=synthetic makes random tokens",
+    )
+    prepared = compose_config("data=stdlib", "data.prepared=/shards", "data.eval_fraction=0.2").notes
+    assert prepared == (
+        "data.eval_fraction=0.2 is not read: a run reads the shards in data.prepared=/shards as written",
+    )
+    assert compose_config("data=stdlib").notes == compose_config("data=synthetic").notes == ()

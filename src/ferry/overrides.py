@@ -36,11 +36,20 @@ def config_groups(config_dir: Path) -> dict[str, list[str]]:
 def quote_non_ascii(argument: str) -> str:
     """`key=value` with a non-ASCII value quoted for Hydra's lexer (which takes non-ASCII
     text only inside quotes); other arguments as they are."""
-    key, equals, value = argument.partition("=")
-    if not equals or value.isascii() or value[:1] in ("'", '"') or value.endswith("\\"):
+    _, equals, value = argument.partition("=")
+    if not equals or value.isascii():
         return argument
+    return quoted_value(argument) or argument
+
+
+def quoted_value(argument: str) -> str | None:
+    """`key=value` with its plain value in quotes, for a value Hydra cannot read unquoted; None for
+    a value that is a list, a mapping or quoted already (whose error is the user's to see)."""
+    key, equals, value = argument.partition("=")
+    if not equals or not value or value[0] in "[{'\"" or value.endswith("\\"):
+        return None
     quote = next((q for q in ("'", '"') if q not in value), None)
-    return argument if quote is None else f"{key}={quote}{value}{quote}"
+    return None if quote is None else f"{key}={quote}{value}{quote}"
 
 
 def open_mapping_entry(key: str) -> bool:
@@ -61,7 +70,15 @@ def prepared_overrides(argv: list[str], config_dir: Path, allowed_groups: tuple[
         try:
             (override,) = parser.parse_overrides([argument])
         except HydraException as error:
-            raise ConfigError(f"{argument}: not an override Hydra can read ({_one_line(error)})") from error
+            quoted = quoted_value(argument)  # `data.eos_token=<|endoftext|>`: characters Hydra's grammar reserves
+            try:
+                (override,) = parser.parse_overrides([quoted or argument])
+            except HydraException:
+                raise ConfigError(
+                    f"{argument}: not an override Hydra can read ({_one_line(error)}); a value with characters "
+                    "such as < > | ( ) or spaces goes in quotes: key='value'"
+                ) from error
+            argument = quoted
         key = override.key_or_group
         if not key:
             raise ConfigError(f"{argument}: an override needs a key before the '=' (e.g. train.steps=100)")

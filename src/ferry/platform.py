@@ -110,6 +110,9 @@ def apply_platform(config: PlatformConfig) -> dict[str, str]:
     platform is accepted as it is (nothing would change) and any other refused."""
     import jax
 
+    variables = config.environment(os.environ)
+    variable = config.flag_variable
+    check_xla_flags(variable, variables.get(variable, ""))  # XLA would abort the process on a name it does not know
     if backend_started():
         if _already_applied(config):
             return config.environment({config.flag_variable: ""})
@@ -117,9 +120,6 @@ def apply_platform(config: PlatformConfig) -> dict[str, str]:
             "the JAX backend has already started, so XLA flags can no longer take effect; "
             "apply the platform config before any JAX computation"
         )
-    variables = config.environment(os.environ)
-    variable = config.flag_variable
-    check_xla_flags(variable, variables.get(variable, os.environ.get(variable, "")))  # XLA would abort on one
     os.environ.update(variables)
     jax.config.update("jax_platforms", _JAX_PLATFORM[config.name])
     return variables

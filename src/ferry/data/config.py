@@ -69,3 +69,25 @@ class DataConfig:
             )
         if self.prepared is not None and self.source == "synthetic":
             raise ValueError("data=synthetic makes random tokens; data.prepared reads token shards. Drop one of them")
+
+    def ignored(self) -> list[str]:
+        """Keys set away from their defaults that this source does not read (a note each at
+        start-up: `data=synthetic data.path=corpus/` would otherwise train on random tokens
+        without a word)."""
+        if self.source == "synthetic":
+            unread, why = ("path", "pattern", "field", "cache_dir"), "makes random tokens"
+        elif self.prepared is not None:
+            unread = ("path", "pattern", "field", "separator", "document_bytes", "cache_dir", "workers", "shard_bytes")
+            unread, why = (*unread, "eval_fraction"), f"reads the shards in data.prepared={self.prepared} as written"
+        elif self.source in ("stdlib", "text", "arrayrecord"):
+            unread = ("field",) if self.source != "stdlib" else ("field", "pattern")
+            why = "reads whole files" if self.source != "arrayrecord" else "reads whole records"
+        else:
+            return []
+        defaults = DataConfig()
+        where = f"data.source={self.source}" if self.prepared is None or self.source == "synthetic" else "a run"
+        return [
+            f"data.{name}={getattr(self, name)} is not read: {where} {why}"
+            for name in unread
+            if getattr(self, name) != getattr(defaults, name)
+        ]

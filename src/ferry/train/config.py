@@ -367,6 +367,12 @@ class FerryConfig:
                 f"target={self.target} is the hardware mode=plan compiles for; a training run uses this machine's. "
                 f"Add mode=plan to plan for {self.target}, or drop target= to train here"
             )
+        if self.mode == "train" and self.plan != PlanConfig():
+            changed = [f.name for f in dataclasses.fields(PlanConfig) if getattr(self.plan, f.name) != f.default]
+            raise ConfigError(
+                f"plan.{changed[0]} is read by mode=plan only; add mode=plan target=<target> to plan, or drop "
+                "the plan.* keys to train"
+            )
         if self.profile.start_step is not None and self.profile.start_step > self.train.steps:
             raise ConfigError(
                 f"profile.start_step={self.profile.start_step} is after the last step "
@@ -429,6 +435,8 @@ def load_config(node: Mapping) -> FerryConfig:
     model_settings = model_config(model)
     train_node, notes = fit_warmup(dict(node.get("train", {})))
     train = from_dict(TrainConfig, train_node, "train")
+    data = from_dict(DataConfig, node.get("data", {}), "data")
+    notes += data.ignored()
     if train.learning_rate == 0:
         notes.append("train.learning_rate=0: the parameters will not change (the optimizer's steps are all zero)")
     return FerryConfig(
@@ -436,7 +444,7 @@ def load_config(node: Mapping) -> FerryConfig:
         model=model_settings,
         train=train,
         offload=from_dict(OffloadConfig, node.get("offload", {}), "offload"),
-        data=from_dict(DataConfig, node.get("data", {}), "data"),
+        data=data,
         run=from_dict(RunConfig, node.get("run", {}), "run"),
         checkpoint=from_dict(CheckpointConfig, node.get("checkpoint", {}), "checkpoint"),
         log=from_dict(LogConfig, node.get("log", {}), "log"),

@@ -4,6 +4,7 @@ Hugging Face checkpoint and a saved dataset."""
 
 from pathlib import Path
 
+from ferry.config import ConfigError
 from ferry.paths import check_directory_to_write, check_existing_directory
 from ferry.train.config import FerryConfig
 
@@ -12,6 +13,21 @@ def check_config_paths(config: FerryConfig) -> None:
     """Refuse, naming the key, a path of the wrong kind or a directory that cannot be made. An
     existing run directory is left to the run directory's own checks (`ferry.train.run_dir`)."""
     run, data = config.run, config.data
+    paths = {
+        "run.dir": run.dir,
+        "run.root": run.root,
+        "data.path": data.path,
+        "data.pattern": data.pattern,
+        "data.cache_dir": data.cache_dir,
+        "data.prepared": data.prepared,
+        "data.tokenizer": data.tokenizer,
+        "init.from_hf": config.init.from_hf,
+    }
+    for key, value in paths.items():
+        if value is not None and not value.strip():
+            raise ConfigError(
+                f"{key} is empty, which would mean the current directory; give a path, or null where the key takes one"
+            )
     if run.dir is not None:
         if not Path(run.dir).expanduser().exists():
             check_directory_to_write("run.dir", run.dir)

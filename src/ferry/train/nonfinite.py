@@ -62,6 +62,8 @@ def likely_causes(config: FerryConfig) -> list[str]:
     norm_eps = getattr(config.model, "norm_eps", None)
     if norm_eps is not None and norm_eps < TINY_NORM_EPS:
         causes.append(f"model.norm_eps={norm_eps:g} lets a norm divide by nearly 0; 1e-6 or 1e-5 is usual")
+    if tc.z_loss_weight > HIGH_Z_LOSS:
+        causes.append(f"train.z_loss_weight={tc.z_loss_weight:g} outweighs the loss it regularises; 1e-4 is usual")
     if tc.compute_dtype == "bfloat16" and tc.z_loss_weight == 0:
         causes.append(
             "bfloat16 compute without z-loss: logits can grow until the softmax overflows; set "
@@ -87,6 +89,7 @@ LOOSE_CLIP = 10.0
 TINY_ADAM_EPS = 1e-12
 LOW_ADAM_B2 = 0.9
 TINY_NORM_EPS = 1e-8
+HIGH_Z_LOSS = 1e-2
 
 
 def nonfinite_error(bad_step: int, checkpoint_directory: object, causes: list[str] | None = None) -> NonFiniteLossError:

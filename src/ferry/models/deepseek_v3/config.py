@@ -64,39 +64,41 @@ class DeepSeekV3Config(AbstractModelConfig):
 
         require(
             0 <= self.num_dense_layers <= self.num_layers,
-            f"num_dense_layers {self.num_dense_layers} must lie in [0, num_layers={self.num_layers}]",
+            f"model.num_dense_layers {self.num_dense_layers} must lie in [0, num_layers={self.num_layers}]",
         )
         require(
             self.num_experts % self.num_groups == 0,
-            f"num_experts {self.num_experts} is not a multiple of num_groups {self.num_groups}",
+            f"model.num_experts {self.num_experts} is not a multiple of num_groups {self.num_groups}",
         )
         require(
             self.num_experts // self.num_groups >= 2,
-            f"each of the {self.num_groups} groups needs at least 2 experts (group score = its top-2 sum)",
+            f"model.num_groups: each of the {self.num_groups} groups needs at least 2 experts "
+            "(group score = its top-2 sum)",
         )
         require(
             1 <= self.groups_per_token <= self.num_groups,
-            f"groups_per_token {self.groups_per_token} must lie in [1, num_groups={self.num_groups}]",
+            f"model.groups_per_token {self.groups_per_token} must lie in [1, num_groups={self.num_groups}]",
         )
         kept = self.groups_per_token * self.num_experts // self.num_groups
         require(
             1 <= self.experts_per_token <= kept,
-            f"experts_per_token {self.experts_per_token} must lie in [1, {kept}] (experts in the kept groups)",
+            f"model.experts_per_token {self.experts_per_token} must lie in [1, {kept}] (experts in the kept groups)",
         )
-        require(self.qk_rope_dim % 2 == 0, f"qk_rope_dim {self.qk_rope_dim} must be even for rotary embeddings")
-        require(self.mtp_depth >= 0, f"mtp_depth must be >= 0, got {self.mtp_depth}")
+        require(self.qk_rope_dim % 2 == 0, f"model.qk_rope_dim {self.qk_rope_dim} must be even for rotary embeddings")
+        require(self.mtp_depth >= 0, f"model.mtp_depth must be >= 0, got {self.mtp_depth}")
         require(
             self.moe_matmul in ("auto", "megablox", "ragged_dot", "tiled"),
-            f"moe_matmul is {self.moe_matmul!r}; use auto, megablox, ragged_dot or tiled",
+            f"model.moe_matmul is {self.moe_matmul!r}; use auto, megablox, ragged_dot or tiled",
         )
-        require(self.moe_tile_rows >= 1, f"moe_tile_rows must be >= 1, got {self.moe_tile_rows}")
+        require(self.moe_tile_rows >= 1, f"model.moe_tile_rows must be >= 1, got {self.moe_tile_rows}")
         require(
             self.moe_tag_capacity_factor is None or self.moe_tag_capacity_factor > 0,
-            f"moe_tag_capacity_factor must be positive or null (tag every row), got {self.moe_tag_capacity_factor}",
+            "model.moe_tag_capacity_factor must be positive or null (tag every row), "
+            f"got {self.moe_tag_capacity_factor}",
         )
         require(
             self.capacity_factor is None or self.capacity_factor > 0,
-            f"capacity_factor must be positive or null (dropless), got {self.capacity_factor}",
+            f"model.capacity_factor must be positive or null (dropless), got {self.capacity_factor}",
         )
         require_positive("model.norm_eps", self.norm_eps, "RMSNorm divides by the root of the mean square plus it")
         require_positive("model.rope_theta", self.rope_theta, "RoPE's wavelengths are its powers")

@@ -24,9 +24,11 @@ class Qwen3Config(AbstractModelConfig):
 
     def __check_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+            raise ValueError(
+                f"model.num_heads={self.num_heads} is not a multiple of model.num_kv_heads={self.num_kv_heads}"
+            )
         if self.head_dim % 2:
-            raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+            raise ValueError(f"model.head_dim={self.head_dim} must be even for rotary embeddings")
         require_positive("model.norm_eps", self.norm_eps, "RMSNorm divides by the root of the mean square plus it")
         require_positive("model.rope_theta", self.rope_theta, "RoPE's wavelengths are its powers")
 
