@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import io
 import itertools
+from unittest import mock
 
 import jax
 import pytest
@@ -14,8 +15,9 @@ import yaml
 from rich.console import Console
 
 from ferry.config import ConfigError, from_dict
+from ferry.plan import auto_measure
 from ferry.plan.auto import MIN_GAIN
-from ferry.plan.auto_measure import candidate_offload, resolve_measure
+from ferry.plan.auto_measure import resolve_measure, subprocess_measurer
 from ferry.plan.measure import (
     MeasureError,
     StepTimer,
@@ -24,8 +26,7 @@ from ferry.plan.measure import (
     measure_train_step,
 )
 from ferry.plan.report import run_plan, write_plan
-from ferry.platform import PlatformConfig
-from ferry.train.config import AutoMeasureConfig, OffloadConfig
+from ferry.train.config import AutoMeasureConfig, OffloadConfig, load_config
 from ferry.train.policy_check import one_device_mesh
 from tests.conftest import CONFIGS, compose_config, load_platform, load_preset, needs_cuda_plugin, run_launcher
 
@@ -74,40 +75,52 @@ def test_measuring_is_on_where_the_targets_accelerator_is_and_refused_where_aske
         from_dict(OffloadConfig, {"auto": {"steps": 0}}, "offload")
 
 
-def candidate_run(config, number, candidate):
-    """The run that trains a candidate, on this process's CPU (measuring's subprocess runs it on the
-    target's platform)."""
-    offload = from_dict(OffloadConfig, candidate_offload(number, candidate, config, load_preset), "offload")
-    return dataclasses.replace(config, offload=offload, platform=PlatformConfig(), mode="train")
+def compose_node(*overrides: str) -> dict:
+    """The resolved config node `python launch/run.py OVERRIDES...` would load."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(str(CONFIGS), version_base=None):
+        return OmegaConf.to_container(compose("train", overrides=list(overrides)), resolve=True)
 
 
 @functools.cache
 def measured_plan(fastest: int | None):
-    """mode=plan offload=auto of PLANNED with each candidate measured on this CPU: the one the search
-    ranks `fastest` (from 0) takes 1 ms a step by the fake clock, the others 5 ms, except the one it
-    ranks first, which is over the device's memory (given as one byte) and dropped untimed. None:
-    measuring off. Returns the config, run_plan's result, the candidates timed and the output."""
+    """mode=plan offload=auto of PLANNED measured as the launcher measures (`subprocess_measurer`:
+    each candidate a run of the launcher's config node with the candidate's offload and the target's
+    platform), but in this process and on its CPU: the candidate the search ranks `fastest` (from 0)
+    takes 1 ms a step by the fake clock, the others 5 ms, except the one it ranks first, which is over
+    the device's memory (given as one byte) and dropped untimed. None: measuring off. Returns the
+    config, run_plan's result, the offload presets timed and the output."""
     config = compose_config(*PLANNED)
     console = Console(file=io.StringIO(), width=250)
     timed = []
 
-    def measure_one(number, candidate):  # called in the search's order, best estimate first
+    def measure_here(node, timer):  # what the measuring process would run, on this CPU
+        assert node["platform"]["name"] == "gpu" and node["mode"] == "train"  # as a run on the target
+        run = load_config({**node, "platform": {"name": "cpu"}})
         rank = len(timed)
-        timed.append(number)
-        timer = StepTimer(1, 2, clock=fake_clock(1e-3 if rank == fastest else 5e-3))
-        run = candidate_run(config, number, candidate)
+        timed.append(run.offload.name)
+        clock = fake_clock(1e-3 if rank == fastest else 5e-3)
         capacity = 1 if rank == 0 else None
+        timer = dataclasses.replace(timer, clock=clock)
         return measure_train_step(run, timer, one_device_mesh(jax.devices()[0]), capacity_bytes=capacity)
 
-    result = run_plan(config, load_preset, load_platform, console, None if fastest is None else measure_one)
+    measure_one = None
+    if fastest is not None:
+        measure_one = subprocess_measurer(
+            config, compose_node(*PLANNED), load_platform("gpu"), load_preset, config.offload.auto
+        )
+    with mock.patch.object(auto_measure, "measure_in_subprocess", measure_here):
+        result = run_plan(config, load_preset, load_platform, console, measure_one)
     return config, result, timed, console.file.getvalue()
 
 
 @needs_cuda_plugin
 def test_auto_picks_the_fastest_measured_candidate_and_says_why_in_its_preset(tmp_path):
     config, (plans, choices, measured), timed, output = measured_plan(2)
-    assert len(timed) == config.offload.auto.candidates == 3
-    assert [c.number for c in measured.candidates] == timed  # the search's best three, best first
+    assert len(timed) == config.offload.auto.candidates == 3  # the search's best three, best first:
+    assert timed == [f"auto_candidate_{c.number}" if c.source == "auto" else c.source for c in measured.candidates]
     estimates = [c.predicted_seconds for c in measured.candidates]
     assert estimates == sorted(estimates) or max(estimates) <= (1 + MIN_GAIN) * min(estimates)  # ties: the worst
     first, _, third = measured.candidates
@@ -124,7 +137,7 @@ def test_auto_picks_the_fastest_measured_candidate_and_says_why_in_its_preset(tm
     written = yaml.safe_load(write_plan(plans, choices, tmp_path, measured)[1].read_text())
     record = written["measured"]
     assert record["pick"] == third.number and record["device"] == jax.devices()[0].device_kind
-    assert [c["candidate"] for c in record["candidates"]] == timed
+    assert [c["candidate"] for c in record["candidates"]] == [c.number for c in measured.candidates]
     for entry, step in zip(record["candidates"], (None, 5e-3, 1e-3), strict=True):
         assert entry["predicted_step_s"] > 0 and entry["device_bytes"] > 0 and entry["reason"]
         assert entry["measured_step_s"] == (None if step is None else pytest.approx(step))
@@ -150,20 +163,34 @@ def test_with_measuring_off_auto_keeps_the_searchs_pick(tmp_path):
 def test_the_measuring_process_times_a_run_on_this_machine_and_refuses_a_mesh_it_lacks():
     """`measure_in_subprocess` runs a resolved config in a fresh process (here on the CPU) and
     reads back its measurement; a mesh of devices the machine lacks is a refusal."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    with initialize_config_dir(str(CONFIGS), version_base=None):
-        cfg = compose("train", overrides=["model=llama_tiny", "train.seq_len=32", "train.global_batch_size=2"])
-    node = OmegaConf.to_container(cfg, resolve=True)
-    measured = measure_in_subprocess(node, StepTimer(1, 2), timeout_s=300)
+    node = compose_node("model=llama_tiny", "train.seq_len=32", "train.global_batch_size=2")
+    measured = measure_in_subprocess(node, StepTimer(1, 2), timeout_s=300.0)
     assert measured.fits and measured.step_seconds > 0 and len(measured.step_times) == 2
     assert measured.device_kind == "cpu" and measured.device_bytes > 0
     with pytest.raises(MeasureError, match="mesh"):
-        measure_in_subprocess({**node, "mesh": {**node["mesh"], "fsdp": 2}}, StepTimer(0, 1), timeout_s=300)
+        measure_in_subprocess({**node, "mesh": {**node["mesh"], "fsdp": 2}}, StepTimer(0, 1), timeout_s=300.0)
 
 
-def test_the_launcher_leaves_measuring_off_on_a_cpu_and_refuses_it_asked_for():
+def test_the_launcher_refuses_measuring_asked_for_on_a_machine_without_the_targets_chip():
+    """At once, before any compile."""
     result = run_launcher("mode=plan", "target=h200", "offload=auto", "offload.auto.measure=true")
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert "offload.auto.measure=true times the candidates on this machine's GPU" in result.stdout
+    assert "compiling" not in result.stdout
+
+
+@needs_cuda_plugin
+def test_the_launcher_leaves_measuring_off_on_a_cpu(tmp_path):
+    result = run_launcher(
+        "mode=plan",
+        "target=h200",
+        "model=llama_tiny",
+        "offload=auto",
+        "plan.presets=[auto]",
+        "train.seq_len=64",
+        f"run.dir={tmp_path / 'run'}",
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "offload.auto.measure: off (this machine has no accelerator)" in result.stdout
+    written = yaml.safe_load((tmp_path / "run" / "offload_auto.yaml").read_text())
+    assert "measured" not in written and set(written["tensors"].values()) >= {"device"}

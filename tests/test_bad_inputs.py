@@ -59,6 +59,8 @@ BAD_INPUTS = [
     (["offload.tensors.mlpwoo=offload"], "mlpwoo"),
     (["offload.tensors.mlpwo=host"], "mlpwo"),
     (["offload=auto"], "offload=auto"),
+    (["offload=auto", "offload.auto.steps=0"], "offload.auto.steps"),
+    (["offload=auto", "offload.auto.measure=maybe"], "offload.auto.measure"),
     (["checkpoint.every=-1"], "checkpoint.every"),
     (["checkpoint.keep=0"], "checkpoint.keep"),
     (["checkpoint.keep_every=0"], "checkpoint.keep_every"),
