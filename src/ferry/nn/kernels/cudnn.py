@@ -74,7 +74,7 @@ def cudnn_unavailable_reason() -> str | None:
 
 
 def cudnn_shape_reason(
-    batch: int, seq: int, heads: int, kv_heads: int, qk_dim: int, v_dim: int, dtype: jnp.dtype, segmented: bool
+    batch: int, seq: int, heads: int, kv_heads: int, qk_dim: int, v_dim: int, dtype: str, segmented: bool
 ) -> str | None:
     """Why cuDNN's flash attention cannot take this call (None: it can), as JAX checks it."""
     unavailable = cudnn_unavailable_reason()

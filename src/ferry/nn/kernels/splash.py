@@ -221,10 +221,10 @@ class SplashAttention(FlashAttention):
                 "(_splash_attention_bwd changed); use model.attention=xla"
             )
         seq, qk_dim, v_dim = q.shape[1], q.shape[-1], v.shape[-1]
-        kv_heads = k.shape[2]
         out_dtype = out.dtype
 
         def local(q: Array, k: Array, v: Array, ids: Array, out: Array, lse: Array, d_out: Array) -> tuple:
+            kv_heads = k.shape[2]  # this device's, under a mesh that splits the heads
             kq, kk, kv, kids = self._to_kernel(q, k, v, scale, ids if segment_ids is not None else None)
             kernel = self._kernel(kq.shape[-2], kq.shape[-3])
             options = kernel.kwargs
