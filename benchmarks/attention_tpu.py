@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     v_dim = args.v_dim or args.qk_dim
     print(
         f"attention fwd+bwd per layer: batch {args.batch}, seq {args.seq}, {args.heads}/{args.kv_heads} heads, "
-        f"q/k {args.qk_dim}, v {v_dim}, {args.dtype}, on {jax.devices()[0].device_kind}" + (" (interpret mode)" if interpret else ""),
+        f"q/k {args.qk_dim}, v {v_dim}, {args.dtype}, on {jax.devices()[0].device_kind}"
+        + (" (interpret mode)" if interpret else ""),
         flush=True,
     )
     report = run(

@@ -37,9 +37,9 @@ from ferry.plan.targets import TARGETS
 from ferry.train.step import LossSettings, batch_loss
 from tests.conftest import (
     GPU_FLAGS,
-    ROOT,
     MOE_ONLY_PRESETS,
     PRESETS,
+    ROOT,
     compose_config,
     load_model_config,
     needs_cuda_plugin,
@@ -264,7 +264,8 @@ def test_start_up_line_names_the_kernel_and_why():
     assert line.startswith("attention: splash (Pallas TPU kernel") and "[model.attention=auto: TPU]" in line
     assert "seq 4095 -> 4096" in line and "q/k heads 192 -> 256 (x1.33 score FLOPs)" in line
     line = compose_config("model=llama_tiny").model.describe_attention(256, "float32")
-    assert line == "attention: xla (query-chunked einsum softmax, the reference) [model.attention=auto: cpu: the reference path]"
+    reference = "attention: xla (query-chunked einsum softmax, the reference)"
+    assert line == f"{reference} [model.attention=auto: cpu: the reference path]"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -88,9 +88,7 @@ def cudnn_shape_reason(
     k = jax.ShapeDtypeStruct((batch, seq, kv_heads, qk_dim), dtype)
     v = jax.ShapeDtypeStruct((batch, seq, kv_heads, v_dim), dtype)
     try:
-        _cudnn.check_is_flash_attention(
-            q, k, v, _cudnn.AttentionLayout.BTNH.value, cudnn_version(), False, True
-        )
+        _cudnn.check_is_flash_attention(q, k, v, _cudnn.AttentionLayout.BTNH.value, cudnn_version(), False, True)
     except NotImplementedError as error:
         return f"cuDNN flash attention does not take it: {error}"
     return None

@@ -283,8 +283,15 @@ def _collapsed(info: Any) -> Any:
 # `tensor` where both the query and the key heads divide; the sequence is never split).
 
 
-def _sharded(fn: Callable[..., Any], q: Array, k: Array, v: Array, segment_ids: SegmentIds, *rest: Array,
-             outputs: tuple[str, ...]) -> Any:
+def _sharded(
+    fn: Callable[..., Any],
+    q: Array,
+    k: Array,
+    v: Array,
+    segment_ids: SegmentIds,
+    *rest: Array,
+    outputs: tuple[str, ...],
+) -> Any:
     mesh = context_mesh()
     ids = jnp.zeros(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids
     if mesh is None or mesh.size == 1:
@@ -302,6 +309,6 @@ def _sharded(fn: Callable[..., Any], q: Array, k: Array, v: Array, segment_ids: 
     args = (q, k, v, ids, *rest)
     in_specs = tuple(spec[a.ndim] for a in args)
     out_specs = {"out": spec[4], "lse": spec[3], "q": spec[4], "k": spec[4], "v": spec[4]}
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=tuple(out_specs[o] for o in outputs),
-                         check_vma=False)(*args)
-
+    return jax.shard_map(
+        fn, mesh=mesh, in_specs=in_specs, out_specs=tuple(out_specs[o] for o in outputs), check_vma=False
+    )(*args)
