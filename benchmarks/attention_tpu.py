@@ -119,9 +119,10 @@ def run(
     repeats: int,
     interpret: bool,
     only: list[str] | None = None,
+    dtype: str = "bfloat16",
 ) -> dict:
     """Measure every candidate (or those named in `only`) on the same inputs; the results."""
-    args = inputs(batch, seq, heads, kv_heads, qk_dim, v_dim)
+    args = inputs(batch, seq, heads, kv_heads, qk_dim, v_dim, dtype)
     scale = qk_dim**-0.5
     found = candidates(blocks, interpret, scale, qk_dim)
     names = [n for n in found if only is None or n in only or n == "xla"]
@@ -148,6 +149,7 @@ def run(
     best = min((n for n in results if n.startswith("splash")), key=lambda n: results[n]["ms"], default=None)
     return {
         "shape": {"batch": batch, "seq": seq, "heads": heads, "kv_heads": kv_heads, "qk_dim": qk_dim, "v_dim": v_dim},
+        "dtype": dtype,
         "backend": jax.default_backend(),
         "device": str(jax.devices()[0].device_kind),
         "jax": jax.__version__,
@@ -187,18 +189,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, nargs="+", default=[512, 1024])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--only", nargs="+", default=None, help="candidate names to run (xla always runs)")
+    parser.add_argument("--dtype", default="bfloat16", help="q, k, v and the cotangent's dtype")
     parser.add_argument("--interpret", action="store_true", help="Pallas interpret mode (implied off a TPU)")
     args = parser.parse_args(argv)
     interpret = args.interpret or jax.default_backend() != "tpu"
     v_dim = args.v_dim or args.qk_dim
     print(
         f"attention fwd+bwd per layer: batch {args.batch}, seq {args.seq}, {args.heads}/{args.kv_heads} heads, "
-        f"q/k {args.qk_dim}, v {v_dim}, on {jax.devices()[0].device_kind}" + (" (interpret mode)" if interpret else ""),
+        f"q/k {args.qk_dim}, v {v_dim}, {args.dtype}, on {jax.devices()[0].device_kind}"
+        + (" (interpret mode)" if interpret else ""),
         flush=True,
     )
     report = run(
         args.batch, args.seq, args.heads, args.kv_heads, args.qk_dim, v_dim, args.blocks, args.repeats, interpret,
-        args.only,
+        args.only, args.dtype,
     )  # fmt: skip
     print(table(report), flush=True)
     if args.out is not None:

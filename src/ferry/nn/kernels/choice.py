@@ -178,4 +178,3 @@ def describe_attention(
             pads.append(f"v heads {v_dim} -> {vv}")
         line += f"; block {block_size(seq)}" + (f"; padded: {', '.join(pads)}" if pads else "")
     return line
-

@@ -74,7 +74,7 @@ def cudnn_unavailable_reason() -> str | None:
 
 
 def cudnn_shape_reason(
-    batch: int, seq: int, heads: int, kv_heads: int, qk_dim: int, v_dim: int, dtype: jnp.dtype, segmented: bool
+    batch: int, seq: int, heads: int, kv_heads: int, qk_dim: int, v_dim: int, dtype: str, segmented: bool
 ) -> str | None:
     """Why cuDNN's flash attention cannot take this call (None: it can), as JAX checks it."""
     unavailable = cudnn_unavailable_reason()
@@ -88,9 +88,7 @@ def cudnn_shape_reason(
     k = jax.ShapeDtypeStruct((batch, seq, kv_heads, qk_dim), dtype)
     v = jax.ShapeDtypeStruct((batch, seq, kv_heads, v_dim), dtype)
     try:
-        _cudnn.check_is_flash_attention(
-            q, k, v, _cudnn.AttentionLayout.BTNH.value, cudnn_version(), False, True
-        )
+        _cudnn.check_is_flash_attention(q, k, v, _cudnn.AttentionLayout.BTNH.value, cudnn_version(), False, True)
     except NotImplementedError as error:
         return f"cuDNN flash attention does not take it: {error}"
     return None

@@ -221,10 +221,10 @@ class SplashAttention(FlashAttention):
                 "(_splash_attention_bwd changed); use model.attention=xla"
             )
         seq, qk_dim, v_dim = q.shape[1], q.shape[-1], v.shape[-1]
-        kv_heads = k.shape[2]
         out_dtype = out.dtype
 
         def local(q: Array, k: Array, v: Array, ids: Array, out: Array, lse: Array, d_out: Array) -> tuple:
+            kv_heads = k.shape[2]  # this device's, under a mesh that splits the heads
             kq, kk, kv, kids = self._to_kernel(q, k, v, scale, ids if segment_ids is not None else None)
             kernel = self._kernel(kq.shape[-2], kq.shape[-3])
             options = kernel.kwargs
@@ -283,8 +283,15 @@ def _collapsed(info: Any) -> Any:
 # `tensor` where both the query and the key heads divide; the sequence is never split).
 
 
-def _sharded(fn: Callable[..., Any], q: Array, k: Array, v: Array, segment_ids: SegmentIds, *rest: Array,
-             outputs: tuple[str, ...]) -> Any:
+def _sharded(
+    fn: Callable[..., Any],
+    q: Array,
+    k: Array,
+    v: Array,
+    segment_ids: SegmentIds,
+    *rest: Array,
+    outputs: tuple[str, ...],
+) -> Any:
     mesh = context_mesh()
     ids = jnp.zeros(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids
     if mesh is None or mesh.size == 1:
@@ -302,6 +309,6 @@ def _sharded(fn: Callable[..., Any], q: Array, k: Array, v: Array, segment_ids: 
     args = (q, k, v, ids, *rest)
     in_specs = tuple(spec[a.ndim] for a in args)
     out_specs = {"out": spec[4], "lse": spec[3], "q": spec[4], "k": spec[4], "v": spec[4]}
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=tuple(out_specs[o] for o in outputs),
-                         check_vma=False)(*args)
-
+    return jax.shard_map(
+        fn, mesh=mesh, in_specs=in_specs, out_specs=tuple(out_specs[o] for o in outputs), check_vma=False
+    )(*args)
