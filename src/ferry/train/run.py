@@ -97,7 +97,7 @@ def _train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
 def loss_settings(prepared: PreparedRun) -> LossSettings:
     tc = prepared.config.train
     documents = prepared.corpus.document_mask(prepared.config.data)  # data.document_mask: attention stays in each
-    return LossSettings(prepared.policy, tc.compute_dtype, tc.z_loss_weight, documents=documents)
+    return LossSettings.of(tc, prepared.policy, documents)
 
 
 def open_batches(prepared: PreparedRun) -> RunBatches:
