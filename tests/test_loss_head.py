@@ -212,3 +212,20 @@ def test_h200_plan_of_llama_8b_drops_the_logits():
     plan = plan_memory(config, TARGETS["h200"], policy, "full_remat", xla_flags=GPU_FLAGS)
     assert plan.temp_bytes <= 5.3 * 2**30, plan.temp_bytes / 2**30
 
+
+
+def test_the_tpu_benchmark_runs_on_cpu_at_a_tiny_shape(tmp_path):
+    """benchmarks/loss_head_tpu.py's functions as the chip runs them, at a shape a CPU runs at
+    once: every head times, the floor is timed, the JSON says so."""
+    import json
+
+    from benchmarks.loss_head_tpu import main
+
+    out = tmp_path / "head.json"
+    argv = ["--batch", "2", "--seq", "64", "--dim", "32", "--vocab", "1024", "--chunk-mib", "0.0625,1"]
+    result = main([*argv, "--repeats", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    heads = result["heads"]
+    assert [h["head"] for h in heads] == ["logits", "chunked 0.0625 MiB", "chunked 1 MiB"]
+    assert [h.get("chunks") for h in heads] == [None, 8, 1]  # 128 tokens: 128 columns fit 64 KiB
+    assert heads[0]["vs_logits"] == 1.0 and all(h["ms"] > 0 and h["vs_floor"] > 0 for h in heads)
