@@ -1,9 +1,19 @@
-"""Next-token cross-entropy with an optional z-loss, in float32."""
+"""Next-token cross-entropy with an optional z-loss, in float32: from whole logits
+(`next_token_loss`), or from the output head's input and weight (`LossHead`), which by default
+never makes the batch's logits whole (`ferry.chunked_head`)."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, Float, Int
+
+from ferry.chunked_head import OutputHead, chunks_under_mesh, logsumexp_and_target_logit
+from ferry.config import ConfigError
+
+LOSS_HEADS = ("chunked", "logits")
+MIB = 1 << 20
 
 
 def next_token_loss(
@@ -28,3 +38,71 @@ def next_token_loss(
 def _weighted_mean(values: Float[Array, "batch seq"], weights: Bool[Array, "batch seq"]) -> Float[Array, ""]:
     counted = weights.astype(jnp.float32)
     return jnp.sum(values * counted) / jnp.maximum(jnp.sum(counted), 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossHead:
+    """How the loss reads the output head (`train.loss_head`, `train.loss_chunk_mib`).
+
+    `chunked` (the default) never holds the batch's logits: they are made a vocabulary chunk at a
+    time, forward and backward, each chunk's float32 logits within `chunk_mib` MiB per device
+    (`ferry.chunked_head`). `logits` makes them whole, as the model's `__call__` returns them, and
+    takes today's cross-entropy of them (`next_token_loss`): the reference, and what the chunked
+    head must equal."""
+
+    kind: str = "chunked"
+    chunk_mib: float = 256.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in LOSS_HEADS:
+            raise ConfigError(f"train.loss_head is {self.kind!r}; use one of {', '.join(LOSS_HEADS)}")
+        if not self.chunk_mib > 0:
+            raise ConfigError(f"train.loss_chunk_mib={self.chunk_mib} must be positive (MiB of logits per chunk)")
+
+    @property
+    def budget_bytes(self) -> int:
+        return max(1, int(self.chunk_mib * MIB))
+
+    def __call__(
+        self,
+        hidden: Float[Array, "batch seq dim"],
+        head: OutputHead,
+        targets: Int[Array, "batch seq"],
+        z_loss_weight: float = 0.0,
+        weights: Bool[Array, "batch seq"] | None = None,
+    ) -> tuple[Float[Array, ""], Float[Array, ""]]:
+        """`next_token_loss` of the logits `hidden @ head` (the loss with z-loss, and the
+        cross-entropy), with the logits made as `kind` says."""
+        if self.kind == "logits":
+            return next_token_loss(whole_logits(hidden, head), targets, z_loss_weight, weights)
+        logsumexp, target_logit = logsumexp_and_target_logit(hidden, head, targets, self.budget_bytes)
+        mean = jnp.mean if weights is None else lambda x: _weighted_mean(x, weights)
+        cross_entropy = mean(logsumexp - target_logit)
+        if z_loss_weight == 0.0:
+            return cross_entropy, cross_entropy
+        return cross_entropy + z_loss_weight * mean(logsumexp * logsumexp), cross_entropy
+
+    def describe(self, batch: int, seq: int, vocab: int, mesh=None) -> str:
+        """The start-up line: which head, and for the chunked one its chunks for a micro batch of
+        `batch` x `seq` tokens over `mesh`."""
+        if self.kind == "logits":
+            return (
+                f"loss head: logits (train.loss_head=logits): the whole {batch} x {seq} x {vocab:,} logits "
+                "in float32, and their gradient"
+            )
+        chunks = chunks_under_mesh(batch, seq, vocab, self.budget_bytes, mesh)
+        return (
+            f"loss head: chunked (train.loss_head=chunked): the logits are never whole; {chunks.count} "
+            f"chunk{'s' if chunks.count > 1 else ''} of {chunks.size:,} of each device's {chunks.columns:,} "
+            f"vocabulary columns, within train.loss_chunk_mib={self.chunk_mib:g} MiB of float32 logits per chunk"
+        )
+
+
+DEFAULT_HEAD = LossHead()  # train.loss_head's default: chunked, 256 MiB of logits per chunk
+
+
+def whole_logits(hidden: Float[Array, "batch seq dim"], head: OutputHead) -> Float[Array, "batch seq vocab"]:
+    """The logits of every token at once, in the compute dtype (as a model's `__call__` makes them)."""
+    if head.vocab_axis == 1:
+        return hidden @ head.weight
+    return jnp.einsum("bsd,vd->bsv", hidden, head.weight.astype(hidden.dtype))

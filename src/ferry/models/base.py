@@ -14,8 +14,9 @@ import jax
 from equinox import AbstractVar
 from jaxtyping import Array, Float, Int
 
+from ferry.chunked_head import OutputHead
 from ferry.data.segments import DocumentMask, document_segments, loss_weights
-from ferry.loss import next_token_loss
+from ferry.loss import DEFAULT_HEAD, LossHead
 from ferry.nn.attention import Segments
 from ferry.nn.kernels.choice import check_attention_setting, describe_attention
 from ferry.nn.kernels.flash import with_declared_lse
@@ -106,15 +107,27 @@ class AbstractLanguageModel(eqx.Module):
         each document."""
 
     @abc.abstractmethod
+    def final_hidden(
+        self, tokens: Int[Array, "batch seq"], policy: Policy = SAVE_ALL, segments: Segments | None = None
+    ) -> Float[Array, "batch seq dim"]:
+        """The last layer's output after the final norm: what the output head reads."""
+
+    @abc.abstractmethod
+    def output_head(self) -> OutputHead:
+        """The weight the logits read (the head, or the embedding table it is tied to)."""
+
+    @abc.abstractmethod
     def training_loss(
         self,
         batch: Int[Array, "batch seq_plus_one"],
         policy: Policy,
         z_loss_weight: float = 0.0,
         documents: DocumentMask | None = None,
+        head: LossHead = DEFAULT_HEAD,
     ) -> tuple[Float[Array, ""], dict[str, Array]]:
         """The loss to differentiate for next-token prediction of batch[:, 1:] from batch[:, :-1],
-        and the statistics to log (`loss`: the main cross-entropy)."""
+        and the statistics to log (`loss`: the main cross-entropy); `head` says how the loss reads
+        the output head (by default never making the batch's logits whole)."""
 
     @abc.abstractmethod
     def after_step(self, stats: dict[str, Array]) -> "AbstractLanguageModel":
@@ -139,11 +152,13 @@ def dense_training_loss(
     policy: Policy,
     z_loss_weight: float = 0.0,
     documents: DocumentMask | None = None,
+    head: LossHead = DEFAULT_HEAD,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """`training_loss` of a model whose only loss is next-token cross-entropy of its logits
     (Llama, Qwen3): the main loss, z-loss and document masking as every family has them."""
     inputs = batch[:, :-1]
     segments = None if documents is None else document_segments(inputs, documents.end_of_document)
-    logits = model(inputs, policy, segments)
-    loss, cross_entropy = next_token_loss(logits, batch[:, 1:], z_loss_weight, loss_weights(inputs, documents))
+    h = model.final_hidden(inputs, policy, segments)
+    weights = loss_weights(inputs, documents)
+    loss, cross_entropy = head(h, model.output_head(), batch[:, 1:], z_loss_weight, weights)
     return loss, {"loss": cross_entropy}

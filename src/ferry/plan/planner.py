@@ -169,7 +169,7 @@ def compile_train_step(
     )
     # traced under `jax.set_mesh` of the mesh below, so the engine sees whether its devices have
     # memories (`has_memory_kinds`; compile-only devices have none)
-    settings = LossSettings(policy, config.train.compute_dtype, config.train.z_loss_weight)
+    settings = LossSettings.of(config.train, policy)
     body = train_step_body(
         optimizer,
         settings,

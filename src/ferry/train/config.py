@@ -9,6 +9,7 @@ from hydra.core.config_store import ConfigStore
 
 from ferry.config import ConfigError, from_dict, require_finite, require_positive
 from ferry.data.config import DataConfig
+from ferry.loss import LossHead
 from ferry.models.registry import model_config
 from ferry.offload import ENGINES, PLACEMENTS, Policy
 from ferry.platform import PlatformConfig
@@ -33,6 +34,8 @@ class TrainConfig:
     adam_eps: float = 1e-8
     grad_clip_norm: float = 1.0
     z_loss_weight: float = 0.0
+    loss_head: str = "chunked"  # chunked: the logits are never whole (a vocabulary chunk at a time); logits: whole
+    loss_chunk_mib: float = 256.0  # loss_head=chunked: float32 logits per chunk and device, in MiB
     compute_dtype: str = "bfloat16"
     seed: int = 0
     log_every: int = 10
@@ -42,6 +45,11 @@ class TrainConfig:
     # the gradient self-check of the offload policy before training (ferry.train.policy_check);
     # None: on for platform=gpu and tpu, off on cpu
     check_policy: bool | None = None
+
+    @property
+    def head(self) -> LossHead:
+        """How the loss reads the output head (`loss_head`, `loss_chunk_mib`)."""
+        return LossHead(self.loss_head, self.loss_chunk_mib)
 
     def micro_steps(self, data_parallel: int = 1) -> int:
         """Micro batches accumulated per optimizer step when a batch is split `data_parallel` ways."""
@@ -123,6 +131,7 @@ class TrainConfig:
             )
         if self.on_nonfinite not in ("stop", "skip"):
             raise ConfigError(f"train.on_nonfinite is {self.on_nonfinite!r}; use stop or skip")
+        LossHead(self.loss_head, self.loss_chunk_mib)  # refuses an unknown head or a chunk of no bytes
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"train.compute_dtype is {self.compute_dtype!r}; use float32 or bfloat16")
 

@@ -99,6 +99,7 @@ def prepare(config: FerryConfig, console: Console) -> PreparedRun:
     announce(config, num_parameters, corpus, console)
     console.print(attention, highlight=False)
     announce_state(layout, console)
+    announce_loss_head(config, mesh, console)
     return dataclasses.replace(prepared, corpus=corpus)
 
 
@@ -207,6 +208,13 @@ def announce(config: FerryConfig, num_parameters: int, corpus: Corpus, console: 
         f"{config.train.micro_steps(config.mesh.data_parallel)}",
         highlight=False,
     )
+
+
+def announce_loss_head(config: FerryConfig, mesh: Mesh, console: Console) -> None:
+    """How the loss reads the output head (train.loss_head), for one micro step's batch."""
+    micro_batch = config.train.rows_per_micro_step(config.mesh.data_parallel)
+    line = config.train.head.describe(micro_batch, config.train.seq_len, config.model.vocab_size, mesh)
+    console.print(line, highlight=False)
 
 
 def announce_state(layout: StateLayout, console: Console) -> None:

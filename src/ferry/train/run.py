@@ -116,7 +116,7 @@ def held_out_note(train: TrainConfig, held_out_windows: int) -> str | None:
 def loss_settings(prepared: PreparedRun) -> LossSettings:
     tc = prepared.config.train
     documents = prepared.corpus.document_mask(prepared.config.data)  # data.document_mask: attention stays in each
-    return LossSettings(prepared.policy, tc.compute_dtype, tc.z_loss_weight, documents=documents)
+    return LossSettings.of(tc, prepared.policy, documents)
 
 
 def open_batches(prepared: PreparedRun) -> RunBatches:

@@ -11,6 +11,7 @@ import optax
 from jaxtyping import Array, Float, Int
 
 from ferry.data.segments import DocumentMask
+from ferry.loss import DEFAULT_HEAD, LossHead
 from ferry.offload import SAVE_ALL, Policy
 from ferry.precision import cast_floating
 from ferry.train.state_memory import (
@@ -67,6 +68,12 @@ class LossSettings:
     compute_dtype: str = "float32"
     z_loss_weight: float = 0.0
     documents: DocumentMask | None = None  # data.document_mask: attention stays inside each document
+    head: LossHead = DEFAULT_HEAD  # train.loss_head: the logits made a vocabulary chunk at a time, or whole
+
+    @classmethod
+    def of(cls, train: Any, policy: Policy, documents: DocumentMask | None = None) -> "LossSettings":
+        """The settings a `TrainConfig` gives (with the run's offload policy and document mask)."""
+        return cls(policy, train.compute_dtype, train.z_loss_weight, documents, train.head)
 
 
 def batch_loss(
@@ -75,9 +82,9 @@ def batch_loss(
     """The loss to differentiate, and the model's statistics (`loss` is the main next-token
     cross-entropy), computed in the compute dtype."""
     compute_model = cast_floating(model, jnp.dtype(settings.compute_dtype))
-    if settings.documents is not None:
-        return compute_model.training_loss(batch, settings.policy, settings.z_loss_weight, documents=settings.documents)
-    return compute_model.training_loss(batch, settings.policy, settings.z_loss_weight)
+    return compute_model.training_loss(
+        batch, settings.policy, settings.z_loss_weight, documents=settings.documents, head=settings.head
+    )
 
 
 def accumulated_loss_and_grad(

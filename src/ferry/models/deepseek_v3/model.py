@@ -7,8 +7,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from ferry.chunked_head import OutputHead
 from ferry.data.segments import DocumentMask, document_segments, loss_weights
-from ferry.loss import next_token_loss
+from ferry.loss import DEFAULT_HEAD, LossHead, whole_logits
 from ferry.models.base import AbstractLanguageModel
 from ferry.models.deepseek_v3.config import DeepSeekV3Config
 from ferry.nn.attention import Segments
@@ -166,7 +167,15 @@ class DeepSeekV3(AbstractLanguageModel):
         policy: Policy = SAVE_ALL,
         segments: Segments | None = None,
     ) -> Float[Array, "batch seq vocab"]:
-        return self.head(self.final_norm(self.hidden(tokens, policy, segments)[0]))
+        return whole_logits(self.final_hidden(tokens, policy, segments), self.output_head())
+
+    def final_hidden(
+        self, tokens: Int[Array, "batch seq"], policy: Policy = SAVE_ALL, segments: Segments | None = None
+    ) -> Float[Array, "batch seq dim"]:
+        return self.final_norm(self.hidden(tokens, policy, segments)[0])
+
+    def output_head(self) -> OutputHead:
+        return OutputHead(self.head.weight, self.head.axes)
 
     def multi_token_prediction(
         self,
@@ -175,6 +184,7 @@ class DeepSeekV3(AbstractLanguageModel):
         policy: Policy,
         segments: Segments | None = None,
         documents: DocumentMask | None = None,
+        head: LossHead = DEFAULT_HEAD,
     ) -> tuple[Float[Array, " depth"], MoEStats]:
         """Each MTP depth's cross-entropy (depth k predicts token t + k + 1 from the previous
         depth's normalised output and the embedding of token t + k; `h` is the main model's
@@ -190,7 +200,7 @@ class DeepSeekV3(AbstractLanguageModel):
             out = block(module.block, module.projection(joined), *extra)
             h = module.final_norm(out.hidden)
             weights = loss_weights(batch[:, depth:seq], documents)
-            losses.append(next_token_loss(self.head(h), batch[:, depth + 1 :], weights=weights)[1])
+            losses.append(head(h, self.output_head(), batch[:, depth + 1 :], weights=weights)[1])
             stats.append(out.stats)
         return jnp.stack(losses), stack_trees(stats)
 
@@ -200,6 +210,7 @@ class DeepSeekV3(AbstractLanguageModel):
         policy: Policy,
         z_loss_weight: float = 0.0,
         documents: DocumentMask | None = None,
+        head: LossHead = DEFAULT_HEAD,
     ) -> tuple[Float[Array, ""], dict[str, Array]]:
         """Main next-token loss + alpha x the balance losses of every MoE layer (MTP blocks
         included) + lambda x the mean of the MTP depths' losses; with `documents`, attention and
@@ -210,14 +221,14 @@ class DeepSeekV3(AbstractLanguageModel):
         hidden, stats = self.hidden(inputs, policy, segments)
         h = self.final_norm(hidden)
         weights = loss_weights(inputs, documents)
-        loss, cross_entropy = next_token_loss(self.head(h), batch[:, 1:], z_loss_weight, weights)
+        loss, cross_entropy = head(h, self.output_head(), batch[:, 1:], z_loss_weight, weights)
         metrics: dict[str, Array] = {"loss": cross_entropy, "balance_loss": jnp.zeros((), jnp.float32)}
         if stats is not None:
             metrics["balance_loss"] += stats.balance_loss.sum()
             metrics["moe_expert_load"] = stats.expert_load
             metrics |= _expert_load_metrics(stats.expert_load, "expert_load")
         if self.mtp:
-            mtp_losses, mtp_stats = self.multi_token_prediction(batch, h, policy, segments, documents)
+            mtp_losses, mtp_stats = self.multi_token_prediction(batch, h, policy, segments, documents, head)
             metrics["mtp_loss"] = mtp_losses.mean()
             metrics["mtp_expert_load"] = mtp_stats.expert_load
             metrics["balance_loss"] += mtp_stats.balance_loss.sum()

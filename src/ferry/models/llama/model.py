@@ -4,7 +4,9 @@ import equinox as eqx
 import jax
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from ferry.chunked_head import OutputHead
 from ferry.data.segments import DocumentMask
+from ferry.loss import DEFAULT_HEAD, LossHead, whole_logits
 from ferry.models.base import AbstractLanguageModel, dense_training_loss
 from ferry.models.llama.config import LlamaConfig
 from ferry.nn.attention import GroupedQueryAttention, Segments
@@ -54,12 +56,20 @@ class Llama(AbstractLanguageModel):
         self.head = Linear(config.dim, config.vocab_size, axes=("embed", "vocab"), key=k_head)
         self.config = config
 
+    def final_hidden(
+        self, tokens: Int[Array, "batch seq"], policy: Policy = SAVE_ALL, segments: Segments | None = None
+    ) -> Float[Array, "batch seq dim"]:
+        extra = () if segments is None else (segments,)
+        x, _ = self.layers(self.embed(tokens), policy, *extra)  # the stack checks the policy's names
+        return self.final_norm(x)
+
+    def output_head(self) -> OutputHead:
+        return OutputHead(self.head.weight, self.head.axes)
+
     def __call__(
         self, tokens: Int[Array, "batch seq"], policy: Policy = SAVE_ALL, segments: Segments | None = None
     ) -> Float[Array, "batch seq vocab"]:
-        extra = () if segments is None else (segments,)
-        x, _ = self.layers(self.embed(tokens), policy, *extra)  # the stack checks the policy's names
-        return self.head(self.final_norm(x))
+        return whole_logits(self.final_hidden(tokens, policy, segments), self.output_head())
 
     def training_loss(
         self,
@@ -67,8 +77,9 @@ class Llama(AbstractLanguageModel):
         policy: Policy,
         z_loss_weight: float = 0.0,
         documents: DocumentMask | None = None,
+        head: LossHead = DEFAULT_HEAD,
     ) -> tuple[Float[Array, ""], dict[str, Array]]:
-        return dense_training_loss(self, batch, policy, z_loss_weight, documents)
+        return dense_training_loss(self, batch, policy, z_loss_weight, documents, head)
 
     def after_step(self, stats: dict[str, Array]) -> "Llama":
         """Llama has no state updated outside the gradient."""

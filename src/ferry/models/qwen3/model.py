@@ -4,11 +4,12 @@ names (query_proj ... mlpwo), so every offload preset applies unchanged."""
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from ferry.chunked_head import OutputHead
 from ferry.data.segments import DocumentMask
+from ferry.loss import DEFAULT_HEAD, LossHead, whole_logits
 from ferry.models.base import AbstractLanguageModel, dense_training_loss
 from ferry.models.qwen3.config import Qwen3Config
 from ferry.nn.attention import Segments
@@ -101,18 +102,23 @@ class Qwen3(AbstractLanguageModel):
         )
         self.config = config
 
-    def logits(self, h: Float[Array, "batch seq dim"]) -> Float[Array, "batch seq vocab"]:
-        """The output head, or the embedding table's transpose when tied."""
+    def final_hidden(
+        self, tokens: Int[Array, "batch seq"], policy: Policy = SAVE_ALL, segments: Segments | None = None
+    ) -> Float[Array, "batch seq dim"]:
+        extra = () if segments is None else (segments,)
+        x, _ = self.layers(self.embed(tokens), policy, *extra)  # the stack checks the policy's names
+        return self.final_norm(x)
+
+    def output_head(self) -> OutputHead:
+        """The output head, or the embedding table when tied (its vocabulary is its first axis)."""
         if self.head is None:
-            return jnp.einsum("bsd,vd->bsv", h, self.embed.weight.astype(h.dtype))
-        return self.head(h)
+            return OutputHead(self.embed.weight, self.embed.param_axes()["weight"], vocab_axis=0)
+        return OutputHead(self.head.weight, self.head.axes)
 
     def __call__(
         self, tokens: Int[Array, "batch seq"], policy: Policy = SAVE_ALL, segments: Segments | None = None
     ) -> Float[Array, "batch seq vocab"]:
-        extra = () if segments is None else (segments,)
-        x, _ = self.layers(self.embed(tokens), policy, *extra)  # the stack checks the policy's names
-        return self.logits(self.final_norm(x))
+        return whole_logits(self.final_hidden(tokens, policy, segments), self.output_head())
 
     def training_loss(
         self,
@@ -120,8 +126,9 @@ class Qwen3(AbstractLanguageModel):
         policy: Policy,
         z_loss_weight: float = 0.0,
         documents: DocumentMask | None = None,
+        head: LossHead = DEFAULT_HEAD,
     ) -> tuple[Float[Array, ""], dict[str, Array]]:
-        return dense_training_loss(self, batch, policy, z_loss_weight, documents)
+        return dense_training_loss(self, batch, policy, z_loss_weight, documents, head)
 
     def after_step(self, stats: dict[str, Array]) -> "Qwen3":
         """Qwen3 has no state updated outside the gradient."""

@@ -1,0 +1,147 @@
+"""The loss head's forward and backward on one chip: today's whole logits (`train.loss_head=logits`)
+beside the chunked head (`train.loss_head=chunked`, at each `--chunk-mib`), and a plain-JAX floor
+(the head's three matmuls alone, no softmax), in one run. The v5e shape of issue 46 by default:
+batch 8 x seq 2048 tokens, dim 2048, vocabulary 32,768, bfloat16.
+
+    python benchmarks/loss_head_tpu.py [--chunk-mib 128,256,512] [--repeats 10] [--out FILE]
+
+Prints per head: its chunks, median milliseconds of loss + gradients (hidden and weight), the ratio
+to today's head and to the matmul floor, and the compiled program's temporaries; writes the same as
+JSON to --out. Takes well under a minute on a v5e chip (a few seconds of compiles per head).
+"""
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from ferry.chunked_head import OutputHead, vocab_chunks
+from ferry.loss import LossHead
+
+V5E_SHAPE = {"batch": 8, "seq": 2048, "dim": 2048, "vocab": 32768}
+CHUNK_MIB = (128.0, 256.0, 512.0)  # 256: the default (train.loss_chunk_mib)
+
+
+def head_inputs(batch: int, seq: int, dim: int, vocab: int, dtype=jnp.bfloat16) -> tuple[jax.Array, ...]:
+    """Hidden states, the head's [dim, vocab] weight and targets, as a bf16 train step has them."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    hidden = jax.random.normal(keys[0], (batch, seq, dim), dtype)
+    weight = (0.02 * jax.random.normal(keys[1], (dim, vocab), jnp.float32)).astype(dtype)
+    targets = jax.random.randint(keys[2], (batch, seq), 0, vocab)
+    return hidden, weight, targets
+
+
+def head_step(head: LossHead) -> Callable:
+    """The head's loss and its gradients (hidden, weight), compiled as one program."""
+
+    def loss(hidden, weight, targets):
+        return head(hidden, OutputHead(weight, ("embed", "vocab")), targets)[0]
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+
+def matmul_floor() -> Callable:
+    """The head's three matmuls (logits, and the gradients of hidden and weight from them), with
+    no softmax and no float32 logits: what no head can beat."""
+
+    def step(hidden, weight, targets):
+        del targets
+        logits = jnp.einsum("bsd,dv->bsv", hidden, weight)
+        d_hidden = jnp.einsum("bsv,dv->bsd", logits, weight)
+        d_weight = jnp.einsum("bsd,bsv->dv", hidden, logits)
+        return d_hidden, d_weight
+
+    return jax.jit(step)
+
+
+def median_ms(step: Callable, args: Sequence[jax.Array], repeats: int) -> float:
+    """Median wall milliseconds of `step(*args)` to completion, after two warm-up calls."""
+    for _ in range(2):
+        jax.block_until_ready(step(*args))
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        jax.block_until_ready(step(*args))
+        times.append(1e3 * (time.perf_counter() - started))
+    return statistics.median(times)
+
+
+def temp_bytes(step: Callable, args: Sequence[jax.Array]) -> int | None:
+    """The compiled program's temporaries (None where the backend reports none)."""
+    analysis = step.lower(*args).compile().memory_analysis()
+    return None if analysis is None else int(analysis.temp_size_in_bytes)
+
+
+def measure(shape: dict[str, int], chunk_mibs: Sequence[float], repeats: int) -> dict:
+    """Every head at `shape`, today's first, then the floor; ratios against today's and the floor."""
+    args = head_inputs(**shape)
+    tokens = shape["batch"] * shape["seq"]
+    rows = []
+    heads = [("logits", LossHead("logits"))] + [(f"chunked {c:g} MiB", LossHead("chunked", c)) for c in chunk_mibs]
+    for name, head in heads:
+        step = head_step(head)
+        row = {"head": name, "kind": head.kind, "chunk_mib": head.chunk_mib if head.kind == "chunked" else None}
+        if head.kind == "chunked":
+            chunks = vocab_chunks(tokens, shape["vocab"], 1, head.budget_bytes)
+            row |= {"chunks": chunks.count, "chunk_columns": chunks.size}
+        row |= {"ms": median_ms(step, args, repeats), "temp_bytes": temp_bytes(step, args)}
+        rows.append(row)
+    floor = median_ms(matmul_floor(), args, repeats)
+    for row in rows:
+        row["vs_logits"] = row["ms"] / rows[0]["ms"]
+        row["vs_floor"] = row["ms"] / floor
+    return {
+        "shape": shape,
+        "dtype": "bfloat16",
+        "device": str(jax.devices()[0].device_kind),
+        "jax": jax.__version__,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "repeats": repeats,
+        "matmul_floor_ms": floor,
+        "heads": rows,
+    }
+
+
+def table(result: dict) -> str:
+    """The heads side by side: chunks, milliseconds, ratios, temporaries."""
+    lines = [
+        f"loss head fwd+bwd on {result['device']} ({result['jax']}), {result['shape']}, bf16, "
+        f"median of {result['repeats']}; matmul floor {result['matmul_floor_ms']:.2f} ms",
+        f"{'head':<20} {'chunks':>12} {'ms':>9} {'vs logits':>10} {'vs floor':>9} {'temporaries':>12}",
+    ]
+    for row in result["heads"]:
+        chunks = f"{row['chunks']} x {row['chunk_columns']}" if "chunks" in row else "whole"
+        temps = "-" if row["temp_bytes"] is None else f"{row['temp_bytes'] / 2**20:,.0f} MiB"
+        lines.append(
+            f"{row['head']:<20} {chunks:>12} {row['ms']:>9.2f} {row['vs_logits']:>9.3f}x "
+            f"{row['vs_floor']:>8.3f}x {temps:>12}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--chunk-mib", default=",".join(f"{c:g}" for c in CHUNK_MIB), help="chunked heads to time")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    for key, value in V5E_SHAPE.items():
+        parser.add_argument(f"--{key}", type=int, default=value)
+    args = parser.parse_args(argv)
+    shape = {key: getattr(args, key) for key in V5E_SHAPE}
+    chunk_mibs = [float(c) for c in args.chunk_mib.split(",") if c]
+    result = measure(shape, chunk_mibs, args.repeats)
+    print(table(result), flush=True)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

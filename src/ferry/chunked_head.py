@@ -1,0 +1,227 @@
+"""The output head's log-sum-exp and target logit of every token, computed one vocabulary chunk
+at a time under its own VJP, so the batch x seq x vocab logits never exist at once.
+
+Forward: per chunk, the logits of its columns (float32), folded into a running log-sum-exp, and
+the target's logit when the target lies in the chunk; only these two per-token scalars (and the
+head's inputs) are kept for the backward pass. Backward: per chunk, the logits again, their
+softmax against the saved log-sum-exp, and from them the chunk's columns of the head's gradient
+(written once, where they belong) and its share of the hidden state's gradient (accumulated).
+
+Why vocabulary chunks rather than token chunks: the one thing a chunked backward accumulates is
+then the hidden state's gradient (rows x dim), not the head's (dim x vocab), and each column of the
+head's gradient is reduced over the batch's devices once instead of once per chunk. For Llama 3.1
+8B at 8,192 tokens that accumulator is 128 MiB instead of 2 GiB.
+
+The chunk rule (`vocab_chunks`): a chunk's float32 logits on one device, (its tokens) x (its
+columns) x 4 bytes, stay within a budget (`train.loss_chunk_mib`, 256 MiB by default). A device's
+tokens are the batch rows it holds times the sequence; its columns are its share of the vocabulary
+(split over the mesh's tensor axis, as the logits are). The columns that fit are rounded down to a
+multiple of 128 (TPU lanes) when at least 128 fit; the device's vocabulary is then split into as
+few chunks as needed, evenly, each rounded up to that multiple (the last chunk starts early and
+ignores the columns its predecessor covered, so no weight is padded or copied). Below 128 columns
+per chunk (more than 512K tokens per device at 256 MiB) a chunk is as many columns as fit, at
+least one.
+"""
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jaxtyping import Array, Float, Int
+
+from ferry.sharding import PARAM_RULES, LogicalAxes, activation_spec, constrain, context_mesh, logical_spec, shard_shape
+
+LANES = 128  # a chunk's columns are a multiple of this when at least this many fit the budget
+LOGIT_BYTES = 4  # float32
+
+
+class OutputHead(NamedTuple):
+    """The weight the logits read, as the loss needs to know it: the array, its logical axes (as
+    its layer declares them) and which of its two axes is the vocabulary (1 for a head [dim,
+    vocab], 0 for an embedding table [vocab, dim] the head is tied to)."""
+
+    weight: Float[Array, "..."]
+    axes: LogicalAxes
+    vocab_axis: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabChunks:
+    """How a device's share of the vocabulary is walked: `shards` devices split the vocabulary
+    (the tensor axis), each holding `columns`; a chunk is `size` of those, `count` chunks in all."""
+
+    shards: int
+    columns: int
+    size: int
+    count: int
+
+    def start(self, index: Array) -> Array:
+        """Chunk `index`'s first column (the last chunk starts early to stay inside the shard)."""
+        return jnp.minimum(index * self.size, self.columns - self.size)
+
+    def owned(self, index: Array, start: Array) -> Array:
+        """Which of the chunk's columns are its own (not covered by the chunk before)."""
+        return start + jnp.arange(self.size) >= index * self.size
+
+
+def vocab_chunks(tokens_per_device: int, vocab: int, shards: int, budget_bytes: int) -> VocabChunks:
+    """The chunk rule (module docstring): as few chunks as keep a chunk's float32 logits on a
+    device within `budget_bytes`."""
+    columns = vocab // shards
+    fits = max(1, budget_bytes // (LOGIT_BYTES * tokens_per_device))
+    align = LANES if fits >= LANES else 1
+    fits -= fits % align
+    count = math.ceil(columns / fits)
+    size = min(columns, align * math.ceil(math.ceil(columns / count) / align))
+    return VocabChunks(shards, columns, size, count)
+
+
+def chunks_under_mesh(batch: int, seq: int, vocab: int, budget_bytes: int, mesh=None) -> VocabChunks:
+    """The chunks of a head over `batch` x `seq` tokens under `mesh` (default: the context mesh;
+    None outside one): the batch split as activations are (`ACTIVATION_RULES`' batch axes), the
+    vocabulary as logits are (its tensor axis, when that divides it)."""
+    mesh = context_mesh() if mesh is None else mesh
+    if mesh is None:
+        return vocab_chunks(batch * seq, vocab, 1, budget_bytes)
+    shape = (batch, seq, vocab)
+    spec = activation_spec(jax.ShapeDtypeStruct(shape, jnp.float32), ("batch", None, "vocab"), mesh)
+    rows, _, columns = shard_shape(shape, spec, mesh)
+    return vocab_chunks(rows * seq, vocab, vocab // columns, budget_bytes)
+
+
+def logsumexp_and_target_logit(
+    hidden: Float[Array, "batch seq dim"],
+    head: OutputHead,
+    targets: Int[Array, "batch seq"],
+    budget_bytes: int,
+) -> tuple[Float[Array, "batch seq"], Float[Array, "batch seq"]]:
+    """Per token, logsumexp of the logits `hidden @ head` and the logit of its target, both
+    float32, with the logits made a chunk at a time (`budget_bytes` per chunk and device)."""
+    batch, seq, _ = hidden.shape
+    vocab = head.weight.shape[head.vocab_axis]
+    chunks = chunks_under_mesh(batch, seq, vocab, budget_bytes)
+    layout = _Layout(chunks, head.vocab_axis, tuple(head.axes))
+    return _chunked(hidden, head.weight, targets, layout)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """The static half of a chunked head: its chunks and the weight's layout."""
+
+    chunks: VocabChunks
+    vocab_axis: int
+    axes: LogicalAxes
+
+    def split(self, weight: Array) -> Array:
+        """The weight with its vocabulary axis split into (shard, column): [dim, shards, columns]
+        or [shards, columns, dim]; the shard axis carries the tensor split."""
+        chunks = self.chunks
+        if self.vocab_axis == 1:
+            return weight.reshape(weight.shape[0], chunks.shards, chunks.columns)
+        return weight.reshape(chunks.shards, chunks.columns, weight.shape[1])
+
+    @property
+    def column_axis(self) -> int:
+        return 2 if self.vocab_axis == 1 else 1
+
+    def weight_subscripts(self) -> str:
+        return "dtc" if self.vocab_axis == 1 else "tcd"
+
+    def slice(self, split_weight: Array, start: Array) -> Array:
+        return jax.lax.dynamic_slice_in_dim(split_weight, start, self.chunks.size, self.column_axis)
+
+    def pin_weight(self, split_weight: Array) -> Array:
+        """A split weight (or its gradient) pinned to the sharding its layer declares, so the
+        gradient accumulated across chunks stays sharded as the weight is."""
+        mesh = context_mesh()
+        if mesh is None or mesh.size == 1 or any(t != AxisType.Auto for t in mesh.axis_types):
+            return split_weight
+        dim_entry, vocab_entry = _entries(self.axes, self.vocab_axis, mesh)
+        entries = (dim_entry, vocab_entry, None) if self.vocab_axis == 1 else (vocab_entry, None, dim_entry)
+        return jax.lax.with_sharding_constraint(split_weight, NamedSharding(mesh, PartitionSpec(*entries)))
+
+
+def _entries(axes: LogicalAxes, vocab_axis: int, mesh) -> tuple:
+    """(the dim axis's, the vocabulary axis's) mesh axes of a weight declared `axes`."""
+    spec = logical_spec(axes, PARAM_RULES, mesh)
+    return spec[1 - vocab_axis], spec[vocab_axis]
+
+
+def _chunk_logits(hidden: Array, split_weight: Array, layout: _Layout, index: Array) -> tuple[Array, Array, Array]:
+    """Chunk `index`'s float32 logits [batch, seq, shards, size] (columns it does not own at
+    -inf), its weight slice and its start."""
+    start = layout.chunks.start(index)
+    weight = layout.slice(split_weight, start).astype(hidden.dtype)  # a tied table may be stored wider
+    logits = jnp.einsum(f"bsd,{layout.weight_subscripts()}->bstc", hidden, weight, preferred_element_type=jnp.float32)
+    # split as whole logits are: rows over the batch axes, columns over the tensor axis (through the
+    # shard axis, or the chunk's columns when the vocabulary is not split)
+    split = ("batch", None, "vocab", None) if layout.chunks.shards > 1 else ("batch", None, None, "vocab")
+    logits = constrain(logits, split)
+    owned = layout.chunks.owned(index, start)
+    return jnp.where(owned, logits, -jnp.inf), weight, start
+
+
+def _is_target(targets: Array, chunks: VocabChunks, start: Array) -> Array:
+    """[batch, seq, shards, size]: whether each of the chunk's columns is the token's target."""
+    shard, column = targets // chunks.columns, targets % chunks.columns
+    in_shard = shard[..., None] == jnp.arange(chunks.shards)
+    at_column = column[..., None] == start + jnp.arange(chunks.size)
+    return in_shard[..., :, None] & at_column[..., None, :]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _chunked(hidden: Array, weight: Array, targets: Array, layout: _Layout) -> tuple[Array, Array]:
+    return _forward(hidden, weight, targets, layout)[0]
+
+
+def _forward(hidden: Array, weight: Array, targets: Array, layout: _Layout) -> tuple[tuple[Array, Array], tuple]:
+    split_weight = layout.split(weight)
+
+    def chunk(carry: tuple[Array, Array], index: Array) -> tuple[tuple[Array, Array], None]:
+        logsumexp, target_logit = carry
+        logits, _, start = _chunk_logits(hidden, split_weight, layout, index)
+        logsumexp = jnp.logaddexp(logsumexp, jax.nn.logsumexp(logits, axis=(2, 3)))
+        hit = _is_target(targets, layout.chunks, start) & layout.chunks.owned(index, start)
+        target_logit = target_logit + jnp.sum(jnp.where(hit, logits, 0.0), axis=(2, 3))
+        return (logsumexp, target_logit), None
+
+    rows = targets.shape
+    init = (jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32))
+    (logsumexp, target_logit), _ = jax.lax.scan(chunk, init, jnp.arange(layout.chunks.count))
+    return (logsumexp, target_logit), (hidden, weight, targets, logsumexp)
+
+
+def _backward(layout: _Layout, residuals: tuple, cotangents: tuple[Array, Array]) -> tuple[Array, Array, None]:
+    hidden, weight, targets, logsumexp = residuals
+    d_logsumexp, d_target_logit = cotangents
+    split_weight = layout.split(weight)
+    subscripts = layout.weight_subscripts()
+
+    def chunk(carry: tuple[Array, Array], index: Array) -> tuple[tuple[Array, Array], None]:
+        d_hidden, d_weight = carry
+        logits, weight_chunk, start = _chunk_logits(hidden, split_weight, layout, index)
+        softmax = jnp.exp(logits - logsumexp[..., None, None])  # 0 at columns the chunk does not own
+        hit = _is_target(targets, layout.chunks, start) & layout.chunks.owned(index, start)
+        d_logits = d_logsumexp[..., None, None] * softmax + jnp.where(hit, d_target_logit[..., None, None], 0.0)
+        d_logits = d_logits.astype(hidden.dtype)  # as autodiff of the whole logits in the compute dtype has it
+        d_hidden = d_hidden + jnp.einsum(
+            f"bstc,{subscripts}->bsd", d_logits, weight_chunk, preferred_element_type=jnp.float32
+        )
+        d_chunk = jnp.einsum(f"bsd,bstc->{subscripts}", hidden, d_logits, preferred_element_type=jnp.float32)
+        kept = layout.slice(d_weight, start)  # the columns a clamped last chunk shares with the one before
+        owned = layout.chunks.owned(index, start)
+        owned = owned[None, None, :] if layout.vocab_axis == 1 else owned[None, :, None]
+        d_chunk = jnp.where(owned, d_chunk.astype(weight.dtype), kept)
+        d_weight = jax.lax.dynamic_update_slice_in_dim(d_weight, d_chunk, start, layout.column_axis)
+        return (constrain(d_hidden), layout.pin_weight(d_weight)), None
+
+    init = (constrain(jnp.zeros(hidden.shape, jnp.float32)), layout.pin_weight(jnp.zeros_like(split_weight)))
+    (d_hidden, d_weight), _ = jax.lax.scan(chunk, init, jnp.arange(layout.chunks.count))
+    return d_hidden.astype(hidden.dtype), d_weight.reshape(weight.shape), None
+
+
+_chunked.defvjp(_forward, _backward)

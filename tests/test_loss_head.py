@@ -1,0 +1,231 @@
+"""The chunked loss head (`ferry.chunked_head`, `train.loss_head=chunked`): the loss and its
+gradients equal today's cross-entropy of the whole logits (`next_token_loss`) in float32, with
+z-loss, loss weights and a tied head; its chunks follow the stated rule; and a compiled step never
+holds the logits (its temporaries, read from the compiled program)."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ferry.chunked_head import OutputHead, VocabChunks, chunks_under_mesh, vocab_chunks
+from ferry.config import ConfigError
+from ferry.loss import MIB, LossHead, next_token_loss, whole_logits
+from ferry.models.registry import build_model
+from ferry.offload import SAVE_ALL
+from ferry.train.config import TrainConfig
+from tests.conftest import compose_config, load_model_config, needs_cuda_plugin
+
+# float32 throughout: the chunked head sums the same products in another order
+RTOL, ATOL = 2e-5, 1e-6
+
+
+def head_case(vocab_axis: int, vocab: int = 1000, dim: int = 16, batch: int = 2, seq: int = 7):
+    keys = jax.random.split(jax.random.key(0), 4)
+    hidden = jax.random.normal(keys[0], (batch, seq, dim))
+    shape = (dim, vocab) if vocab_axis == 1 else (vocab, dim)
+    weight = 0.3 * jax.random.normal(keys[1], shape)
+    targets = jax.random.randint(keys[2], (batch, seq), 0, vocab)
+    weights = jax.random.bernoulli(keys[3], 0.6, (batch, seq))
+    return hidden, weight, targets, weights
+
+
+def axes_of(vocab_axis: int) -> tuple[str, str]:
+    return ("embed", "vocab") if vocab_axis == 1 else ("vocab", "embed")
+
+
+def loss_and_grads(head: LossHead, hidden, weight, targets, vocab_axis, z_loss, weights):
+    def loss(h, w):
+        total, cross_entropy = head(h, OutputHead(w, axes_of(vocab_axis), vocab_axis), targets, z_loss, weights)
+        return total, cross_entropy
+
+    (total, cross_entropy), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(hidden, weight)
+    return total, cross_entropy, grads
+
+
+def budget_mib(tokens: int, columns: int) -> float:
+    """The budget whose chunks are `columns` wide for `tokens` tokens on one device."""
+    return 4 * tokens * columns / MIB
+
+
+@pytest.mark.parametrize("vocab_axis", [1, 0], ids=["head", "tied"])
+@pytest.mark.parametrize("z_loss, masked", [(0.0, False), (1e-2, True)], ids=["plain", "z_loss+weights"])
+@pytest.mark.parametrize("columns", [1000, 300, 128, 7], ids=lambda c: f"chunk{c}")
+def test_chunked_equals_whole_logits(vocab_axis, z_loss, masked, columns):
+    """Loss, cross-entropy and both gradients equal today's, whatever the chunking: one chunk,
+    uneven chunks (the last one clamped back over its predecessor's columns), lane-sized chunks
+    and chunks below a lane."""
+    hidden, weight, targets, weights = head_case(vocab_axis)
+    weights = weights if masked else None
+    chunked = LossHead("chunked", budget_mib(hidden.shape[0] * hidden.shape[1], columns))
+    reference = loss_and_grads(LossHead("logits"), hidden, weight, targets, vocab_axis, z_loss, weights)
+    result = loss_and_grads(chunked, hidden, weight, targets, vocab_axis, z_loss, weights)
+    for got, want in zip(jax.tree.leaves(result), jax.tree.leaves(reference), strict=True):
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+    # the reference is today's loss: next_token_loss of the whole logits
+    logits = whole_logits(hidden, OutputHead(weight, axes_of(vocab_axis), vocab_axis))
+    np.testing.assert_allclose(reference[0], next_token_loss(logits, targets, z_loss, weights)[0], rtol=1e-6)
+
+
+def test_the_chunked_loss_is_the_cross_entropy_and_its_gradient_is_nonzero():
+    """Not vacuous: z-loss adds to the loss, and every weight column the batch reads moves."""
+    hidden, weight, targets, _ = head_case(1, vocab=300)
+    head = LossHead("chunked", budget_mib(14, 128))
+    total, cross_entropy, (d_hidden, d_weight) = loss_and_grads(head, hidden, weight, targets, 1, 0.1, None)
+    assert total > cross_entropy > 0
+    assert np.all(np.abs(np.asarray(d_weight)).sum(axis=0) > 0) and np.abs(d_hidden).min() > 0
+
+
+def test_bfloat16_head_matches_the_whole_logits_at_bfloat16_tolerance():
+    """In the compute dtype runs train in, gradients come back in it, as autodiff of the whole
+    logits gives them, and agree to bfloat16's precision."""
+    hidden, weight, targets, weights = head_case(1, vocab=512, dim=64)
+    hidden, weight = hidden.astype(jnp.bfloat16), weight.astype(jnp.bfloat16)
+    reference = loss_and_grads(LossHead("logits"), hidden, weight, targets, 1, 1e-3, weights)
+    result = loss_and_grads(LossHead("chunked", budget_mib(14, 128)), hidden, weight, targets, 1, 1e-3, weights)
+    assert result[2][0].dtype == result[2][1].dtype == jnp.bfloat16
+    for got, want in zip(jax.tree.leaves(result), jax.tree.leaves(reference), strict=True):
+        np.testing.assert_allclose(np.float32(got), np.float32(want), rtol=2e-2, atol=2e-3)
+
+
+def test_the_chunk_rule():
+    """As few chunks as keep a chunk's float32 logits within the budget, lane-aligned."""
+    # the v5e shape: 8 x 2048 tokens, 32,768 ids, 256 MiB: 8 chunks of 4,096 columns
+    assert vocab_chunks(8 * 2048, 32768, 1, 256 * MIB) == VocabChunks(1, 32768, 4096, 8)
+    # Llama 3.1 8B at 8,192 tokens: 8,192 columns fit, 16 chunks, evened out to 8,064 (63 lanes)
+    assert vocab_chunks(8192, 128256, 1, 256 * MIB) == VocabChunks(1, 128256, 8064, 16)
+    # the vocabulary split over 4 devices: each walks its quarter
+    assert vocab_chunks(8192, 128256, 4, 256 * MIB) == VocabChunks(4, 32064, 8064, 4)
+    # a budget larger than the logits: one chunk of everything
+    assert vocab_chunks(16, 1000, 1, 256 * MIB) == VocabChunks(1, 1000, 1000, 1)
+    # under a lane per chunk: as many columns as fit, at least one
+    assert vocab_chunks(1 << 20, 1000, 1, 100 * 4 << 20) == VocabChunks(1, 1000, 100, 10)
+    assert vocab_chunks(1 << 30, 1000, 1, 1).size == 1
+    for chunks in (vocab_chunks(8192, 128256, 1, 256 * MIB), vocab_chunks(14, 1000, 1, 4 * 14 * 300)):
+        assert chunks.size * chunks.count >= chunks.columns > chunks.size * (chunks.count - 1)
+        assert chunks.size * 4 * 8192 <= 256 * MIB or chunks.columns == 1000
+
+
+def test_chunks_under_a_mesh_count_the_tokens_and_columns_of_one_device():
+    """The batch split over data and fsdp, the vocabulary over tensor: a device's chunk is
+    budgeted on its own share."""
+    mesh = jax.sharding.AbstractMesh(
+        (2, 2, 2, 1), ("data", "fsdp", "tensor", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 4
+    )
+    chunks = chunks_under_mesh(8, 1024, 32768, 4 * 2 * 1024 * 2048, mesh)
+    assert chunks == VocabChunks(2, 16384, 2048, 8)  # 2 rows x 1,024 tokens, half the vocabulary
+
+
+# DeepSeek's gradients compile for minutes on a small CPU; its losses (main, MTP, balance) are
+# compared quickly below, and every DeepSeek test trains through the chunked head (the default)
+DEEPSEEK_GRADIENTS = pytest.param("deepseek_v3_tiny", marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize("name", ["llama_tiny", "qwen3_tiny", DEEPSEEK_GRADIENTS])
+def test_models_train_on_the_same_loss_and_gradients(name):
+    """Each family's training loss (MTP depths and their balance losses included) and its
+    gradients are the same through the chunked head as through the whole logits."""
+    config = load_model_config(name)
+    model = build_model(config, jax.random.key(0))
+    batch = jax.random.randint(jax.random.key(1), (2, 17), 0, config.vocab_size)
+    chunked = LossHead("chunked", budget_mib(2 * 16, 128))
+
+    def run(head):
+        def loss(m):
+            return m.training_loss(batch, SAVE_ALL, 1e-3, head=head)
+
+        return eqx.filter_jit(eqx.filter_value_and_grad(loss, has_aux=True))(model)
+
+    ((want, want_stats), want_grads), ((got, got_stats), got_grads) = run(LossHead("logits")), run(chunked)
+    assert vocab_chunks(32, config.vocab_size, 1, chunked.budget_bytes).count > 1
+    np.testing.assert_allclose(got, want, rtol=RTOL)
+    for key in want_stats:
+        np.testing.assert_allclose(got_stats[key], want_stats[key], rtol=RTOL, atol=ATOL)
+    for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+
+
+def test_deepseek_main_and_mtp_losses_are_the_same():
+    """DeepSeek-V3 reads its head from the main model and from every MTP depth: each loss agrees."""
+    config = load_model_config("deepseek_v3_tiny")
+    assert config.mtp_depth > 0
+    model = build_model(config, jax.random.key(0))
+    batch = jax.random.randint(jax.random.key(1), (2, 17), 0, config.vocab_size)
+    chunked = LossHead("chunked", budget_mib(2 * 16, 128))
+    run = eqx.filter_jit(lambda m, head: m.training_loss(batch, SAVE_ALL, 1e-3, head=head))
+    (want, want_stats), (got, got_stats) = run(model, LossHead("logits")), run(model, chunked)
+    np.testing.assert_allclose(got, want, rtol=RTOL)
+    for key in ("loss", "mtp_loss", "balance_loss"):
+        np.testing.assert_allclose(got_stats[key], want_stats[key], rtol=RTOL, atol=ATOL)
+
+
+def test_bad_loss_head_settings_are_refused():
+    with pytest.raises(ConfigError, match="train.loss_head is 'fused'; use one of chunked, logits"):
+        TrainConfig(loss_head="fused")
+    with pytest.raises(ConfigError, match=r"train.loss_chunk_mib=0.0 must be positive \(MiB of logits per chunk\)"):
+        TrainConfig(loss_chunk_mib=0.0)
+    assert compose_config("train.loss_head=logits", "train.loss_chunk_mib=64").train.head == LossHead("logits", 64.0)
+
+
+def head_temporaries(kind: str, batch: int, seq: int, dim: int, vocab: int, chunk_mib: float = 16.0) -> int:
+    """Temporary bytes of the compiled loss head's value and gradients (CPU)."""
+    hidden = jax.ShapeDtypeStruct((batch, seq, dim), jnp.float32)
+    weight = jax.ShapeDtypeStruct((dim, vocab), jnp.float32)
+    targets = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    head = LossHead(kind, chunk_mib)
+
+    def loss(h, w, t):
+        return head(h, OutputHead(w, ("embed", "vocab")), t)[0]
+
+    compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(hidden, weight, targets).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_the_compiled_head_never_holds_the_logits():
+    """At 4 x 1,024 tokens and 16,384 ids the float32 logits are 256 MiB: the whole-logits head's
+    temporaries hold them; the chunked head's hold a 16 MiB chunk and its softmax, and the
+    gradient of the hidden state (its own outputs aside), well under one logits."""
+    logits_bytes = 4 * 1024 * 16384 * 4
+    whole = head_temporaries("logits", 4, 1024, 64, 16384)
+    chunked = head_temporaries("chunked", 4, 1024, 64, 16384)
+    assert whole >= logits_bytes
+    assert chunked <= logits_bytes / 4, (chunked, whole)
+
+
+@needs_cuda_plugin
+@pytest.mark.slow  # one compile of 2 layers of Llama 3.1 8B for an H200, ~40 s
+def test_h200_plan_of_llama_8b_drops_the_logits():
+    """Issue 46's plan: 2 layers of Llama 3.1 8B at 1 x 8,192 tokens, full_remat, on an H200.
+    With the whole logits its temporaries were 7.91 GiB (8,495,745,960 bytes, jax 0.12.0.1); the
+    chunked head takes 2.67 GiB off (5.24 GiB), the float32 logits (3.9 GiB) and their
+    gradient's working set. What remains peaks in a layer's backward attention (its float32
+    score buffers) with the head's bf16 gradient (1 GiB) held for the optimizer."""
+    from ferry.models.registry import abstract_model
+    from ferry.plan.planner import plan_memory
+    from ferry.plan.targets import TARGETS
+    from tests.conftest import GPU_FLAGS
+
+    overrides = ("model=llama3_1_8b", "model.num_layers=2", "train.seq_len=8192", "train.global_batch_size=1")
+    config = compose_config(*overrides, "offload=full_remat")
+    policy = config.offload.policy(abstract_model(config.model).tagged_names())
+    plan = plan_memory(config, TARGETS["h200"], policy, "full_remat", xla_flags=GPU_FLAGS)
+    assert plan.temp_bytes <= 5.3 * 2**30, plan.temp_bytes / 2**30
+
+
+
+def test_the_tpu_benchmark_runs_on_cpu_at_a_tiny_shape(tmp_path):
+    """benchmarks/loss_head_tpu.py's functions as the chip runs them, at a shape a CPU runs at
+    once: every head times, the floor is timed, the JSON says so."""
+    import json
+
+    from benchmarks.loss_head_tpu import main
+
+    out = tmp_path / "head.json"
+    argv = ["--batch", "2", "--seq", "64", "--dim", "32", "--vocab", "1024", "--chunk-mib", "0.0625,1"]
+    result = main([*argv, "--repeats", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    heads = result["heads"]
+    assert [h["head"] for h in heads] == ["logits", "chunked 0.0625 MiB", "chunked 1 MiB"]
+    assert [h.get("chunks") for h in heads] == [None, 8, 1]  # 128 tokens: 128 columns fit 64 KiB
+    assert heads[0]["vs_logits"] == 1.0 and all(h["ms"] > 0 and h["vs_floor"] > 0 for h in heads)
