@@ -149,8 +149,11 @@ class TpuTarget(Target):
         from jax.experimental import topologies
 
         topology = self.topology(num_devices)
+        # one chip is its own host: older libtpu (jax 0.10.2's) assumes 2x2 chips per host and
+        # refuses a 1x1 layout unless told
+        bounds = {"chips_per_host_bounds": [1, 1, 1]} if num_devices == 1 else {}
         with _TOPOLOGY_LOCK:
-            return list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
+            return list(topologies.get_topology_desc(platform="tpu", topology_name=topology, **bounds).devices)
 
 
 def _gpu(name, description, chip, hbm, hbm_bandwidth, host_link, links) -> GpuTarget:
