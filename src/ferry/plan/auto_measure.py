@@ -14,13 +14,10 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from rich.table import Table
-
 from ferry.config import ConfigError
 from ferry.plan.auto import STATE_DECISIONS, Tried, banded_rank, state_of
 from ferry.plan.measure import MeasureError, Measurement, StepTimer, measure_in_subprocess
 from ferry.platform import PlatformConfig
-from ferry.schedule import format_bytes
 from ferry.train.config import AutoMeasureConfig, FerryConfig, OffloadConfig
 
 
@@ -183,30 +180,3 @@ def subprocess_measurer(
         return measure_in_subprocess(run, timer)
 
     return measure_one
-
-
-def measured_table(measured: MeasuredPick) -> Table:
-    """The candidates timed, in the search's order: estimate against measurement."""
-    device = measured.record()["device"]
-    table = Table(
-        title=f"offload=auto: candidates MEASURED on this machine ({device})",
-        caption=f"pick: {'#' + str(measured.pick.number) if measured.pick else 'none'}: {measured.reason}",
-    )
-    columns = ("#", "from", "off device", "estimated step", "measured step", "HBM (compiled here)", "peak", "verdict")
-    for column in columns:
-        table.add_column(column, justify="left" if column in ("from", "off device", "verdict") else "right")
-    for c in measured.candidates:
-        m = c.measurement
-        moved = ", ".join(f"{k}={v}" for k, v in c.values.items() if v != "device") or "(all on device)"
-        chosen = measured.pick is not None and c.number == measured.pick.number
-        table.add_row(
-            str(c.number),
-            c.source,
-            moved,
-            f"{c.predicted_seconds * 1e3:.2f} ms",
-            "-" if m.step_seconds is None else f"{m.step_seconds * 1e3:.2f} ms",
-            "-" if m.device_bytes is None else format_bytes(m.device_bytes),
-            "-" if m.peak_bytes is None else format_bytes(m.peak_bytes),
-            ("PICK: " if chosen else "") + ("timed" if m.fits else f"dropped: {m.reason}"),
-        )
-    return table

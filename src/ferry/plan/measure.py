@@ -27,7 +27,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from ferry.data.segments import DocumentMask
 from ferry.errors import FerryError
+from ferry.train.config import FerryConfig
 
 T = TypeVar("T")
 # a candidate's compile and its steps, in its own process; a 386M model on a v5e compiles in about a minute
@@ -113,10 +115,10 @@ def _first_line(error: BaseException, limit: int = 300) -> str:
 
 
 def measure_train_step(
-    config: Any,
+    config: FerryConfig,
     timer: StepTimer,
     mesh: Mesh | None = None,
-    documents: Any = None,
+    documents: DocumentMask | None = None,
     capacity_bytes: int | None = None,
 ) -> Measurement:
     """Compile `config`'s train step over `mesh` (default: the run's mesh over this machine's
@@ -124,12 +126,13 @@ def measure_train_step(
     batches of the run's shape, each made anew (the step donates its batch). `documents`: the
     run's `DocumentMask`, where its data packs documents apart. A step that runs out of memory,
     at compile time or while it runs, or whose compiled program exceeds the device's limit
-    (`capacity_bytes`, default the device's own `bytes_limit`), is not timed: `fits` is False and
+    (`capacity_bytes`, default the `bytes_limit` of the mesh's first device), is not timed: `fits` is False and
     `reason` says why."""
     from ferry.data.placement import BatchPlacement
     from ferry.memory import CompiledMemory
     from ferry.models.registry import abstract_model
     from ferry.plan.scheduler_costs import ProfileCache, scheduler_target
+    from ferry.schedule import format_bytes
     from ferry.sharding import make_mesh
     from ferry.train.compiled_step import compile_step
     from ferry.train.optimizer import learning_rate_schedule, make_optimizer
@@ -164,7 +167,7 @@ def measure_train_step(
         needs = None if memory is None else memory.device_bytes
         facts |= {"device_bytes": needs, "host_bytes": None if memory is None else memory.host_temporaries}
         if needs is not None and capacity is not None and needs > capacity:
-            over = f"its compiled step needs {needs / 2**30:.3f} GiB of the device's {capacity / 2**30:.3f}"
+            over = f"its compiled step needs {format_bytes(needs)} of the device's {format_bytes(capacity)}"
             return Measurement(False, over, **facts)
         zeros = np.zeros((len(placement.local_rows), tc.seq_len + 1), np.int32)
         state = [initial_state(config, optimizer, mesh, layout)[0]]

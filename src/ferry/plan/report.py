@@ -29,7 +29,7 @@ from ferry.plan.auto import (
     state_decisions,
     state_of,
 )
-from ferry.plan.auto_measure import MeasuredPick, measure_candidates, measured_table
+from ferry.plan.auto_measure import MeasuredPick, measure_candidates
 from ferry.plan.estimate import REFERENCE, ranked
 from ferry.plan.extrapolate import (
     ExtrapolationError,
@@ -476,6 +476,33 @@ def candidate_table(tried: list[Tried]) -> Table:
             format_seconds(t.plan.estimate.middle_seconds),
             format_seconds(t.plan.estimate.worst_seconds),  # breaks ties within the band
             "yes" if t.fits else "no",
+        )
+    return table
+
+
+def measured_table(measured: MeasuredPick) -> Table:
+    """The candidates timed, in the search's order: estimate against measurement."""
+    device = measured.record()["device"]
+    table = Table(
+        title=f"offload=auto: candidates MEASURED on this machine ({device})",
+        caption=f"pick: {'#' + str(measured.pick.number) if measured.pick else 'none'}: {measured.reason}",
+    )
+    columns = ("#", "from", "off device", "estimated step", "measured step", "HBM (compiled here)", "peak", "verdict")
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("from", "off device", "verdict") else "right")
+    for c in measured.candidates:
+        m = c.measurement
+        moved = ", ".join(f"{k}={v}" for k, v in c.values.items() if v != "device") or "(all on device)"
+        chosen = measured.pick is not None and c.number == measured.pick.number
+        table.add_row(
+            str(c.number),
+            c.source,
+            moved,
+            format_seconds(c.predicted_seconds),
+            "-" if m.step_seconds is None else format_seconds(m.step_seconds),
+            "-" if m.device_bytes is None else format_bytes(m.device_bytes),
+            "-" if m.peak_bytes is None else format_bytes(m.peak_bytes),
+            ("PICK: " if chosen else "") + ("timed" if m.fits else f"dropped: {m.reason}"),
         )
     return table
 
