@@ -64,13 +64,18 @@ OUT = ROOT / "benchmarks" / "results" / "tpu_v5e.json"
 COMMAND = "python benchmarks/tpu_check.py"
 
 
+TARGET = "v5e"  # the planner's name for the chip offload=auto plans for
 # placements of your own, `--case LABEL=override,override,...`: LABEL -> its offload overrides
 CUSTOM: dict[str, list[str]] = {}
 
 
-def case_overrides(case: str, batch: int, run_dir: Path, check_policy: bool) -> list[str]:
-    """The `launch/run.py` overrides of one case."""
-    if case in CUSTOM:
+def case_overrides(
+    case: str, batch: int, run_dir: Path, check_policy: bool, offload: list[str] | None = None
+) -> list[str]:
+    """The `launch/run.py` overrides of one case (`offload`: its placement, where not its name's)."""
+    if offload is not None:
+        pass
+    elif case in CUSTOM:
         offload = CUSTOM[case]
     elif case == JAX_OFFLOAD:
         offload = [f"offload={JAX_OFFLOAD_TENSORS}", "offload.engine=jax"]
@@ -114,7 +119,18 @@ def run_case(
     if case == JAX_OFFLOAD:
         record["tensors_of"] = JAX_OFFLOAD_TENSORS
     started = time.perf_counter()
-    returncode, output = timed_output(command, timeout)
+    if case == "auto":  # the planner chooses (timing its best candidates on the chip), then the pick runs
+        plan_dir = root / "plan"
+        returncode, output = timed_output(plan_command(batch, plan_dir), timeout)
+        record["plan_s"] = round(time.perf_counter() - started, 1)
+        if returncode != 0:
+            shutil.rmtree(root, ignore_errors=True)
+            return record | {"status": "plan failed", "message": output[-4000:]}
+        pick = preset_overrides(plan_dir / "offload_auto.yaml")
+        record["auto_pick"] = [o.split("offload.tensors.", 1)[1] for o in pick if o.startswith("offload.tensors.")]
+        overrides = case_overrides(case, batch, run_dir, check_policy, pick)
+        command = [sys.executable, str(ROOT / "launch" / "run.py"), *overrides]
+    returncode, output = timed_output(command, max(timeout - (time.perf_counter() - started), 30))
     record["process_s"] = round(time.perf_counter() - started, 1)
     if returncode is None:
         shutil.rmtree(root, ignore_errors=True)
@@ -139,6 +155,34 @@ def run_case(
         return record
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def plan_command(batch: int, plan_dir: Path) -> list[str]:
+    """`mode=plan offload=auto` for this chip at `batch`: what a user runs before training."""
+    return [
+        sys.executable,
+        str(ROOT / "launch" / "run.py"),
+        *MODEL,
+        "mode=plan",
+        f"target={TARGET}",
+        "offload=auto",
+        f"train.global_batch_size={batch}",
+        f"run.dir={plan_dir}",
+    ]
+
+
+def preset_overrides(path: Path) -> list[str]:
+    """A preset file (the planner's offload_auto.yaml) as `offload.*` overrides of full_remat."""
+    import yaml
+
+    preset = yaml.safe_load(path.read_text())
+    overrides = ["offload=full_remat"]
+    for key in ("name", "keep_all", "default", "optimizer", "params", "pipelined", "peel", "engine"):
+        if key in preset:
+            value = "null" if preset[key] is None else str(preset[key]).lower() if isinstance(preset[key], bool) else preset[key]
+            overrides.append(f"offload.{key}={value}")
+    overrides += [f"offload.tensors.{name}={place}" for name, place in (preset.get("tensors") or {}).items()]
+    return overrides
 
 
 def timed_output(command: list[str], timeout: float) -> tuple[int | None, str]:

@@ -8,7 +8,9 @@ import pytest
 
 from benchmarks import tpu_check
 from benchmarks.tpu_report import frontier, markdown_table
-from tests.conftest import compose_config
+from ferry.overrides import compose_node
+from ferry.train.config import load_config
+from tests.conftest import CONFIGS, compose_config
 
 GIB = 2**30
 
@@ -57,3 +59,24 @@ def test_table_and_frontier():
     assert "| 8 | minimal | 120 | 1.200 |" in table and "oom (needs 17.00 GiB)" in table
     points = [(r["hbm_peak_bytes"], r["tokens_per_s"], r["preset"]) for r in results if "tokens_per_s" in r]
     assert [p[2] for p in frontier(points)] == ["full_remat", "minimal"]
+
+
+def test_auto_pick_becomes_a_run(tmp_path):
+    """The planner's offload_auto.yaml, as tpu_check turns it into the run of auto's pick."""
+    (tmp_path / "offload_auto.yaml").write_text(
+        "# offload=auto for v5e\nname: auto_v5e\nkeep_all: false\ndefault: null\noptimizer: device\n"
+        "params: device\ntensors:\n  decoder_layer_input: device\n  query_proj: device\n  mlpwi_0: offload\n"
+        "  mlpwo: remat\n"
+    )
+    pick = tpu_check.preset_overrides(tmp_path / "offload_auto.yaml")
+    overrides = tpu_check.case_overrides("auto", 16, tmp_path / "run", False, pick)
+    # as launch/run.py composes them (entries of offload.tensors that full_remat does not list)
+    config = load_config(compose_node("train", [o for o in overrides if not o.startswith("platform=")], CONFIGS))
+    assert config.offload.name == "auto_v5e" and config.offload.default is None
+    assert dict(config.offload.tensors) == {
+        "decoder_layer_input": "device",
+        "query_proj": "device",
+        "mlpwi_0": "offload",
+        "mlpwo": "remat",
+    }
+    assert "mode=plan" in tpu_check.plan_command(16, tmp_path) and "target=v5e" in tpu_check.plan_command(16, tmp_path)
