@@ -269,14 +269,14 @@ def compare_group(
     shapes = eqx.filter_eval_shape(_outputs, abstract, x_spec, policy)
 
     @eqx.filter_jit
-    def inputs(seed: jax.Array, index: jax.Array) -> tuple[LayerStack, jax.Array, tuple[jax.Array, ...]]:
+    def inputs(seed: int, index: int) -> tuple[LayerStack, jax.Array, tuple[jax.Array, ...]]:  # static ints
         k_layers, k_x, k_cotangent = jax.random.split(jax.random.fold_in(jax.random.key(seed), index), 3)
         x = jax.random.normal(k_x, (1, seq, dim), jnp.float32)
         keys = jax.random.split(k_cotangent, len(shapes))
         cotangents = tuple(jax.random.normal(k, s.shape, s.dtype) for k, s in zip(keys, shapes, strict=True))
         return LayerStack(make, layers, key=k_layers), x, cotangents
 
-    stack, x, cotangents = inputs(jnp.uint32(seed), jnp.uint32(index))  # one program, not one per op
+    stack, x, cotangents = inputs(seed, index)  # one program, not one per op
     params, static = eqx.partition(stack, eqx.is_inexact_array)
     lowered = [_program(static, p).lower(params, x, cotangents) for p in (policy, Policy.save_all())]
     start = time.perf_counter()
