@@ -14,7 +14,7 @@ import ferry.train.out_of_memory as out_of_memory
 import ferry.train.run as train_run
 from ferry.compile_oom import CompileTimeOom, StepOverHbm, parse_size
 from ferry.plan.planner import out_of_memory_plan
-from ferry.plan.report import write_plan
+from ferry.plan.report import refused_lines, write_plan
 from ferry.plan.targets import TARGETS
 from tests.conftest import SMALL_RUN, compose_config, needs_libtpu, run_launcher
 from tests.launcher_cases import load_launcher, run_case
@@ -109,36 +109,56 @@ def test_the_refusal_names_what_the_plan_of_the_same_step_found_to_fit(over_hbm,
     assert not (tmp_path / "run").exists()
 
 
-@needs_libtpu
-def test_plan_a_one_chip_v5e_where_save_all_is_over_hbm(tmp_path):
-    """`mode=plan target=v5e` on one chip (a v5e-1, the 1x1 topology): llama_tiny whose save_all
-    libtpu refuses to compile over HBM (its MLP 32x wider, 1,536 rows of 64 tokens): that
-    preset's row says OOM with XLA's bytes, one line says what fits, and the plan is written."""
-    result = run_launcher(
-        "mode=plan",
-        "target=v5e",
-        "model=llama_tiny",
-        "model.mlp_dim=8192",
-        "model.num_layers=4",
-        "train.seq_len=64",
-        "train.global_batch_size=1536",
-        "plan.presets=[save_all,full_remat]",
-        f"run.dir={tmp_path / 'plan'}",
-        timeout=900,
-    )
+def plan_on_one_v5e(tmp_path, *overrides: str) -> tuple[str, dict]:
+    """`mode=plan target=v5e` on one chip (a v5e-1, the 1x1 topology) for llama_tiny at 64 tokens:
+    its output and plan.json."""
+    run_dir = tmp_path / "plan"
+    common = ("mode=plan", "target=v5e", "model=llama_tiny", "train.seq_len=64", f"run.dir={run_dir}")
+    result = run_launcher(*common, *overrides, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
-    assert "Traceback" not in result.stderr
-    out = result.stdout
-    assert "llama_tiny on v5e x 1" in out and "OOM (XLA refused to compile it)" in out
+    assert "Traceback" not in result.stderr + result.stdout
+    assert "llama_tiny on v5e x 1" in result.stdout
+    return result.stdout, json.loads((run_dir / "plan.json").read_text())
+
+
+@needs_libtpu
+def test_plan_llama_tiny_for_one_v5e_chip(tmp_path):
+    """A v5e-1 plans like any slice; its offloads land in pinned host memory."""
+    out, record = plan_on_one_v5e(tmp_path, "plan.presets=[minimal_offloaded]")
+    (plan,) = record["plans"]
+    assert plan["target"] == "v5e" and plan["fits"] and plan["host_bytes"] > 0 and plan["compile_oom"] is None
+    assert "OOM" not in out
+
+
+@needs_libtpu
+def test_a_preset_libtpu_refuses_over_hbm_is_an_oom_row_of_the_plan(tmp_path):
+    """save_all at 16,384 rows: libtpu refuses to compile it (its temporaries, 18.25 GiB, exceed
+    the 15.75 GiB a v5e program gets); the plan says so in its row and in one line, exit 0."""
+    out, record = plan_on_one_v5e(tmp_path, "train.global_batch_size=16384", "plan.presets=[save_all]")
+    assert "OOM (XLA refused to compile it)" in out
     line = next(line for line in out.splitlines() if line.startswith("save_all: OOM at compile for v5e"))
-    assert "more than the 15.75 GiB of HBM the compiler gives a program" in line
-    assert "planned presets that fit, fastest first by the estimate: full_remat (" in line
-    record = json.loads((tmp_path / "plan" / "plan.json").read_text())
-    plans = {plan["policy"]: plan for plan in record["plans"]}
-    assert plans["save_all"]["compile_oom"] and not plans["save_all"]["fits"]
-    assert plans["save_all"]["temp_bytes"] > 15.75 * 2**30
-    assert plans["full_remat"]["compile_oom"] is None and plans["full_remat"]["fits"]
-    assert record["step"]["global_batch_size"] == 1536
+    assert "its HLO temporaries need" in line and "more than the 15.75 GiB of HBM the compiler gives a program" in line
+    assert (
+        "none of the planned presets fits; try offload=auto, train.micro_batch_size or offload.optimizer=host" in line
+    )
+    (plan,) = record["plans"]
+    assert plan["compile_oom"] and not plan["fits"] and plan["temp_bytes"] > 15.75 * 2**30
+    assert record["step"]["global_batch_size"] == 16384
+
+
+def test_the_oom_line_of_a_plan_names_the_presets_that_fit_fastest_first():
+    config = compose_config(*SMALL_RUN)
+    oom = CompileTimeOom(round(16.33 * 2**30), round(15.75 * 2**30), "HLO temporaries")
+    refused = out_of_memory_plan(StepOverHbm(oom, 2**20, 0, 1.0, "1 x TPU v5e"), config, TARGETS["v5e"], "save_all", {})
+    fits = dataclasses.replace(refused, policy="full_remat", compile_oom=None, temp_bytes=5 * 2**30)
+    slower = dataclasses.replace(fits, policy="qkv_offload", flops=fits.flops * 2)
+    over = dataclasses.replace(fits, policy="minimal", temp_bytes=17 * 2**30)  # compiled, over HBM
+    (line,) = refused_lines([refused, slower, fits, over])
+    assert line == (
+        "save_all: OOM at compile for v5e: its HLO temporaries need 16.33 GiB per device, more than the 15.75 GiB "
+        "of HBM the compiler gives a program (arguments 1.0 MiB on top); planned presets that fit, fastest first by "
+        "the estimate: full_remat (5.0 GiB), qkv_offload (5.0 GiB)"
+    )
 
 
 def test_every_v5e_and_v6e_slice_a_user_can_rent_is_a_topology():

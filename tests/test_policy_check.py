@@ -4,9 +4,12 @@ status 2 before anything is written."""
 
 import dataclasses
 import functools
+import io
+import re
 
 import jax
 import pytest
+from rich.console import Console
 
 import ferry.offload
 import ferry.offload_scan
@@ -16,6 +19,7 @@ from ferry.train.policy_check import (
     CHECK_LAYERS,
     TOLERANCE,
     PolicyCheckError,
+    check_before_training,
     check_enabled,
     check_model_config,
     check_policy,
@@ -151,3 +155,28 @@ runpy.run_path("launch/run.py", run_name="__main__")
     assert "3 stacked decoder layers" in result.stdout
     assert "Traceback" not in result.stdout + result.stderr
     assert not run_dir.exists()
+
+
+def test_the_386m_llama_is_checked_at_tiny_widths_and_the_start_up_line_says_what_it_cost():
+    """The model issue 45 timed on a v5e (dim 2048, MLP 8192: 756 MB of float32 stack, 60 s of
+    check at its own widths, nearly all compiling) is checked at llama_tiny's widths with its own
+    structure; the start-up line gives the check's seconds and the compiling share."""
+    shape = ("model=llama3_1_8b", "model.dim=2048", "model.num_heads=16", "model.num_kv_heads=8")
+    config = compose_config(*shape, "model.mlp_dim=8192", "model.num_layers=4", "train.check_policy=true")
+    narrowed, was_narrowed = check_model_config(config.model)
+    tiny = model_config("llama_tiny")
+    assert was_narrowed and (narrowed.dim, narrowed.mlp_dim, narrowed.head_dim) == (
+        tiny.dim,
+        tiny.mlp_dim,
+        tiny.head_dim,
+    )
+    assert (narrowed.num_layers, narrowed.scan_layers) == (4, config.model.scan_layers)
+
+    out = io.StringIO()
+    policy = policy_of("llama_tiny", "minimal_offloaded")
+    tiny_run = dataclasses.replace(config, model=tiny)
+    (result,) = check_before_training(tiny_run, policy, Console(file=out, width=1000))
+    line = out.getvalue().strip()
+    assert re.search(r"passed in [0-9.]+ s \([0-9.]+ s compiling; train.check_policy=false skips it\)", line), line
+    assert 0 < result.compile_seconds <= result.seconds
+    assert "s of it compiling the two programs" in result.describe()

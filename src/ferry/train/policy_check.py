@@ -8,6 +8,12 @@ such a bug, so the run checks the program it is about to use: for each kind of d
 initialised layers (so the layer scan is a real loop, whatever the model's own count) runs on one
 row in float32, once with the run's policy and once with `save_all`, and the outputs and the
 gradients of every parameter and of the input must agree to float32 rounding.
+
+What it costs is compiles, not arithmetic (one row of at most 64 tokens): one program makes the
+layers, the input and the cotangents (made op by op instead, each op would be a compile of its
+own, which a TPU pays for in seconds); the policy's program and save_all's are traced here, then
+compiled side by side, a core each; the arrays are compared on the device, so only two numbers
+per array come back (not the stacks' gradients, copied to the host and compared in float64).
 """
 
 from __future__ import annotations
@@ -16,13 +22,13 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import AxisType, Mesh
 from jaxtyping import Array, Float, PRNGKeyArray
 from omegaconf import OmegaConf
@@ -55,9 +61,15 @@ magnitude of the compared array (about 6.1e-5). Both compute the same float32 va
 and another fusion can only reorder sums, which moves a sum of n terms by at most about n x the
 roundoff of its terms (1,024 terms at worst; the usual random-walk error of a million). A wrong
 residual (another layer's, a stale or zeroed buffer) moves gradients by a fraction of their scale."""
-BUDGET_BYTES = 2 * 1024**3
-"""Parameters of one checked stack, in float32, above which the check narrows the layers (see
-`check_model_config`): three layers of DeepSeek-V3's MoE would need 135 GB on one device."""
+BUDGET_BYTES = 16 * 1024**2
+"""Parameters of one checked stack, in float32, above which the check narrows the layers to its
+family's tiny widths (see `check_model_config`). What the check costs is compiling, and libtpu's
+compile time grows with the arrays' sizes, not only with the program: the deviceless v5e compiles
+of the 386M Llama's check (dim 2048, MLP 8192; 756 MB of float32 stack) took 203 s (policy),
+262 s (save_all) and 91 s (the layers' init) on two shared, loaded cores, about 60 s on the v5e
+host (issue 45). What the check is for is the program's structure, which narrowing keeps: which
+buffer the backward loop reads (#46231 read host slices walking the wrong way), a restore's value,
+the names placed and the compiler flags. Every tiny model (at most 2.7 MB) keeps its widths."""
 _KEPT_SIZES = frozenset({"num_layers", "num_dense_layers", "mtp_depth", "moe_tile_rows"})
 """Integer fields that shape the program rather than the width: kept when narrowing."""
 _CONFIGS = Path(__file__).resolve().parents[3] / "configs" / "model"
@@ -90,12 +102,14 @@ class Difference:
 @dataclasses.dataclass(frozen=True)
 class GroupCheck:
     """One kind of layer checked: the kinds sharing its layer (DeepSeek's MTP block is a MoE
-    layer), the worst of its compared arrays, and the seconds both compiles and runs took."""
+    layer), the worst of its compared arrays, the seconds the whole check of it took and the
+    seconds of those spent compiling (the policy's and save_all's programs, side by side)."""
 
     groups: tuple[str, ...]
     worst: Difference
     seconds: float
     narrowed: bool
+    compile_seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -106,7 +120,8 @@ class GroupCheck:
         verdict = "ok" if self.ok else "MISMATCH"
         return (
             f"{'/'.join(self.groups)}: {verdict}, largest difference {self.worst.relative:.1e} of scale "
-            f"({self.worst.what}; float32 allows {TOLERANCE:.1e}), {width}, {self.seconds:.1f} s"
+            f"({self.worst.what}; float32 allows {TOLERANCE:.1e}), {width}, {self.seconds:.1f} s "
+            f"({self.compile_seconds:.1f} s of it compiling the two programs)"
         )
 
 
@@ -120,10 +135,11 @@ def check_before_training(config: FerryConfig, policy: Policy, console: Console)
     results = check_policy(
         config.model, policy, seq_len=config.train.seq_len, policy_name=config.offload.name, seed=config.train.seed
     )
+    compiling = sum(r.compile_seconds for r in results)
     console.print(
         f"gradient self-check of offload={config.offload.name} against save_all ({check_layers(policy)} layers of each "
-        f"kind, one row, float32) passed in {time.perf_counter() - start:.1f} s: "
-        + "; ".join(r.describe() for r in results),
+        f"kind, one row, float32) passed in {time.perf_counter() - start:.1f} s ({compiling:.1f} s compiling; "
+        "train.check_policy=false skips it): " + "; ".join(r.describe() for r in results),
         highlight=False,
     )
     return results
@@ -140,7 +156,8 @@ def check_model_config(config: Any, budget_bytes: int = BUDGET_BYTES) -> tuple[A
     stack of `CHECK_LAYERS` layers of some kind exceeds `budget_bytes` of parameters is checked
     at its family's tiny widths, keeping every setting that shapes the program (layer counts per
     kind, MTP depth, MoE dispatch and tiling, `scan_layers`...): the compiled loop, the offloaded
-    names and the compiler flags are the run's, the matmul sizes are not."""
+    names and the compiler flags are the run's, the matmul sizes (which only make it compile
+    longer: `BUDGET_BYTES`) are not."""
     model = abstract_model(config)
     largest = max(_stack_bytes(kind.make) for kind in model.layer_kinds())
     if largest <= budget_bytes:
@@ -190,7 +207,6 @@ def check_policy(
     results: list[GroupCheck] = []
     seen: dict[Any, int] = {}  # layer structure -> index in results (MTP shares the MoE layer)
     mesh = one_device_mesh(device)
-    key = jax.random.key(seed)
     with jax.default_device(device), jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
         for kind in model.layer_kinds():
             structure = _structure(kind.make)
@@ -199,9 +215,9 @@ def check_policy(
                 results[index] = dataclasses.replace(results[index], groups=(*results[index].groups, kind.name))
                 continue
             start = time.perf_counter()
-            worst = compare_group(kind.make, config.dim, seq, policy, jax.random.fold_in(key, len(seen)))
+            worst, compiling = compare_group(kind.make, config.dim, seq, policy, seed, len(seen))
             seen[structure] = len(results)
-            results.append(GroupCheck((kind.name,), worst, time.perf_counter() - start, narrowed))
+            results.append(GroupCheck((kind.name,), worst, time.perf_counter() - start, narrowed, compiling))
     failed = [r for r in results if not r.ok]
     if failed:
         raise PolicyCheckError(_refusal(failed, policy_name, device, check_layers(policy)))
@@ -237,22 +253,40 @@ def compare_group(
     dim: int,
     seq: int,
     policy: Policy,
-    key: PRNGKeyArray,
-) -> Difference:
+    seed: int,
+    index: int,
+) -> tuple[Difference, float]:
     """The largest difference, relative to scale, between `policy`'s and save_all's outputs and
-    gradients (every parameter's and the input's) of a `check_layers(policy)`-layer stack of `make`."""
-    k_layers, k_x, k_cotangent = jax.random.split(key, 3)
-    stack = LayerStack(make, check_layers(policy), key=k_layers)  # eagerly: a jit would compile once per call
-    x = jax.random.normal(k_x, (1, seq, dim), jnp.float32)
+    gradients (every parameter's and the input's) of a `check_layers(policy)`-layer stack of
+    `make` (its weights, input and cotangents drawn from `seed` and the group's `index`), and the
+    seconds spent compiling the two programs."""
+    layers = check_layers(policy)
+    abstract = eqx.filter_eval_shape(lambda: LayerStack(make, layers, key=jax.random.key(0)))
+    x_spec = jax.ShapeDtypeStruct((1, seq, dim), jnp.float32)
     # the policy of the names this layer tags: the model's other layers' names mean nothing here
-    own = stack.tagged_names(x)
+    own = abstract.tagged_names(x_spec)
     policy = dataclasses.replace(policy, placements={name: policy.placement(name) for name in policy if name in own})
-    shapes = eqx.filter_eval_shape(_outputs, stack, x, policy)
-    keys = jax.random.split(k_cotangent, len(shapes))
-    cotangents = tuple(jax.random.normal(k, s.shape, s.dtype) for k, s in zip(keys, shapes, strict=True))
-    got = _outputs_and_grads(stack, x, cotangents, policy)
-    expected = _outputs_and_grads(stack, x, cotangents, Policy.save_all())
-    return max(_differences(got, expected), key=lambda d: (not d.ok, d.relative))
+    shapes = eqx.filter_eval_shape(_outputs, abstract, x_spec, policy)
+
+    @eqx.filter_jit
+    def inputs(seed: int, index: int) -> tuple[LayerStack, jax.Array, tuple[jax.Array, ...]]:  # static ints
+        k_layers, k_x, k_cotangent = jax.random.split(jax.random.fold_in(jax.random.key(seed), index), 3)
+        x = jax.random.normal(k_x, (1, seq, dim), jnp.float32)
+        keys = jax.random.split(k_cotangent, len(shapes))
+        cotangents = tuple(jax.random.normal(k, s.shape, s.dtype) for k, s in zip(keys, shapes, strict=True))
+        return LayerStack(make, layers, key=k_layers), x, cotangents
+
+    stack, x, cotangents = inputs(seed, index)  # one program, not one per op
+    params, static = eqx.partition(stack, eqx.is_inexact_array)
+    lowered = [_program(static, p).lower(params, x, cotangents) for p in (policy, Policy.save_all())]
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=len(lowered)) as pool:  # XLA compiles each on a core of its own
+        got_program, expected_program = pool.map(lambda program: program.compile(), lowered)
+    compiling = time.perf_counter() - start
+    got = got_program(params, x, cotangents)
+    expected = expected_program(params, x, cotangents)
+    differences = _differences(jax.device_get(_reduced(got, expected)))
+    return max(differences, key=lambda d: (not d.ok, d.relative)), compiling
 
 
 def _outputs(stack: LayerStack, x: Float[Array, "1 seq dim"], policy: Policy) -> tuple[jax.Array, ...]:
@@ -261,31 +295,39 @@ def _outputs(stack: LayerStack, x: Float[Array, "1 seq dim"], policy: Policy) ->
     return tuple(leaf for leaf in jax.tree.leaves(out) if jnp.issubdtype(leaf.dtype, jnp.inexact))
 
 
-@eqx.filter_jit
-def _outputs_and_grads(
-    stack: LayerStack,
-    x: Float[Array, "1 seq dim"],
-    cotangents: tuple[jax.Array, ...],
-    policy: Policy,
-) -> dict[str, jax.Array]:
-    """Outputs, and the vector-Jacobian product of `cotangents` with respect to every parameter of
-    the stack and to its input, by name."""
-    params, static = eqx.partition(stack, eqx.is_inexact_array)
-    outputs, vjp = jax.vjp(lambda p, h: _outputs(eqx.combine(p, static), h, policy), params, x)
-    param_grads, input_grad = vjp(cotangents)
-    named = {f"output {i}" if len(outputs) > 1 else "output": o for i, o in enumerate(outputs)}
-    named["input gradient"] = input_grad
-    for path, grad in jax.tree_util.tree_leaves_with_path(param_grads):
-        named[f"gradient of {jax.tree_util.keystr(path)}"] = grad
-    return named
+def _program(static: Any, policy: Policy) -> Any:
+    """The jitted step under check: outputs, and the vector-Jacobian product of the cotangents
+    with respect to every parameter of the stack and to its input, by name."""
+
+    def outputs_and_grads(
+        params: Any, x: Float[Array, "1 seq dim"], cotangents: tuple[jax.Array, ...]
+    ) -> dict[str, jax.Array]:
+        outputs, vjp = jax.vjp(lambda p, h: _outputs(eqx.combine(p, static), h, policy), params, x)
+        param_grads, input_grad = vjp(cotangents)
+        named = {f"output {i}" if len(outputs) > 1 else "output": o for i, o in enumerate(outputs)}
+        named["input gradient"] = input_grad
+        for path, grad in jax.tree_util.tree_leaves_with_path(param_grads):
+            named[f"gradient of {jax.tree_util.keystr(path)}"] = grad
+        return named
+
+    return jax.jit(outputs_and_grads)
 
 
-def _differences(got: dict[str, jax.Array], expected: dict[str, jax.Array]) -> list[Difference]:
-    differences = []
+@jax.jit
+def _reduced(got: dict[str, jax.Array], expected: dict[str, jax.Array]) -> dict[str, tuple[jax.Array, jax.Array]]:
+    """Per array, on the device: the largest difference (NaN where either side is not finite)
+    and the largest magnitude of save_all's. float32 suffices: two values within a factor of two
+    subtract exactly, and a worse pair differs by far more than the tolerance."""
+    reduced = {}
     for what, reference in expected.items():
-        a, b = np.asarray(got[what], np.float64), np.asarray(reference, np.float64)
-        max_abs = float(np.max(np.abs(a - b))) if a.size else 0.0
-        if not np.all(np.isfinite(a)) or not np.all(np.isfinite(b)):
-            max_abs = math.nan
-        differences.append(Difference(what, max_abs, float(np.max(np.abs(b))) if b.size else 0.0))
-    return differences
+        a, b = got[what].astype(jnp.float32), reference.astype(jnp.float32)
+        if not b.size:
+            reduced[what] = (jnp.float32(0), jnp.float32(0))
+            continue
+        finite = jnp.all(jnp.isfinite(a)) & jnp.all(jnp.isfinite(b))
+        reduced[what] = (jnp.where(finite, jnp.max(jnp.abs(a - b)), jnp.nan), jnp.max(jnp.abs(b)))
+    return reduced
+
+
+def _differences(reduced: dict[str, tuple[Any, Any]]) -> list[Difference]:
+    return [Difference(what, float(max_abs), float(scale)) for what, (max_abs, scale) in reduced.items()]
