@@ -1,6 +1,7 @@
 """The loss head's forward and backward on one chip: today's whole logits (`train.loss_head=logits`)
-beside the chunked head (`train.loss_head=chunked`, at each `--chunk-mib`), and a plain-JAX floor
-(the head's three matmuls alone, no softmax), in one run. The v5e shape of issue 46 by default:
+beside the chunked head (`train.loss_head=chunked`, at each `--chunk-mib`, its weight gradient in
+a walk of its own or the hidden state's: `train.loss_weight_grad=late|early`), and a plain-JAX
+floor (the head's three matmuls alone, no softmax), in one run. The v5e shape of issue 46 by default:
 batch 8 x seq 2048 tokens, dim 2048, vocabulary 32,768, bfloat16.
 
     python benchmarks/loss_head_tpu.py [--chunk-mib 128,256,512] [--repeats 10] [--out FILE]
@@ -83,11 +84,19 @@ def measure(shape: dict[str, int], chunk_mibs: Sequence[float], repeats: int) ->
     args = head_inputs(**shape)
     tokens = shape["batch"] * shape["seq"]
     rows = []
-    heads = [("logits", LossHead("logits"))] + [(f"chunked {c:g} MiB", LossHead("chunked", c)) for c in chunk_mibs]
+    heads = [("logits", LossHead("logits"))] + [
+        (f"chunked {c:g} MiB {walk}", LossHead("chunked", c, walk)) for c in chunk_mibs for walk in ("late", "early")
+    ]
     for name, head in heads:
         step = head_step(head)
-        row = {"head": name, "kind": head.kind, "chunk_mib": head.chunk_mib if head.kind == "chunked" else None}
-        if head.kind == "chunked":
+        chunked = head.kind == "chunked"
+        row = {
+            "head": name,
+            "kind": head.kind,
+            "chunk_mib": head.chunk_mib if chunked else None,
+            "weight_grad": head.weight_grad if chunked else None,
+        }
+        if chunked:
             chunks = vocab_chunks(tokens, shape["vocab"], 1, head.budget_bytes)
             row |= {"chunks": chunks.count, "chunk_columns": chunks.size}
         row |= {"ms": median_ms(step, args, repeats), "temp_bytes": temp_bytes(step, args)}
@@ -113,13 +122,13 @@ def table(result: dict) -> str:
     lines = [
         f"loss head fwd+bwd on {result['device']} ({result['jax']}), {result['shape']}, bf16, "
         f"median of {result['repeats']}; matmul floor {result['matmul_floor_ms']:.2f} ms",
-        f"{'head':<20} {'chunks':>12} {'ms':>9} {'vs logits':>10} {'vs floor':>9} {'temporaries':>12}",
+        f"{'head':<26} {'chunks':>12} {'ms':>9} {'vs logits':>10} {'vs floor':>9} {'temporaries':>12}",
     ]
     for row in result["heads"]:
         chunks = f"{row['chunks']} x {row['chunk_columns']}" if "chunks" in row else "whole"
         temps = "-" if row["temp_bytes"] is None else f"{row['temp_bytes'] / 2**20:,.0f} MiB"
         lines.append(
-            f"{row['head']:<20} {chunks:>12} {row['ms']:>9.2f} {row['vs_logits']:>9.3f}x "
+            f"{row['head']:<26} {chunks:>12} {row['ms']:>9.2f} {row['vs_logits']:>9.3f}x "
             f"{row['vs_floor']:>8.3f}x {temps:>12}"
         )
     return "\n".join(lines)
