@@ -1,6 +1,7 @@
 """The loss head's forward and backward on one chip: today's whole logits (`train.loss_head=logits`)
-beside the chunked head (`train.loss_head=chunked`, at each `--chunk-mib`), and a plain-JAX floor
-(the head's three matmuls alone, no softmax), in one run. The v5e shape of issue 46 by default:
+beside the chunked head (`train.loss_head=chunked`, at each `--chunk-mib`, its weight gradient in
+a walk of its own or the hidden state's: `train.loss_weight_grad=late|early`), and a plain-JAX
+floor (the head's three matmuls alone, no softmax), in one run. The v5e shape of issue 46 by default:
 batch 8 x seq 2048 tokens, dim 2048, vocabulary 32,768, bfloat16.
 
     python benchmarks/loss_head_tpu.py [--chunk-mib 128,256,512] [--repeats 10] [--out FILE]
@@ -17,6 +18,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,18 +31,22 @@ CHUNK_MIB = (128.0, 256.0, 512.0)  # 256: the default (train.loss_chunk_mib)
 
 
 def head_inputs(batch: int, seq: int, dim: int, vocab: int, dtype=jnp.bfloat16) -> tuple[jax.Array, ...]:
-    """Hidden states, the head's [dim, vocab] weight and targets, as a bf16 train step has them."""
+    """Hidden states in the compute dtype, the head's float32 master weight [dim, vocab] and
+    targets, as a train step has them."""
     keys = jax.random.split(jax.random.key(0), 3)
     hidden = jax.random.normal(keys[0], (batch, seq, dim), dtype)
-    weight = (0.02 * jax.random.normal(keys[1], (dim, vocab), jnp.float32)).astype(dtype)
+    weight = 0.02 * jax.random.normal(keys[1], (dim, vocab), jnp.float32)
     targets = jax.random.randint(keys[2], (batch, seq), 0, vocab)
     return hidden, weight, targets
 
 
 def head_step(head: LossHead) -> Callable:
-    """The head's loss and its gradients (hidden, weight), compiled as one program."""
+    """The head's loss and its gradients (hidden, master weight), compiled as one program. The
+    weight is cast to the compute dtype as a train step casts it (`ferry.train.step.compute_copy`):
+    whole for the whole-logits head, a chunk at a time by the chunked head."""
 
     def loss(hidden, weight, targets):
+        weight = weight if head.kind == "chunked" else weight.astype(hidden.dtype)
         return head(hidden, OutputHead(weight, ("embed", "vocab")), targets)[0]
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
@@ -52,6 +58,7 @@ def matmul_floor() -> Callable:
 
     def step(hidden, weight, targets):
         del targets
+        weight = weight.astype(hidden.dtype)
         logits = jnp.einsum("bsd,dv->bsv", hidden, weight)
         d_hidden = jnp.einsum("bsv,dv->bsd", logits, weight)
         d_weight = jnp.einsum("bsd,bsv->dv", hidden, logits)
@@ -72,9 +79,9 @@ def median_ms(step: Callable, args: Sequence[jax.Array], repeats: int) -> float:
     return statistics.median(times)
 
 
-def temp_bytes(step: Callable, args: Sequence[jax.Array]) -> int | None:
+def temp_bytes(compiled: Any) -> int | None:
     """The compiled program's temporaries (None where the backend reports none)."""
-    analysis = step.lower(*args).compile().memory_analysis()
+    analysis = compiled.memory_analysis()
     return None if analysis is None else int(analysis.temp_size_in_bytes)
 
 
@@ -83,14 +90,22 @@ def measure(shape: dict[str, int], chunk_mibs: Sequence[float], repeats: int) ->
     args = head_inputs(**shape)
     tokens = shape["batch"] * shape["seq"]
     rows = []
-    heads = [("logits", LossHead("logits"))] + [(f"chunked {c:g} MiB", LossHead("chunked", c)) for c in chunk_mibs]
+    heads = [("logits", LossHead("logits"))] + [
+        (f"chunked {c:g} MiB {walk}", LossHead("chunked", c, walk)) for c in chunk_mibs for walk in ("late", "early")
+    ]
     for name, head in heads:
-        step = head_step(head)
-        row = {"head": name, "kind": head.kind, "chunk_mib": head.chunk_mib if head.kind == "chunked" else None}
-        if head.kind == "chunked":
+        step = head_step(head).lower(*args).compile()  # compiled once: timed and read
+        chunked = head.kind == "chunked"
+        row = {
+            "head": name,
+            "kind": head.kind,
+            "chunk_mib": head.chunk_mib if chunked else None,
+            "weight_grad": head.weight_grad if chunked else None,
+        }
+        if chunked:
             chunks = vocab_chunks(tokens, shape["vocab"], 1, head.budget_bytes)
             row |= {"chunks": chunks.count, "chunk_columns": chunks.size}
-        row |= {"ms": median_ms(step, args, repeats), "temp_bytes": temp_bytes(step, args)}
+        row |= {"ms": median_ms(step, args, repeats), "temp_bytes": temp_bytes(step)}
         rows.append(row)
     floor = median_ms(matmul_floor(), args, repeats)
     for row in rows:
@@ -113,13 +128,13 @@ def table(result: dict) -> str:
     lines = [
         f"loss head fwd+bwd on {result['device']} ({result['jax']}), {result['shape']}, bf16, "
         f"median of {result['repeats']}; matmul floor {result['matmul_floor_ms']:.2f} ms",
-        f"{'head':<20} {'chunks':>12} {'ms':>9} {'vs logits':>10} {'vs floor':>9} {'temporaries':>12}",
+        f"{'head':<26} {'chunks':>12} {'ms':>9} {'vs logits':>10} {'vs floor':>9} {'temporaries':>12}",
     ]
     for row in result["heads"]:
         chunks = f"{row['chunks']} x {row['chunk_columns']}" if "chunks" in row else "whole"
         temps = "-" if row["temp_bytes"] is None else f"{row['temp_bytes'] / 2**20:,.0f} MiB"
         lines.append(
-            f"{row['head']:<20} {chunks:>12} {row['ms']:>9.2f} {row['vs_logits']:>9.3f}x "
+            f"{row['head']:<26} {chunks:>12} {row['ms']:>9.2f} {row['vs_logits']:>9.3f}x "
             f"{row['vs_floor']:>8.3f}x {temps:>12}"
         )
     return "\n".join(lines)

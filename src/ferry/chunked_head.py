@@ -12,6 +12,16 @@ then the hidden state's gradient (rows x dim), not the head's (dim x vocab), and
 head's gradient is reduced over the batch's devices once instead of once per chunk. For Llama 3.1
 8B at 8,192 tokens that accumulator is 128 MiB instead of 2 GiB.
 
+When the head's weight gradient is made (`weight_grad`): `late` (the default) walks the chunks
+twice in the backward pass, once for the hidden state's gradient, which the layers' backward
+needs at once, and once for the weight's, which only the optimizer reads; XLA schedules the
+second walk after the layers' backward, so neither the head's gradient nor the logits' working set
+is held while the layers' run. The second walk makes each chunk's logits again: one more
+logits-sized matmul (five in all against today's three). `early` makes both gradients in one walk
+(four). The weight is read in its stored dtype and cast a chunk at a time, so no compute-dtype copy
+of the whole head exists either (`ferry.train.step.batch_loss` keeps a head of its own in float32;
+a head tied to the embedding table arrives cast, as the embedding reads it too).
+
 The chunk rule (`vocab_chunks`): a chunk's float32 logits on one device, (its tokens) x (its
 columns) x 4 bytes, stay within a budget (`train.loss_chunk_mib`, 256 MiB by default). A device's
 tokens are the batch rows it holds times the sequence; its columns are its share of the vocabulary
@@ -47,6 +57,11 @@ class OutputHead(NamedTuple):
     weight: Float[Array, "..."]
     axes: LogicalAxes
     vocab_axis: int = 1
+
+    @property
+    def tied(self) -> bool:
+        """The head is the embedding table (which the embedding's gather reads too)."""
+        return self.vocab_axis == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,23 +113,27 @@ def logsumexp_and_target_logit(
     head: OutputHead,
     targets: Int[Array, "batch seq"],
     budget_bytes: int,
+    weight_grad: str = "late",
 ) -> tuple[Float[Array, "batch seq"], Float[Array, "batch seq"]]:
     """Per token, logsumexp of the logits `hidden @ head` and the logit of its target, both
-    float32, with the logits made a chunk at a time (`budget_bytes` per chunk and device)."""
+    float32, with the logits made a chunk at a time (`budget_bytes` per chunk and device);
+    `weight_grad`: late or early (module docstring)."""
     batch, seq, _ = hidden.shape
     vocab = head.weight.shape[head.vocab_axis]
     chunks = chunks_under_mesh(batch, seq, vocab, budget_bytes)
-    layout = _Layout(chunks, head.vocab_axis, tuple(head.axes))
+    layout = _Layout(chunks, head.vocab_axis, tuple(head.axes), weight_grad == "late")
     return _chunked(hidden, head.weight, targets, layout)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
-    """The static half of a chunked head: its chunks and the weight's layout."""
+    """The static half of a chunked head: its chunks, the weight's layout, and whether the
+    weight's gradient gets a walk of its own (`late`)."""
 
     chunks: VocabChunks
     vocab_axis: int
     axes: LogicalAxes
+    late: bool = True
 
     def split(self, weight: Array) -> Array:
         """The weight with its vocabulary axis split into (shard, column): [dim, shards, columns]
@@ -200,28 +219,57 @@ def _backward(layout: _Layout, residuals: tuple, cotangents: tuple[Array, Array]
     d_logsumexp, d_target_logit = cotangents
     split_weight = layout.split(weight)
     subscripts = layout.weight_subscripts()
+    indices = jnp.arange(layout.chunks.count)
 
-    def chunk(carry: tuple[Array, Array], index: Array) -> tuple[tuple[Array, Array], None]:
-        d_hidden, d_weight = carry
+    def d_logits_of(index: Array) -> tuple[Array, Array, Array]:
+        """Chunk `index`'s logits again, and their gradient in the compute dtype (as autodiff of
+        the whole logits in it has it), its weight slice and its start."""
         logits, weight_chunk, start = _chunk_logits(hidden, split_weight, layout, index)
         softmax = jnp.exp(logits - logsumexp[..., None, None])  # 0 at columns the chunk does not own
         hit = _is_target(targets, layout.chunks, start) & layout.chunks.owned(index, start)
         d_logits = d_logsumexp[..., None, None] * softmax + jnp.where(hit, d_target_logit[..., None, None], 0.0)
-        d_logits = d_logits.astype(hidden.dtype)  # as autodiff of the whole logits in the compute dtype has it
-        d_hidden = d_hidden + jnp.einsum(
-            f"bstc,{subscripts}->bsd", d_logits, weight_chunk, preferred_element_type=jnp.float32
-        )
+        return d_logits.astype(hidden.dtype), weight_chunk, start
+
+    def add_d_hidden(d_hidden: Array, d_logits: Array, weight_chunk: Array) -> Array:
+        product = jnp.einsum(f"bstc,{subscripts}->bsd", d_logits, weight_chunk, preferred_element_type=jnp.float32)
+        return constrain(d_hidden + product)
+
+    def write_d_weight(d_weight: Array, d_logits: Array, index: Array, start: Array) -> Array:
+        """The chunk's columns of the weight's gradient, written once (a clamped last chunk keeps
+        the columns its predecessor wrote)."""
         d_chunk = jnp.einsum(f"bsd,bstc->{subscripts}", hidden, d_logits, preferred_element_type=jnp.float32)
-        kept = layout.slice(d_weight, start)  # the columns a clamped last chunk shares with the one before
         owned = layout.chunks.owned(index, start)
         owned = owned[None, None, :] if layout.vocab_axis == 1 else owned[None, :, None]
-        d_chunk = jnp.where(owned, d_chunk.astype(weight.dtype), kept)
-        d_weight = jax.lax.dynamic_update_slice_in_dim(d_weight, d_chunk, start, layout.column_axis)
-        return (constrain(d_hidden), layout.pin_weight(d_weight)), None
+        d_chunk = jnp.where(owned, d_chunk.astype(d_weight.dtype), layout.slice(d_weight, start))
+        return layout.pin_weight(jax.lax.dynamic_update_slice_in_dim(d_weight, d_chunk, start, layout.column_axis))
 
-    init = (constrain(jnp.zeros(hidden.shape, jnp.float32)), layout.pin_weight(jnp.zeros_like(split_weight)))
-    (d_hidden, d_weight), _ = jax.lax.scan(chunk, init, jnp.arange(layout.chunks.count))
-    return d_hidden.astype(hidden.dtype), d_weight.reshape(weight.shape), None
+    # the weight's gradient in the compute dtype, as autodiff of a compute-dtype head makes it
+    zero_hidden = constrain(jnp.zeros(hidden.shape, jnp.float32))
+    zero_weight = layout.pin_weight(jnp.zeros(split_weight.shape, hidden.dtype))
+    if layout.late:
+
+        def hidden_step(d_hidden: Array, index: Array) -> tuple[Array, None]:
+            d_logits, weight_chunk, _ = d_logits_of(index)
+            return add_d_hidden(d_hidden, d_logits, weight_chunk), None
+
+        def weight_step(d_weight: Array, index: Array) -> tuple[Array, None]:
+            d_logits, _, start = d_logits_of(index)
+            return write_d_weight(d_weight, d_logits, index, start), None
+
+        d_hidden, _ = jax.lax.scan(hidden_step, zero_hidden, indices)
+        d_weight, _ = jax.lax.scan(weight_step, zero_weight, indices)
+    else:
+
+        def both_step(carry: tuple[Array, Array], index: Array) -> tuple[tuple[Array, Array], None]:
+            d_hidden, d_weight = carry
+            d_logits, weight_chunk, start = d_logits_of(index)
+            return (
+                add_d_hidden(d_hidden, d_logits, weight_chunk),
+                write_d_weight(d_weight, d_logits, index, start),
+            ), None
+
+        (d_hidden, d_weight), _ = jax.lax.scan(both_step, (zero_hidden, zero_weight), indices)
+    return d_hidden.astype(hidden.dtype), d_weight.reshape(weight.shape).astype(weight.dtype), None
 
 
 _chunked.defvjp(_forward, _backward)

@@ -13,6 +13,7 @@ from ferry.chunked_head import OutputHead, chunks_under_mesh, logsumexp_and_targ
 from ferry.config import ConfigError
 
 LOSS_HEADS = ("chunked", "logits")
+WEIGHT_GRADS = ("late", "early")
 MIB = 1 << 20
 
 
@@ -42,22 +43,28 @@ def _weighted_mean(values: Float[Array, "batch seq"], weights: Bool[Array, "batc
 
 @dataclasses.dataclass(frozen=True)
 class LossHead:
-    """How the loss reads the output head (`train.loss_head`, `train.loss_chunk_mib`).
+    """How the loss reads the output head (`train.loss_head`, `train.loss_chunk_mib`,
+    `train.loss_weight_grad`).
 
     `chunked` (the default) never holds the batch's logits: they are made a vocabulary chunk at a
     time, forward and backward, each chunk's float32 logits within `chunk_mib` MiB per device
-    (`ferry.chunked_head`). `logits` makes them whole, as the model's `__call__` returns them, and
-    takes today's cross-entropy of them (`next_token_loss`): the reference, and what the chunked
-    head must equal."""
+    (`ferry.chunked_head`); `weight_grad` says whether the head's weight gradient gets a backward
+    walk of its own (`late`: scheduled after the layers' backward, one more logits-sized matmul)
+    or shares the hidden state's (`early`). `logits` makes them whole, as the model's `__call__`
+    returns them, and takes today's cross-entropy of them (`next_token_loss`): the reference, and
+    what the chunked head must equal."""
 
     kind: str = "chunked"
     chunk_mib: float = 256.0
+    weight_grad: str = "late"
 
     def __post_init__(self) -> None:
         if self.kind not in LOSS_HEADS:
             raise ConfigError(f"train.loss_head is {self.kind!r}; use one of {', '.join(LOSS_HEADS)}")
         if not self.chunk_mib > 0:
             raise ConfigError(f"train.loss_chunk_mib={self.chunk_mib} must be positive (MiB of logits per chunk)")
+        if self.weight_grad not in WEIGHT_GRADS:
+            raise ConfigError(f"train.loss_weight_grad is {self.weight_grad!r}; use one of {', '.join(WEIGHT_GRADS)}")
 
     @property
     def budget_bytes(self) -> int:
@@ -75,7 +82,7 @@ class LossHead:
         cross-entropy), with the logits made as `kind` says."""
         if self.kind == "logits":
             return next_token_loss(whole_logits(hidden, head), targets, z_loss_weight, weights)
-        logsumexp, target_logit = logsumexp_and_target_logit(hidden, head, targets, self.budget_bytes)
+        logsumexp, target_logit = logsumexp_and_target_logit(hidden, head, targets, self.budget_bytes, self.weight_grad)
         mean = jnp.mean if weights is None else lambda x: _weighted_mean(x, weights)
         cross_entropy = mean(logsumexp - target_logit)
         if z_loss_weight == 0.0:
@@ -94,15 +101,21 @@ class LossHead:
         return (
             f"loss head: chunked (train.loss_head=chunked): the logits are never whole; {chunks.count} "
             f"chunk{'s' if chunks.count > 1 else ''} of {chunks.size:,} of each device's {chunks.columns:,} "
-            f"vocabulary columns, within train.loss_chunk_mib={self.chunk_mib:g} MiB of float32 logits per chunk"
+            f"vocabulary columns, within train.loss_chunk_mib={self.chunk_mib:g} MiB of float32 logits per chunk; "
+            f"the head's weight gradient {WEIGHT_GRAD_LINES[self.weight_grad]} "
+            f"(train.loss_weight_grad={self.weight_grad})"
         )
 
 
-DEFAULT_HEAD = LossHead()  # train.loss_head's default: chunked, 256 MiB of logits per chunk
+WEIGHT_GRAD_LINES = {
+    "late": "in a walk of its own, after the layers' backward",
+    "early": "in the hidden state's walk",
+}
+DEFAULT_HEAD = LossHead()  # train.loss_head's default: chunked, 256 MiB of logits per chunk, late
 
 
 def whole_logits(hidden: Float[Array, "batch seq dim"], head: OutputHead) -> Float[Array, "batch seq vocab"]:
     """The logits of every token at once, in the compute dtype (as a model's `__call__` makes them)."""
     if head.vocab_axis == 1:
-        return hidden @ head.weight
+        return hidden @ head.weight.astype(hidden.dtype)
     return jnp.einsum("bsd,vd->bsv", hidden, head.weight.astype(hidden.dtype))

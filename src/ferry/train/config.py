@@ -36,6 +36,9 @@ class TrainConfig:
     z_loss_weight: float = 0.0
     loss_head: str = "chunked"  # chunked: the logits are never whole (a vocabulary chunk at a time); logits: whole
     loss_chunk_mib: float = 256.0  # loss_head=chunked: float32 logits per chunk and device, in MiB
+    # loss_head=chunked: the head's weight gradient in a backward walk of its own, after the layers'
+    # (late: less HBM, one more logits matmul) or with the hidden state's (early)
+    loss_weight_grad: str = "late"
     compute_dtype: str = "bfloat16"
     seed: int = 0
     log_every: int = 10
@@ -49,7 +52,7 @@ class TrainConfig:
     @property
     def head(self) -> LossHead:
         """How the loss reads the output head (`loss_head`, `loss_chunk_mib`)."""
-        return LossHead(self.loss_head, self.loss_chunk_mib)
+        return LossHead(self.loss_head, self.loss_chunk_mib, self.loss_weight_grad)
 
     def micro_steps(self, data_parallel: int = 1) -> int:
         """Micro batches accumulated per optimizer step when a batch is split `data_parallel` ways."""
@@ -131,7 +134,9 @@ class TrainConfig:
             )
         if self.on_nonfinite not in ("stop", "skip"):
             raise ConfigError(f"train.on_nonfinite is {self.on_nonfinite!r}; use stop or skip")
-        LossHead(self.loss_head, self.loss_chunk_mib)  # refuses an unknown head or a chunk of no bytes
+        LossHead(
+            self.loss_head, self.loss_chunk_mib, self.loss_weight_grad
+        )  # refuses an unknown head or a chunk of no bytes
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"train.compute_dtype is {self.compute_dtype!r}; use float32 or bfloat16")
 

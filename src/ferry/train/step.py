@@ -76,12 +76,23 @@ class LossSettings:
         return cls(policy, train.compute_dtype, train.z_loss_weight, documents, train.head)
 
 
+def compute_copy(model: eqx.Module, dtype: Any, head: LossHead) -> eqx.Module:
+    """The model in the compute dtype, but for the chunked head's own weight: kept as stored
+    (float32), which the head casts a chunk at a time, so no compute-dtype copy of the whole head
+    is held (`ferry.chunked_head`). A head tied to the embedding table is cast with the rest: the
+    embedding's gather reads it too."""
+    compute_model = cast_floating(model, dtype)
+    if head.kind != "chunked" or model.output_head().tied:
+        return compute_model
+    return eqx.tree_at(lambda m: m.output_head().weight, compute_model, model.output_head().weight)
+
+
 def batch_loss(
     model: eqx.Module, batch: Int[Array, "batch seq_plus_one"], settings: LossSettings
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """The loss to differentiate, and the model's statistics (`loss` is the main next-token
     cross-entropy), computed in the compute dtype."""
-    compute_model = cast_floating(model, jnp.dtype(settings.compute_dtype))
+    compute_model = compute_copy(model, jnp.dtype(settings.compute_dtype), settings.head)
     return compute_model.training_loss(
         batch, settings.policy, settings.z_loss_weight, documents=settings.documents, head=settings.head
     )
