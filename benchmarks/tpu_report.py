@@ -18,18 +18,25 @@ def case_records(results: list[dict]) -> list[dict]:
 def markdown_table(results: list[dict]) -> str:
     """One row per case, tokens/s as a ratio to full_remat's at the same batch."""
     cases = case_records(results)
-    base = {r["global_batch"]: r["tokens_per_s"] for r in cases if r["preset"] == "full_remat" and "tokens_per_s" in r}
+    runs = list(dict.fromkeys(r.get("run", "") for r in cases))  # in order; one run: no run column
+    base = {
+        (r.get("run", ""), r["global_batch"]): r["tokens_per_s"]
+        for r in cases
+        if r["preset"] == "full_remat" and "tokens_per_s" in r
+    }
     header = (
-        "| batch | preset | tokens/s | vs full_remat | MFU | HBM peak (measured) GiB | compiled GiB | host GiB "
-        "| exposed copies s | link floor s |\n|---|---|---|---|---|---|---|---|---|---|"
+        ("| run " if len(runs) > 1 else "")
+        + "| batch | preset | tokens/s | vs full_remat | MFU | HBM peak (measured) GiB | compiled GiB | host GiB "
+        "| exposed copies s | link floor s |\n" + ("|---" if len(runs) > 1 else "") + "|---|---|---|---|---|---|---|---|---|---|"
     )
     rows = [header]
-    for r in sorted(cases, key=lambda r: (r["global_batch"], r["preset"])):
+    for r in sorted(cases, key=lambda r: (runs.index(r.get("run", "")), r["global_batch"], r["preset"])):
+        run = f"| {runs.index(r.get('run', '')) + 1} " if len(runs) > 1 else ""
         if r.get("status") != "ok":
             needed = f" (needs {_gib(r['compiled_bytes'])} GiB)" if r.get("compiled_bytes") else ""
-            rows.append(f"| {r['global_batch']} | {r['preset']} | {r.get('status', '?')}{needed} | | | | | | | |")
+            rows.append(f"{run}| {r['global_batch']} | {r['preset']} | {r.get('status', '?')}{needed} | | | | | | | |")
             continue
-        ratio = r["tokens_per_s"] / base[r["global_batch"]] if r["global_batch"] in base else None
+        ratio = r["tokens_per_s"] / base[r.get("run", ""), r["global_batch"]] if (r.get("run", ""), r["global_batch"]) in base else None
         exposed = r.get("exposed_copy_s")
         floor = r.get("exposed_floor_s")
         mfu = r.get("mfu")
@@ -45,7 +52,7 @@ def markdown_table(results: list[dict]) -> str:
             "-" if exposed is None else f"{exposed:.3f}",
             "-" if floor is None else f"{floor:.3f}",
         ]
-        rows.append("| " + " | ".join(cells) + " |")
+        rows.append(run + "| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -70,9 +77,11 @@ def plot_frontier(results: list[dict], path: Path) -> str:
     except ImportError:
         return f"no PNG: matplotlib is not installed here; run `python benchmarks/tpu_check.py --plot {path.with_suffix('.json')}` where it is"
     cases = [r for r in case_records(results) if r.get("status") == "ok" and r.get("hbm_peak_bytes")]
+    runs = list(dict.fromkeys(r.get("run", "") for r in case_records(results)))
+    label_of = (lambda r: f"{r['preset']} ({runs.index(r.get('run', '')) + 1})") if len(runs) > 1 else (lambda r: r["preset"])
     figure, axes = plt.subplots(figsize=(8, 5))
     for batch, marker in ((4, "o"), (8, "s"), (16, "^")):
-        points = [(r["hbm_peak_bytes"] / GIB, r["tokens_per_s"], r["preset"]) for r in cases if r["global_batch"] == batch]
+        points = [(r["hbm_peak_bytes"] / GIB, r["tokens_per_s"], label_of(r)) for r in cases if r["global_batch"] == batch]
         if not points:
             continue
         axes.scatter([p[0] for p in points], [p[1] for p in points], marker=marker, label=f"global batch {batch}")
