@@ -82,8 +82,8 @@ def tensor_costs(config: FerryConfig, target: Target, mesh: Any) -> tuple[dict[s
     """Every tagged tensor's HBM bytes (sized on `mesh` by the transfer schedule; none where the
     backward pass never reads it) and recompute FLOPs, and each layer group's forward FLOPs, per
     device per micro step. FLOPs are traced on the whole micro batch and split evenly over the
-    devices."""
-    with attention_platform(target.platform):  # its kernel's tags (splash's attention_lse on a TPU)
+    devices, with the attention kernel the target runs (`attention_platform`)."""
+    with attention_platform(target.platform):
         return _tensor_costs(config, target, mesh)
 
 
