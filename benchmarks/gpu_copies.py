@@ -41,6 +41,7 @@ if __package__ in (None, ""):  # run as a script: benchmarks.* from the reposito
 
 from benchmarks.gpu_check import compose_run, has_gpu, initial_arrays, random_batches, run_steps  # noqa: E402
 from ferry.platform import apply_platform  # noqa: E402
+from ferry.profile_trace import busy_ns, uncovered_ns  # noqa: E402
 
 SCHEDULES = {  # name: (offload.pipelined, xla_gpu_enable_pipelined_host_offloading)
     "ferry": (True, False),
@@ -91,24 +92,6 @@ class Configuration:
 
     def xla_options(self) -> dict[str, object]:
         return {"xla_gpu_enable_pipelined_host_offloading": SCHEDULES[self.schedule][1]}
-
-
-def busy_ns(intervals: list[tuple[int, int]]) -> int:
-    """The length of the union of [start, end) intervals."""
-    total, reach = 0, None
-    for start, end in sorted(intervals):
-        if reach is None or start > reach:
-            total += end - start
-            reach = end
-        elif end > reach:
-            total += end - reach
-            reach = end
-    return total
-
-
-def uncovered_ns(intervals: list[tuple[int, int]], cover: list[tuple[int, int]]) -> int:
-    """How much of the union of `intervals` no interval of `cover` overlaps."""
-    return busy_ns(intervals + cover) - busy_ns(cover)
 
 
 def trace_exposure(xplane: Path, steps: int) -> dict[str, Any] | None:

@@ -111,7 +111,9 @@ def measure_wall_clock(chunks: int = 8, chunk_bytes: int = 256 * 2**20, repeats:
     d_h = _median_seconds(jax.jit(lambda v: round_trip(v, both=False)), x, repeats=repeats)
     d_b_h = _median_seconds(jax.jit(round_trip), x, repeats=repeats)
     d, b = max(d_h - h, 1e-9), max(d_b_h - d_h, 1e-9)
-    return LinkBandwidth(moved / d / 1e9, moved / h / 1e9, 2 * moved / b / 1e9, x.nbytes // chunks, chunks, "wall clock")
+    return LinkBandwidth(
+        moved / d / 1e9, moved / h / 1e9, 2 * moved / b / 1e9, x.nbytes // chunks, chunks, "wall clock"
+    )
 
 
 def measure_traced(chunks: int = 8, chunk_bytes: int = 256 * 2**20, directory: Path | None = None) -> LinkBandwidth:

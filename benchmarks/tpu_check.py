@@ -23,7 +23,6 @@ those left are recorded as skipped. The parent process never opens the chip, so 
 import argparse
 import datetime
 import json
-import os
 import re
 import shutil
 import statistics
@@ -179,7 +178,13 @@ def preset_overrides(path: Path) -> list[str]:
     overrides = ["offload=full_remat"]
     for key in ("name", "keep_all", "default", "optimizer", "params", "pipelined", "peel", "engine"):
         if key in preset:
-            value = "null" if preset[key] is None else str(preset[key]).lower() if isinstance(preset[key], bool) else preset[key]
+            value = (
+                "null"
+                if preset[key] is None
+                else str(preset[key]).lower()
+                if isinstance(preset[key], bool)
+                else preset[key]
+            )
             overrides.append(f"offload.{key}={value}")
     overrides += [f"offload.tensors.{name}={place}" for name, place in (preset.get("tensors") or {}).items()]
     return overrides
@@ -208,7 +213,9 @@ def timed_output(command: list[str], timeout: float) -> tuple[int | None, str]:
 def refusal(output: str, returncode: int) -> dict:
     """A case that did not run: out of memory (ferry's refusal, with the bytes it names) or a failure."""
     lines = [line for line in output.splitlines() if line.strip()]
-    oom = next((line for line in lines if "RESOURCE_EXHAUSTED" in line or "does not fit" in line or "needs" in line), None)
+    oom = next(
+        (line for line in lines if "RESOURCE_EXHAUSTED" in line or "does not fit" in line or "needs" in line), None
+    )
     if returncode == 2 and oom is not None:
         found = re.search(r"needs ([\d.,]+) GiB", oom)
         needed = int(float(found[1].replace(",", "")) * 2**30) if found else None

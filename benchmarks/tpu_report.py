@@ -27,7 +27,9 @@ def markdown_table(results: list[dict]) -> str:
     header = (
         ("| run " if len(runs) > 1 else "")
         + "| batch | preset | tokens/s | vs full_remat | MFU | HBM peak (measured) GiB | compiled GiB | host GiB "
-        "| exposed copies s | link floor s |\n" + ("|---" if len(runs) > 1 else "") + "|---|---|---|---|---|---|---|---|---|---|"
+        "| exposed copies s | link floor s |\n"
+        + ("|---" if len(runs) > 1 else "")
+        + "|---|---|---|---|---|---|---|---|---|---|"
     )
     rows = [header]
     for r in sorted(cases, key=lambda r: (runs.index(r.get("run", "")), r["global_batch"], r["preset"])):
@@ -36,7 +38,11 @@ def markdown_table(results: list[dict]) -> str:
             needed = f" (needs {_gib(r['compiled_bytes'])} GiB)" if r.get("compiled_bytes") else ""
             rows.append(f"{run}| {r['global_batch']} | {r['preset']} | {r.get('status', '?')}{needed} | | | | | | | |")
             continue
-        ratio = r["tokens_per_s"] / base[r.get("run", ""), r["global_batch"]] if (r.get("run", ""), r["global_batch"]) in base else None
+        ratio = (
+            r["tokens_per_s"] / base[r.get("run", ""), r["global_batch"]]
+            if (r.get("run", ""), r["global_batch"]) in base
+            else None
+        )
         exposed = r.get("exposed_copy_s")
         floor = r.get("exposed_floor_s")
         mfu = r.get("mfu")
@@ -75,13 +81,18 @@ def plot_frontier(results: list[dict], path: Path) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return f"no PNG: matplotlib is not installed here; run `python benchmarks/tpu_check.py --plot {path.with_suffix('.json')}` where it is"
+        command = f"python benchmarks/tpu_check.py --plot {path.with_suffix('.json')}"
+        return f"no PNG: matplotlib is not installed here (the bench extra); run `{command}` where it is"
     cases = [r for r in case_records(results) if r.get("status") == "ok" and r.get("hbm_peak_bytes")]
     runs = list(dict.fromkeys(r.get("run", "") for r in case_records(results)))
-    label_of = (lambda r: f"{r['preset']} ({runs.index(r.get('run', '')) + 1})") if len(runs) > 1 else (lambda r: r["preset"])
+    label_of = (
+        (lambda r: f"{r['preset']} ({runs.index(r.get('run', '')) + 1})") if len(runs) > 1 else (lambda r: r["preset"])
+    )
     figure, axes = plt.subplots(figsize=(8, 5))
     for batch, marker in ((4, "o"), (8, "s"), (16, "^")):
-        points = [(r["hbm_peak_bytes"] / GIB, r["tokens_per_s"], label_of(r)) for r in cases if r["global_batch"] == batch]
+        points = [
+            (r["hbm_peak_bytes"] / GIB, r["tokens_per_s"], label_of(r)) for r in cases if r["global_batch"] == batch
+        ]
         if not points:
             continue
         axes.scatter([p[0] for p in points], [p[1] for p in points], marker=marker, label=f"global batch {batch}")

@@ -67,7 +67,8 @@ def test_exposed_time_is_the_wait_in_each_done():
 
 
 @pytest.mark.parametrize(
-    ("intervals", "expected"), [([], 0.0), ([(0.0, 10.0), (5.0, 20.0)], 20.0), ([(0.0, 1.0), (2.0, 3.0), (2.5, 4.0)], 3.0)]
+    ("intervals", "expected"),
+    [([], 0.0), ([(0.0, 10.0), (5.0, 20.0)], 20.0), ([(0.0, 1.0), (2.0, 3.0), (2.5, 4.0)], 3.0)],
 )
 def test_busy_is_the_union(intervals, expected):
     assert busy_ns(intervals) == expected

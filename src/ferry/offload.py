@@ -256,9 +256,7 @@ class _Injector(_Handler):
             )
 
 
-_TAG_CONTEXT: contextvars.ContextVar[tuple[_Handler, ...]] = contextvars.ContextVar(
-    "ferry_tag_context", default=()
-)
+_TAG_CONTEXT: contextvars.ContextVar[tuple[_Handler, ...]] = contextvars.ContextVar("ferry_tag_context", default=())
 
 
 @contextlib.contextmanager

@@ -71,7 +71,10 @@ class StepProfile:
         return busy_ns([(c.start_ns, c.end_ns) for c in self.copies if direction in (None, c.direction)])
 
 
-def busy_ns(intervals: Iterable[tuple[float, float]]) -> float:
+Interval = tuple[int | float, int | float]  # [start, end) in ns: a trace's integers or floats
+
+
+def busy_ns(intervals: Iterable[Interval]) -> float:
     """The length of the union of [start, end) intervals."""
     total, reach = 0.0, None
     for start, end in sorted(intervals):
@@ -84,7 +87,7 @@ def busy_ns(intervals: Iterable[tuple[float, float]]) -> float:
     return total
 
 
-def uncovered_ns(intervals: list[tuple[float, float]], cover: list[tuple[float, float]]) -> float:
+def uncovered_ns(intervals: list[Interval], cover: list[Interval]) -> float:
     """How much of the union of `intervals` no interval of `cover` overlaps."""
     return busy_ns(intervals + cover) - busy_ns(cover)
 
