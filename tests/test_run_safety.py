@@ -2,6 +2,7 @@
 memory checked before it is spent, Ctrl-C, retries after a failed start, logs that read well in a
 file, and damaged Hugging Face checkpoints refused naming the file."""
 
+import importlib.util
 import io
 import json
 import os
@@ -220,7 +221,8 @@ def test_plan_without_the_extra_says_how_to_install_it():
     for target in ("h200", "v5p"):
         with pytest.raises(ConfigError, match=r'pip install -e "\.\[plan\]"'):
             launcher.check_plan_extra(target, find_spec=lambda name: None)
-    launcher.check_plan_extra("h200")  # installed here
+    if importlib.util.find_spec("jax_cuda12_plugin") is not None:  # the plan extra is installed (not on 3.11)
+        launcher.check_plan_extra("h200")
 
 
 def test_invalid_json_names_the_file_and_line(tmp_path):
