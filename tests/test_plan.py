@@ -54,11 +54,16 @@ from tests.conftest import (
 
 pytestmark = needs_cuda_plugin
 H200 = TARGETS["h200"]
+# The offload numbers below were measured with ferry's own attention (auto picks cuDNN on an H200,
+# whose residuals and temporaries differ: tests/test_attention_kernels.py plans with it)
+XLA_ATTENTION = "model.attention=xla"
 
 
 @functools.cache  # tests share compiles: llama_tiny's minimal_offloaded at 256 tokens, save_all on FSDP 8
 def plan(model: str, preset: str, *overrides: str, target=H200, seq_len=256, **kwargs):
-    config = compose_config(f"model={model}", f"offload={preset}", f"train.seq_len={seq_len}", *overrides)
+    config = compose_config(
+        f"model={model}", f"offload={preset}", f"train.seq_len={seq_len}", XLA_ATTENTION, *overrides
+    )
     policy = config.offload.policy(abstract_model(config.model).tagged_names())  # the preset, overridden
     return plan_memory(config, target, policy, preset, xla_flags=GPU_FLAGS, **kwargs)
 
@@ -117,7 +122,7 @@ def test_every_offloaded_byte_is_a_named_copy_in_the_compiled_program():
     """The host copies read from the scheduled GPU program move exactly what the transfer schedule
     offloads, each named by the tensor of its size, in both directions."""
     measured = plan("llama_tiny", "minimal_offloaded")
-    config = compose_config("model=llama_tiny", "offload=minimal_offloaded", "train.seq_len=256")
+    config = compose_config("model=llama_tiny", "offload=minimal_offloaded", "train.seq_len=256", XLA_ATTENTION)
     model = abstract_model(config.model)
     policy = load_preset("minimal_offloaded").policy(model.tagged_names())
     schedule = model_schedule(model, policy, config.train.global_batch_size, 256, jnp.bfloat16)
@@ -180,13 +185,16 @@ def auto_choice(
     seq_len: int = 256,
     state: bool = False,
     known: tuple[str, ...] = (),
+    attention: str = "auto",
 ):
     """offload=auto on llama_tiny; with `state`, the optimizer's and master weights' placements
     are decisions too, as mode=plan makes them; `known` presets are compiled first and handed to
-    auto as mode=plan hands it the presets it planned."""
+    auto as mode=plan hands it the presets it planned. `attention`: model.attention (auto is
+    cuDNN's on an H200)."""
     config = compose_config(
-        "model=llama_tiny", "offload=auto", f"train.seq_len={seq_len}", "mode=plan", f"target={target.name}"
-    )
+        "model=llama_tiny", "offload=auto", f"train.seq_len={seq_len}", "mode=plan", f"target={target.name}",
+        f"model.attention={attention}",
+    )  # fmt: skip
     host = None if host_capacity_gib is None else int(host_capacity_gib * 2**30)
 
     def compile_policy(policy, name, placed=config):
@@ -302,7 +310,7 @@ def test_auto_picks_the_fastest_estimate_that_fits_both_memories():
     """llama_tiny's layers compute for about a microsecond: no copy hides behind that, so auto
     sheds HBM by recompute. Of the candidates it compiled, its pick is the one of the least
     estimated step time whose program fits HBM and the pinned host pool with 5% to spare."""
-    measured, choices, tried = auto_choice(H200, 0.055, host_capacity_gib=0.01, seq_len=256)
+    measured, choices, tried = auto_choice(H200, 0.055, host_capacity_gib=0.01, seq_len=256, attention="xla")
     fitting = [t for t in tried if fits_with_headroom(t.plan)]
     assert fitting and measured is fastest(fitting).plan
     assert measured.device_bytes <= 0.95 * measured.capacity_bytes
@@ -416,7 +424,7 @@ def test_auto_moves_the_train_state_to_host_when_only_that_fits(tmp_path):
     assert all(t.tensor.startswith("master weights+AdamW moments:") for t in state_on_host.transfers)
     assert any("mlp.wi_0" in t.tensor for t in state_on_host.transfers)
     capacity = (remat + remat_state_on_host) / 2 / 0.95 / 2**30  # between the two, with headroom
-    measured, choices, tried = auto_choice(H200, capacity, seq_len=64, state=True)
+    measured, choices, tried = auto_choice(H200, capacity, seq_len=64, state=True, attention="xla")  # as plan()
     assert not fits_with_headroom(tried[0].plan) and fits_with_headroom(measured)
     state = {c.name: c.placement for c in choices if c.name.startswith("offload.")}
     assert "host" in state.values()
@@ -480,8 +488,9 @@ def test_a_tags_costs_are_what_the_compiled_gradient_holds_and_runs_again(seq_le
     anyway. Each checked against the compiled gradient of llama_tiny with every other tag kept on
     device, also where the attention runs as a loop over query chunks (each trip counted)."""
     config = compose_config(
-        "model=llama_tiny", f"train.seq_len={seq_len}", "train.global_batch_size=2", "mode=plan", "target=h200"
-    )
+        "model=llama_tiny", f"train.seq_len={seq_len}", "train.global_batch_size=2", "mode=plan", "target=h200",
+        XLA_ATTENTION,
+    )  # fmt: skip
     model = abstract_model(for_target(config.model, H200))
     (kind,) = model.layer_kinds()
     rows = 2
@@ -524,7 +533,7 @@ def test_gpu_flags_keep_xla_from_recomputing_for_bytes_on_host():
     on a 58 MiB H200, llama_tiny's minimal_offloaded (48.8 MiB of HBM, 5 MiB on host) compiles to
     the program it is on a whole H200; with the pass on, XLA adds clones and matmuls for nothing."""
     flags = dict(load_platform("gpu").xla_flags)
-    config = compose_config("model=llama_tiny", "offload=minimal_offloaded", "train.seq_len=256")
+    config = compose_config("model=llama_tiny", "offload=minimal_offloaded", "train.seq_len=256", XLA_ATTENTION)
     policy = config.offload.policy(abstract_model(config.model).tagged_names())
     small = dataclasses.replace(H200, hbm_bytes=58 * 2**20)
     whole = plan_memory(config, H200, policy, "minimal_offloaded", xla_flags=flags)

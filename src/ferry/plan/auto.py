@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from ferry.models.registry import abstract_model
+from ferry.nn.kernels.choice import attention_platform
 from ferry.offload import LAYER_INPUT, Policy
 from ferry.plan.estimate import StepEstimate
 from ferry.plan.planner import MemoryPlan, for_target
@@ -81,7 +82,12 @@ def tensor_costs(config: FerryConfig, target: Target, mesh: Any) -> tuple[dict[s
     """Every tagged tensor's HBM bytes (sized on `mesh` by the transfer schedule; none where the
     backward pass never reads it) and recompute FLOPs, and each layer group's forward FLOPs, per
     device per micro step. FLOPs are traced on the whole micro batch and split evenly over the
-    devices."""
+    devices, with the attention kernel the target runs (`attention_platform`)."""
+    with attention_platform(target.platform):
+        return _tensor_costs(config, target, mesh)
+
+
+def _tensor_costs(config: FerryConfig, target: Target, mesh: Any) -> tuple[dict[str, TensorCost], dict[str, float]]:
     model_config = for_target(config.model, target)
     model = abstract_model(model_config)
     tagged = model.tagged_names()

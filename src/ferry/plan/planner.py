@@ -19,6 +19,7 @@ from jax.sharding import AxisType, Mesh
 
 from ferry.errors import FerryError
 from ferry.models.registry import abstract_model
+from ferry.nn.kernels.choice import attention_platform
 from ferry.offload import Policy
 from ferry.plan.estimate import CollectiveTraffic, StepEstimate, collective_traffic
 from ferry.plan.hlo_stats import matmul_count, matmul_flops, xla_rematerialised
@@ -225,7 +226,21 @@ def read_plan(
     offload was dropped somewhere, and a plan that silently keeps it on device would be a lie.
     The program is then verified (`ferry.plan.verify`): every offloaded tensor's copies are in
     it, and every host slice in a loop walks the way its index goes; a failed check is a
-    `CompiledProgramError` naming the tensor, its layer group and what the program does instead."""
+    `CompiledProgramError` naming the tensor, its layer group and what the program does instead.
+    The layers are traced with the attention kernel the target runs (`attention_platform`)."""
+    with attention_platform(target.platform):
+        return _read_plan(step, config, target, policy, policy_name, capacity_bytes, host_capacity_bytes)
+
+
+def _read_plan(
+    step: CompiledTrainStep,
+    config: FerryConfig,
+    target: Target,
+    policy: Policy,
+    policy_name: str,
+    capacity_bytes: int | None,
+    host_capacity_bytes: int | None,
+) -> MemoryPlan:
     from ferry.plan.verify import verify_program  # verify subclasses this module's PlanError
 
     compiled, layout, model_config, mesh = step.compiled, step.layout, step.model_config, step.mesh
