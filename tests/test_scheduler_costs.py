@@ -32,7 +32,8 @@ H200 = TARGETS["h200"]
 
 
 def planned(model: str, preset: str, *overrides: str, costs: bool = False, xla_flags=None, cache=None):
-    config = compose_config(f"model={model}", f"offload={preset}", *overrides)
+    # ferry's own attention, with which these schedules were measured (auto is cuDNN's on an H200)
+    config = compose_config(f"model={model}", f"offload={preset}", "model.attention=xla", *overrides)
     policy = config.offload.policy(abstract_model(config.model).tagged_names())
     flags = GPU_FLAGS | (xla_flags or {})
     return plan_memory(config, H200, policy, preset, xla_flags=flags, scheduler_costs=costs, costs_cache=cache)
@@ -175,7 +176,9 @@ def counting_compiles(monkeypatch) -> dict[str, int]:
 
 def tiny_offloading_program(costs: bool = True) -> str:
     """llama_tiny's train step, layer inputs offloaded, on 2 compile-only H200s (FSDP)."""
-    config = compose_config("model=llama_tiny", "offload=decoder_input_offload", "train.seq_len=256", "mesh.fsdp=2")
+    config = compose_config(
+        "model=llama_tiny", "offload=decoder_input_offload", "train.seq_len=256", "mesh.fsdp=2", "model.attention=xla"
+    )
     policy = config.offload.policy(abstract_model(config.model).tagged_names())
     mesh, options = compile_only_mesh(H200, config.mesh), H200.compile_options(GPU_FLAGS)
     return compile_train_step(config, H200, policy, mesh, options, costs).compiled.as_text()
