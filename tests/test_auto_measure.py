@@ -134,7 +134,7 @@ def test_auto_picks_the_fastest_measured_candidate_and_says_why_in_its_preset(tm
     assert all(c.reason.startswith(why) for c in choices if c.name in third.values)
     assert plans[-1].policy == "auto" and plans[-1].device_bytes == third.predicted_bytes
     assert "candidates MEASURED on this machine" in output and "PICK" in output
-    written = yaml.safe_load(write_plan(plans, choices, tmp_path, measured)[1].read_text())
+    written = yaml.safe_load(write_plan(plans, choices, tmp_path, measured=measured)[1].read_text())
     record = written["measured"]
     assert record["pick"] == third.number and record["device"] == jax.devices()[0].device_kind
     assert [c["candidate"] for c in record["candidates"]] == [c.number for c in measured.candidates]

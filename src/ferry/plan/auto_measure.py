@@ -176,7 +176,9 @@ def subprocess_measurer(
 
     def measure_one(number: int, candidate: Tried) -> Measurement:
         offload = candidate_offload(number, candidate, config, load_preset)
-        run = {**node, "offload": offload, "platform": platform_node, "mode": "train"}
+        # a training run of the candidate: no target, no plan.* keys (a run refuses both)
+        run = {**node, "offload": offload, "platform": platform_node, "mode": "train", "target": None}
+        run.pop("plan", None)
         return measure_in_subprocess(run, timer)
 
     return measure_one
