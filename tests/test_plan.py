@@ -518,7 +518,7 @@ def test_xla_rescue_rematerialisation_is_counted():
     a 64 MiB H200 llama_tiny's save_all (86.7 MiB by XLA's estimate) is rescued: the plan counts the
     clones, and their recomputation is in its matmuls."""
     plain = plan("llama_tiny", "save_all")
-    config = compose_config("model=llama_tiny", "offload=save_all", "train.seq_len=256")
+    config = compose_config("model=llama_tiny", "offload=save_all", "train.seq_len=256", XLA_ATTENTION)
     small = dataclasses.replace(H200, hbm_bytes=64 * 2**20)
     rescued = plan_memory(config, small, config.offload.policy(frozenset()), "save_all", xla_flags=GPU_FLAGS)
     assert plain.xla_rematerialised == 0 < rescued.xla_rematerialised
