@@ -32,8 +32,11 @@ H200 = TARGETS["h200"]
 
 
 def planned(model: str, preset: str, *overrides: str, costs: bool = False, xla_flags=None, cache=None):
-    # ferry's own attention, with which these schedules were measured (auto is cuDNN's on an H200)
-    config = compose_config(f"model={model}", f"offload={preset}", "model.attention=xla", *overrides)
+    # ferry's own attention and the whole-logits head, with which these schedules were measured (auto
+    # is cuDNN's on an H200; the chunked head adds two logits matmuls to the step's compute)
+    config = compose_config(
+        f"model={model}", f"offload={preset}", "model.attention=xla", "train.loss_head=logits", *overrides
+    )
     policy = config.offload.policy(abstract_model(config.model).tagged_names())
     flags = GPU_FLAGS | (xla_flags or {})
     return plan_memory(config, H200, policy, preset, xla_flags=flags, scheduler_costs=costs, costs_cache=cache)
