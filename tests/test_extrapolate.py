@@ -82,8 +82,11 @@ def test_depths_by_family_and_the_default():
 
 
 def extrapolated_and_whole(model: str, preset: str, *overrides: str, target=H200) -> tuple[MemoryPlan, MemoryPlan]:
-    # ferry's own attention, as these cases were set with (auto is cuDNN's on an H200 or B200)
-    config = compose_config(f"model={model}", f"offload={preset}", "model.attention=xla", *overrides)
+    # ferry's own attention and the whole-logits head, as these cases were set with (auto is cuDNN's
+    # on an H200 or B200)
+    config = compose_config(
+        f"model={model}", f"offload={preset}", "model.attention=xla", "train.loss_head=logits", *overrides
+    )
     policy = load_preset(preset).policy(abstract_model(config.model).tagged_names())
 
     def compile_at(depths: dict[str, int] | None) -> MemoryPlan:
