@@ -5,6 +5,7 @@ also forced to fail, and the refusal names the tensor, its layer group and what 
 instead. The programs are compiled once per module and shared."""
 
 import dataclasses
+import functools
 import json
 import re
 from typing import Any, NamedTuple
@@ -60,6 +61,9 @@ class Compiled(NamedTuple):
     policy: Policy
 
 
+XLA = "model.attention=xla"
+
+
 def compile_plan(model: str, preset: str, *overrides: str, target=H200, seq_len=64, xla_flags=GPU_FLAGS) -> Compiled:
     """`plan_memory` at `seq_len` tokens a row, keeping the program's HLO text for the forced failures."""
     config = compose_config(f"model={model}", f"offload={preset}", f"train.seq_len={seq_len}", *overrides)
@@ -80,6 +84,12 @@ def compile_plan(model: str, preset: str, *overrides: str, target=H200, seq_len=
 @pytest.fixture(scope="module")
 def llama_h200() -> Compiled:
     return compile_plan("llama_tiny", "minimal_offloaded")
+
+
+@functools.cache
+def llama_h200_xla() -> Compiled:
+    """`llama_h200` with ferry's own attention, as `mode_plan` compiles it."""
+    return compile_plan("llama_tiny", "minimal_offloaded", XLA)
 
 
 def verify_text(compiled: Compiled, hlo: str, target=H200):
@@ -215,7 +225,9 @@ def test_an_offload_the_compiler_dropped_is_refused(llama_h200):
 def mode_plan(tmp_path_factory) -> tuple[str, dict]:
     """`mode=plan` on save_all and minimal_offloaded for an H200: its output and plan.json."""
     run_dir = tmp_path_factory.mktemp("plan") / "run"
-    common = ("mode=plan", "target=h200", "train.seq_len=64", "plan.presets=[save_all,minimal_offloaded]")
+    # ferry's own attention, whose untagged score matmuls the recompute check explains (auto is
+    # cuDNN's on an H200, which recomputes none)
+    common = ("mode=plan", "target=h200", "train.seq_len=64", "plan.presets=[save_all,minimal_offloaded]", XLA)
     result = run_launcher(*common, f"run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     return result.stdout, json.loads((run_dir / "plan.json").read_text())
@@ -242,13 +254,14 @@ def test_mode_plan_holds_a_gpu_step_to_the_pool_jax_allocates(mode_plan):
     assert "capacity: 95% of the" in stdout and "XLA_CLIENT_MEM_FRACTION" in stdout
 
 
-def test_llama_all_saved_recomputes_no_saved_value(mode_plan, llama_h200):
+def test_llama_all_saved_recomputes_no_saved_value(mode_plan):
     """minimal_offloaded rematerialises nothing, so mode=plan checks it as its own all-saved form
     against save_all, compiled beside it. It runs one matmul per layer more than save_all: the
     attention scores, which nobody tags and the replay recomputes for the softmax's gradient (at
     64 tokens the attention is not chunked, so save_all keeps them). The layers' jaxprs explain
     exactly that and blame no tag; a count beyond what they explain is refused."""
     _, record = mode_plan
+    llama_h200 = llama_h200_xla()
     plans = {p["policy"]: p for p in record["plans"]}
     check = plans["minimal_offloaded"]["verification"]["recompute"]
     layers = llama_h200.config.model.num_layers
