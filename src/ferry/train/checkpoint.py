@@ -19,13 +19,17 @@ directory is made before `save` returns (Orbax's asynchronous creation left its 
 waiting forever for a directory that never came), and the background write's result is read at
 the next step boundary (`poll`) or, at the latest, before the next save. The failed step's
 temporary directory is removed; the earlier steps stay as they were. Orbax's own log records
-(a traceback per thread for one failure) are kept off the console: the error says it in one line.
+(a traceback per thread for one failure) are kept off the console: the error says it in one line,
+and so are the aborted save's straggling TensorStore writes, which finish after Orbax closed the
+event loop they report to.
 """
 
 import dataclasses
 import json
 import logging
 import shutil
+import sys
+import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -55,22 +59,67 @@ class CheckpointSaveError(FerryError, OSError):
     """A checkpoint that could not be written: the run stops at that save, the earlier steps kept."""
 
 
+def _in_orbax(filename: str) -> bool:
+    return "/orbax/" in filename.replace("\\", "/")
+
+
 class _NoOrbaxRecords(logging.Filter):
-    """Orbax logs a failed save once per writer thread, each with its traceback; ferry reports
-    the failure itself, in one line."""
+    """Orbax logs a failed save once per writer thread, each with its traceback, and asyncio logs
+    each of the save's tasks whose failure Orbax never retrieved: ferry reports the failure itself,
+    in one line. A record is Orbax's when Orbax logged it or its traceback passes through Orbax."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "/orbax/" not in record.pathname.replace("\\", "/")
+        if _in_orbax(record.pathname):
+            return False
+        frames = traceback.extract_tb(record.exc_info[2]) if record.exc_info and record.exc_info[2] else []
+        return not any(_in_orbax(frame.filename) for frame in frames)
 
 
 _ORBAX_FILTER = _NoOrbaxRecords()
+# absl's logger carries Orbax's own records; asyncio's, the unretrieved failures of Orbax's tasks.
+_LOGGERS_WITH_ORBAX_RECORDS = ("absl", "asyncio")
 
 
 def quiet_orbax_logs() -> None:
-    """Keep Orbax's log records (absl's logger) off the console (idempotent)."""
-    absl_logger = logging.getLogger("absl")
-    if _ORBAX_FILTER not in absl_logger.filters:
-        absl_logger.addFilter(_ORBAX_FILTER)
+    """Keep Orbax's log records off the console (idempotent)."""
+    for name in _LOGGERS_WITH_ORBAX_RECORDS:
+        logger = logging.getLogger(name)
+        if _ORBAX_FILTER not in logger.filters:
+            logger.addFilter(_ORBAX_FILTER)
+
+
+def _is_write_after_aborted_save(unraisable: Any) -> bool:
+    """A TensorStore write of a failed save that finished after Orbax closed the save's event loop:
+    its callback's `call_soon_threadsafe` raises `RuntimeError('Event loop is closed')`, which
+    TensorStore reports as unraisable, one traceback per write still in flight."""
+    error = unraisable.exc_value
+    return (
+        unraisable.object is None
+        and isinstance(error, RuntimeError)
+        and str(error) == "Event loop is closed"
+        and unraisable.exc_traceback is not None
+        and "asyncio" in unraisable.exc_traceback.tb_frame.f_code.co_filename
+    )
+
+
+class _QuietAbortedWrites:
+    """`sys.unraisablehook` after a failed save: the save's straggling writes dropped, every other
+    unraisable error passed to the hook that was there before."""
+
+    def __init__(self, previous: Any):
+        self.previous = previous
+
+    def __call__(self, unraisable: Any) -> None:
+        if not _is_write_after_aborted_save(unraisable):
+            self.previous(unraisable)
+
+
+def quiet_aborted_writes() -> None:
+    """Keep a failed save's straggling writes' tracebacks off stderr (idempotent). Installed with
+    the checkpoints, not at the failure: the stragglers report as the write fails, before the run
+    reads that failure at its next step boundary."""
+    if not isinstance(sys.unraisablehook, _QuietAbortedWrites):
+        sys.unraisablehook = _QuietAbortedWrites(sys.unraisablehook)
 
 
 def first_line(error: BaseException) -> str:
@@ -175,6 +224,7 @@ class Checkpoints:
 
     def __init__(self, directory: Path, config: CheckpointConfig):
         quiet_orbax_logs()
+        quiet_aborted_writes()  # a failed write's stragglers report before the failure is read
         options = ocp.CheckpointManagerOptions(
             max_to_keep=config.keep,
             keep_period=config.keep_every,
