@@ -6,6 +6,7 @@ is a key of the config reference; it stays a README (at most 250 lines) whose li
 
 import re
 import shlex
+from typing import Any
 
 import equinox as eqx
 import pytest
@@ -21,19 +22,20 @@ LAYER_GUIDE = ROOT / "docs" / "guides" / "own-layer.md"
 CONFIG_REFERENCE = ROOT / "docs" / "reference" / "config.md"
 # what a shell would have set in the README's multi-host loop
 SHELL_VALUES = {"$COORD": "10.0.0.2", "$i": "0", "$TPU": "my-v5e-16", "$ZONE": "us-west4-a"}
-GROUPS = ("model", "train", "offload", "data", "run", "checkpoint", "log", "profile", "platform", "mesh")
-GROUPS += ("distributed", "plan", "init")
+GROUPS = "model train offload data run checkpoint log profile platform mesh distributed plan init".split()
 
 
 def readme_example(capsys) -> tuple[dict, str]:
-    code = re.search(r"```python\n(.*?)```", LAYER_GUIDE.read_text(), re.S).group(1)
+    found = re.search(r"```python\n(.*?)```", LAYER_GUIDE.read_text(), re.S)
+    assert found is not None, f"{LAYER_GUIDE} has no python example"
+    code = found.group(1)
     namespace = {"__name__": "readme_example"}
     exec(compile(code, str(LAYER_GUIDE.relative_to(ROOT)), "exec"), namespace)
     return namespace, capsys.readouterr().out
 
 
 def compiled_grad(namespace: dict, policy: Policy) -> str:
-    grad = eqx.filter_jit(eqx.filter_grad(namespace["loss"]))
+    grad: Any = eqx.filter_jit(eqx.filter_grad(namespace["loss"]))
     return grad.lower(namespace["blocks"], namespace["x"], policy).compile().compiled.as_text()
 
 
