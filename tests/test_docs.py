@@ -1,7 +1,7 @@
 """The documentation site cannot go stale silently: the config reference equals a fresh generation
 from the config dataclasses, every page is in the site's navigation, every file a page names is in
 the repository, no page speaks of issue numbers, and (where mkdocs is installed: the `docs` extra)
-the site builds with `mkdocs build --strict`."""
+the site builds with `mkdocs build --strict`; every launcher command a page shows is accepted."""
 
 import importlib.util
 import os
@@ -11,7 +11,10 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from ferry.overrides import compose_node
+from ferry.train.config import load_config
+from tests.conftest import CONFIGS, ROOT
+from tests.test_readme import launcher_overrides
 
 DOCS = ROOT / "docs"
 GENERATED = DOCS / "reference" / "config.md"
@@ -47,6 +50,23 @@ def test_the_config_reference_walks_the_nested_configs():
         assert f"| `{key}` |" in text, key
     for family in ("llama", "qwen3", "deepseek_v3"):
         assert f"`model.family: {family}`" in text
+
+
+def page_commands() -> list[tuple[str, list[str]]]:
+    return [(str(p.relative_to(DOCS)), o) for p in pages() for o in launcher_overrides(p.read_text())]
+
+
+@pytest.mark.parametrize(
+    ("page", "overrides"), page_commands(), ids=lambda v: " ".join(v) if isinstance(v, list) else v
+)
+def test_every_launcher_command_of_the_docs_is_accepted(page, overrides):
+    """A page's `python launch/run.py ...` composes into a valid config (nothing is run): a
+    renamed key, group or preset fails here, naming the page."""
+    load_config(compose_node("train", overrides, CONFIGS))
+
+
+def test_the_docs_show_launcher_commands():
+    assert len(page_commands()) >= 30
 
 
 def test_every_page_is_in_the_navigation():
