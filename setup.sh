@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up ferry on a fresh machine: finds a Python >= 3.12 (jax 0.12 needs it; pyenv installs are
-# looked for too), makes .venv beside this file and installs ferry with its test and planner extras.
+# looked for too), makes .venv beside this file and installs ferry with its test, planner and docs extras.
 # Re-running it updates the same .venv.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -28,5 +28,5 @@ if [ ! -x .venv/bin/python ] || ! is_312 .venv/bin/python; then
   "$python" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
-.venv/bin/python -m pip install --quiet -e ".[test,plan]" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+.venv/bin/python -m pip install --quiet -e ".[test,plan,docs]" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 echo "setup.sh: ready. Run '.venv/bin/python launch/run.py' to train, '.venv/bin/pytest' to test."

@@ -1,0 +1,109 @@
+"""The documentation site cannot go stale silently: the config reference equals a fresh generation
+from the config dataclasses, every page is in the site's navigation, every file a page names is in
+the repository, no page speaks of issue numbers, and (where mkdocs is installed: the `docs` extra)
+the site builds with `mkdocs build --strict`; every launcher command a page shows is accepted."""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from ferry.overrides import compose_node
+from ferry.train.config import load_config
+from tests.conftest import CONFIGS, ROOT
+from tests.test_readme import launcher_overrides
+
+DOCS = ROOT / "docs"
+GENERATED = DOCS / "reference" / "config.md"
+# a repository path in a page: a source file, a script, a test, a config
+NAMED_FILE = re.compile(
+    r"(?<![\w/.<-])((?:src/ferry|benchmarks|launch|scripts|tests|configs)/[\w/.-]*\w\.(?:py|yaml|sbatch))"
+)
+
+
+def config_reference():
+    spec = importlib.util.spec_from_file_location("config_reference", ROOT / "scripts" / "config_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def pages() -> list:
+    return sorted(DOCS.rglob("*.md"))
+
+
+def test_the_config_reference_is_generated_from_the_dataclasses():
+    """docs/reference/config.md is what scripts/config_reference.py writes today: a key added,
+    removed or re-documented in a config dataclass changes the page, and this test fails until it
+    is regenerated."""
+    assert GENERATED.read_text() == config_reference().reference(), (
+        "docs/reference/config.md is stale: run python scripts/config_reference.py"
+    )
+
+
+def test_the_config_reference_walks_the_nested_configs():
+    text = GENERATED.read_text()
+    for key in ("train.learning_rate", "offload.auto.candidates", "data.source", "mesh.fsdp", "model.num_kv_heads"):
+        assert f"| `{key}` |" in text, key
+    for family in ("llama", "qwen3", "deepseek_v3"):
+        assert f"`model.family: {family}`" in text
+
+
+def page_commands() -> list[tuple[str, list[str]]]:
+    return [(str(p.relative_to(DOCS)), o) for p in pages() for o in launcher_overrides(p.read_text())]
+
+
+@pytest.mark.parametrize(
+    ("page", "overrides"), page_commands(), ids=lambda v: " ".join(v) if isinstance(v, list) else v
+)
+def test_every_launcher_command_of_the_docs_is_accepted(page, overrides):
+    """A page's `python launch/run.py ...` composes into a valid config (nothing is run): a
+    renamed key, group or preset fails here, naming the page."""
+    load_config(compose_node("train", overrides, CONFIGS))
+
+
+def test_the_docs_show_launcher_commands():
+    assert len(page_commands()) >= 30
+
+
+def test_every_page_is_in_the_navigation():
+    nav = set(re.findall(r"([\w/-]+\.md)", (ROOT / "mkdocs.yml").read_text()))
+    assert nav == {str(p.relative_to(DOCS)) for p in pages()}
+
+
+def test_every_file_a_page_names_exists():
+    missing = []
+    for page in pages():
+        for path in NAMED_FILE.findall(page.read_text()):
+            if not (ROOT / path).exists():
+                missing.append(f"{page.relative_to(ROOT)}: {path}")
+    assert not missing, missing
+
+
+def test_pages_speak_to_users_not_to_the_tracker():
+    """Measurements say what they measured, not which ticket asked (upstream bugs, such as
+    openxla/xla #46231, are named with their project)."""
+    for page in pages():
+        if page == GENERATED:  # its text is the dataclasses' own comments
+            continue
+        text = page.read_text()
+        assert not re.search(r"\b[Ii]ssue \d+|\bthe seed\b", text), page
+        assert not re.search(r"(?<!xla )#\d{2,}", text), page
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("mkdocs") is None, reason='mkdocs is not installed: pip install -e ".[docs]"'
+)
+def test_the_site_builds_strictly(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert done.returncode == 0, done.stderr
