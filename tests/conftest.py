@@ -164,8 +164,8 @@ def finished_run(tmp_path_factory):
 
     from rich.console import Console
 
-    from ferry.train.prepare import prepare
-    from ferry.train.run import train
+    from ferry.run.preflight import prepare
+    from ferry.run.training import train
 
     run_dir = tmp_path_factory.mktemp("finished") / "run"
     console = Console(file=io.StringIO(), width=200)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ferry.train.lock import acquire
+from ferry.run.lock import acquire
 from tests.conftest import ROOT, SMALL_RUN, run_launcher
 
 COMMON = SMALL_RUN
@@ -417,7 +417,7 @@ def test_ctrl_c_during_the_imports_is_one_line_and_130(tmp_path):
 
 
 def test_the_nonfinite_stop_names_this_runs_likely_causes():
-    from ferry.train.nonfinite import likely_causes, nonfinite_error
+    from ferry.run.nonfinite import likely_causes, nonfinite_error
     from tests.conftest import compose_config
 
     risky = likely_causes(compose_config("train.warmup_steps=0", "train.learning_rate=0.05", "train.adam_eps=1e-20"))
@@ -451,8 +451,8 @@ def test_a_checkpoint_weight_holding_nan_is_refused_naming_the_tensor(tmp_path):
 
 
 def test_an_evaluation_longer_than_the_held_out_split_is_noted():
+    from ferry.run.training import held_out_note
     from ferry.train.config import TrainConfig
-    from ferry.train.run import held_out_note
 
     train = TrainConfig(global_batch_size=4, seq_len=32, eval_batches=3)
     assert held_out_note(train, held_out_windows=12) is None

@@ -36,7 +36,7 @@ from ferry.models.llama import hf as hf_llama_family  # noqa: E402
 from ferry.nn.moe import route  # noqa: E402
 from ferry.nn.rope import yarn_frequencies, yarn_mscale  # noqa: E402
 from ferry.offload import SAVE_ALL  # noqa: E402
-from ferry.train.prepare import prepare  # noqa: E402
+from ferry.run.preflight import prepare  # noqa: E402
 from tests.conftest import compose_config, load_model_config, run_launcher  # noqa: E402
 
 ATOL = 1e-4  # logits

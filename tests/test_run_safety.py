@@ -26,10 +26,10 @@ from ferry.errors import JsonFileError, read_json
 from ferry.hf import CheckpointError as HFCheckpointError
 from ferry.hf.safetensors_io import read_header
 from ferry.memory import CompiledMemory, InsufficientMemoryError, check_step_fits
-from ferry.train.checkpoint import Checkpoints, RunCheckpointError, array_checksums, checkpoint_steps
-from ferry.train.lock import LOCK_FILE, acquire
-from ferry.train.prepare import prepare
-from ferry.train.run import train
+from ferry.run.checkpoint import Checkpoints, RunCheckpointError, array_checksums, checkpoint_steps
+from ferry.run.lock import LOCK_FILE, acquire
+from ferry.run.preflight import prepare
+from ferry.run.training import train
 from tests.conftest import ROOT, compilation_cache, compose_config
 from tests.launcher_cases import load_launcher
 from tests.test_bad_inputs import COMMON, run_cases, tree_digest

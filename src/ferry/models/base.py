@@ -71,7 +71,7 @@ class AbstractModelConfig(eqx.Module):
     @abc.abstractmethod
     def forward_flops(self, batch: int, seq: int) -> tuple[int, float]:
         """(weight, attention) FLOPs of one forward pass over `batch` x `seq` tokens, by MaxText's
-        convention (`ferry.train.flops`)."""
+        convention (`ferry.train.step_flops`)."""
 
     @abc.abstractmethod
     def for_platform(self, platform: str) -> "AbstractModelConfig":

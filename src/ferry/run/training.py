@@ -1,7 +1,7 @@
-"""A training run as prepared (`ferry.train.prepare`): the step compiled from the train state's
+"""A training run as prepared (`ferry.run.preflight`): the step compiled from the train state's
 layout, its memory checked against the machine before any state is allocated or anything
 written; then the state (new, or the checkpoint's it resumes), the start-up report, and the
-step loop (`ferry.train.loop`)."""
+step loop (`ferry.run.loop`)."""
 
 import contextlib
 import dataclasses
@@ -18,21 +18,21 @@ from ferry.data.placement import BatchPlacement
 from ferry.distributed import is_main_process
 from ferry.memory import CompiledMemory, check_step_fits
 from ferry.plan.scheduler_costs import ProfileCache, scheduler_target
+from ferry.run.checkpoint import Checkpoints
+from ferry.run.directory import write_start_files
+from ferry.run.loggers import RunLoggers
+from ferry.run.loop import RunBatches, TrainingLoop
+from ferry.run.memory_report import describe_memory, host_bytes_line, step_fit_advice
+from ferry.run.meter import StepMeter
+from ferry.run.nonfinite import likely_causes, nonfinite_error
+from ferry.run.preemption import SigtermStop
+from ferry.run.preflight import PreparedRun
+from ferry.run.profiling import StepProfiler
 from ferry.schedule import schedule_table
-from ferry.train.checkpoint import Checkpoints
 from ferry.train.compiled_step import compile_step
 from ferry.train.config import TrainConfig
-from ferry.train.loggers import RunLoggers
-from ferry.train.loop import RunBatches, TrainingLoop
-from ferry.train.memory_report import describe_memory, host_bytes_line, step_fit_advice
-from ferry.train.meter import StepMeter
-from ferry.train.nonfinite import likely_causes, nonfinite_error
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer
 from ferry.train.out_of_memory import over_hbm_refusal
-from ferry.train.preemption import SigtermStop
-from ferry.train.prepare import PreparedRun
-from ferry.train.profiling import StepProfiler
-from ferry.train.run_dir import write_start_files
 from ferry.train.state import initial_state
 from ferry.train.step import LossSettings, TrainState, make_eval_step, train_step_body
 

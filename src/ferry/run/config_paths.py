@@ -11,7 +11,7 @@ from ferry.train.config import FerryConfig
 
 def check_config_paths(config: FerryConfig) -> None:
     """Refuse, naming the key, a path of the wrong kind or a directory that cannot be made. An
-    existing run directory is left to the run directory's own checks (`ferry.train.run_dir`)."""
+    existing run directory is left to the run directory's own checks (`ferry.run.directory`)."""
     run, data = config.run, config.data
     paths = {
         "run.dir": run.dir,
