@@ -41,12 +41,13 @@ from ferry.overrides import compose_node  # noqa: E402
 from ferry.plan.scheduler_costs import scheduler_target  # noqa: E402
 from ferry.platform import PlatformConfig, apply_platform, check_gpu_jax, check_platform  # noqa: E402
 from ferry.run.checkpoint import checkpoint_steps  # noqa: E402
+from ferry.run.config import FerryConfig, load_config  # noqa: E402
 from ferry.run.config_paths import check_config_paths  # noqa: E402
 from ferry.run.directory import resolve_run_dir  # noqa: E402
 from ferry.run.nonfinite import NonFiniteLossError  # noqa: E402
 from ferry.run.preflight import PreparedRun, prepare  # noqa: E402
 from ferry.run.training import train  # noqa: E402
-from ferry.train.config import FerryConfig, OffloadConfig, load_config  # noqa: E402
+from ferry.train.config import OffloadConfig  # noqa: E402
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 # the console width when output goes to a file (SLURM, a redirect): wide enough that no table is cut

@@ -26,7 +26,8 @@ from omegaconf import OmegaConf
 from ferry.config import from_dict
 from ferry.models.registry import model_config
 from ferry.platform import PlatformConfig
-from ferry.train.config import FerryConfig, OffloadConfig, load_config
+from ferry.run.config import FerryConfig, load_config
+from ferry.train.config import OffloadConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"

@@ -275,7 +275,7 @@ def test_damaged_hf_checkpoints_through_the_launcher(tmp_path):
 def test_checkpoint_final_false_saves_only_the_periodic_steps(tmp_path):
     """checkpoint.final=false (a benchmark's throwaway run): no save after the last step, the
     periodic ones and SIGTERM's kept."""
-    from ferry.train.config import CheckpointConfig
+    from ferry.run.config import CheckpointConfig
 
     keeping = Checkpoints(tmp_path / "a", CheckpointConfig(every=5))
     throwaway = Checkpoints(tmp_path / "b", CheckpointConfig(every=5, final=False))

@@ -28,14 +28,14 @@ from ferry.plan.replay import LayerGroupTrace, read_by_backward
 from ferry.plan.scheduler_costs import ProfileCache, compile_with_costs
 from ferry.plan.targets import GpuTarget, Target
 from ferry.plan.transfers import Transfer, TransferSummary, time_transfers, transfers_json
+from ferry.run.config import FerryConfig
 from ferry.schedule import TransferSchedule, model_schedule
 from ferry.sharding import MESH_AXES, MeshConfig, batch_sharded
-from ferry.train.config import FerryConfig
-from ferry.train.step_flops import training_flops
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer
 from ferry.train.state import StateLayout, run_state_layout
 from ferry.train.state_memory import state_writes
 from ferry.train.step import LossSettings, train_step_body
+from ferry.train.step_flops import training_flops
 
 
 class PlanError(FerryError, RuntimeError):

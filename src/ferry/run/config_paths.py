@@ -6,7 +6,7 @@ from pathlib import Path
 
 from ferry.config import ConfigError
 from ferry.paths import check_directory_to_write, check_existing_directory
-from ferry.train.config import FerryConfig
+from ferry.run.config import FerryConfig
 
 
 def check_config_paths(config: FerryConfig) -> None:

@@ -37,8 +37,8 @@ from rich.console import Console
 from ferry.models.registry import abstract_model, family_of, model_config
 from ferry.nn.stack import LayerStack
 from ferry.offload import Policy, PolicyError
+from ferry.run.config import FerryConfig
 from ferry.sharding import MESH_AXES
-from ferry.train.config import FerryConfig
 
 CHECK_LAYERS = 3
 """Layers per checked stack: the backward loop then reads its residuals at three different steps."""
