@@ -437,7 +437,7 @@ def test_a_checkpoint_weight_holding_nan_is_refused_naming_the_tensor(tmp_path):
     import numpy as np
     from safetensors.numpy import save_file
 
-    from ferry.hf.safetensors_io import CheckpointError, CheckpointReader
+    from ferry.hf_format.safetensors_io import CheckpointError, CheckpointReader
 
     weight = np.ones((4, 4), np.float32)
     weight[2, 3] = np.nan

@@ -24,7 +24,7 @@ import ferry.memory as memory_module
 from ferry.config import ConfigError
 from ferry.errors import JsonFileError, read_json
 from ferry.hf import CheckpointError as HFCheckpointError
-from ferry.hf.safetensors_io import read_header
+from ferry.hf_format.safetensors_io import read_header
 from ferry.memory import CompiledMemory, InsufficientMemoryError, check_step_fits
 from ferry.run.checkpoint import Checkpoints, RunCheckpointError, array_checksums, checkpoint_steps
 from ferry.run.lock import LOCK_FILE, acquire

@@ -4,7 +4,6 @@ directories (config.json + safetensors shards + their index)."""
 import dataclasses
 import json
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import equinox as eqx
@@ -14,9 +13,10 @@ import numpy as np
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from ferry.errors import read_json
-from ferry.hf.hf_config import check_matches
-from ferry.hf.layout import TensorMap, check_tensors, host_tensors, load_array
-from ferry.hf.safetensors_io import CheckpointError, CheckpointReader, ShardedWriter
+from ferry.hf_format.config_json import check_matches
+from ferry.hf_format.layout import TensorMap, check_tensors, host_tensors, load_array
+from ferry.hf_format.safetensors_io import CheckpointError, CheckpointReader, ShardedWriter
+from ferry.models import registry
 from ferry.models.family import Family
 from ferry.sharding import tree_shardings
 
@@ -45,7 +45,6 @@ def open_checkpoint(directory: str | Path) -> Checkpoint:
             "(config.json, *.safetensors and, when sharded, model.safetensors.index.json)"
         )
     hf = read_json(config_file, "the checkpoint's config")
-    registry = _registry()
     family = registry.hf_family(hf.get("model_type"))
     if family is None:
         known = sorted(f.hf.MODEL_TYPE for f in registry.FAMILIES.values())
@@ -56,14 +55,6 @@ def open_checkpoint(directory: str | Path) -> Checkpoint:
     reader = CheckpointReader(directory, _fp8_block(hf))
     config = family.hf.config_from_hf(hf, family.hf.mtp_layers(reader.names(), hf))
     return Checkpoint(directory, hf, family, config, reader)
-
-
-def _registry() -> ModuleType:
-    """`ferry.models.registry`, imported when first used: each family's `hf` module imports this
-    package, so importing the registry at the top would be circular."""
-    from ferry.models import registry
-
-    return registry
 
 
 def _fp8_block(hf: dict[str, Any]) -> tuple[int, int] | None:
@@ -116,7 +107,7 @@ def check_checkpoint(directory: str | Path, config: Any | None = None) -> Checke
     checkpoint = open_checkpoint(directory)
     config = checkpoint.config if config is None else matching_config(checkpoint, config)
     maps = checkpoint.family.hf.tensor_maps(config, checkpoint.hf_config)
-    abstract = _registry().abstract_model(config)
+    abstract = registry.abstract_model(config)
     check_tensors(
         checkpoint.reader, maps, _leaves(abstract, maps), checkpoint.family.hf.ignored(config, checkpoint.hf_config)
     )
@@ -155,7 +146,6 @@ def save_pretrained(
     `{"bos_token_id": 128000, "max_position_embeddings": 131072}`. Every process must call this
     (each tensor is gathered from the devices holding it, one at a time); process 0 writes.
     Returns the files written."""
-    registry = _registry()
     family = next((f for f in registry.FAMILIES.values() if type(model) is f.model), None)
     if family is None:
         known = ", ".join(f.model.__name__ for f in registry.FAMILIES.values())
