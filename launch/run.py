@@ -35,7 +35,7 @@ from rich.console import Console  # noqa: E402
 from rich.markup import escape  # noqa: E402
 
 from ferry import distributed  # noqa: E402
-from ferry.config import ConfigError, from_dict  # noqa: E402
+from ferry.config_schema import ConfigError, from_dict  # noqa: E402
 from ferry.errors import FerryError  # noqa: E402
 from ferry.overrides import compose_node  # noqa: E402
 from ferry.plan.scheduler_costs import scheduler_target  # noqa: E402

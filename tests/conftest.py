@@ -23,7 +23,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from ferry.config import from_dict
+from ferry.config_schema import from_dict
 from ferry.models.registry import model_config
 from ferry.platform import PlatformConfig
 from ferry.run.config import FerryConfig, load_config

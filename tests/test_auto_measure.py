@@ -14,7 +14,7 @@ import pytest
 import yaml
 from rich.console import Console
 
-from ferry.config import ConfigError, from_dict
+from ferry.config_schema import ConfigError, from_dict
 from ferry.plan import auto_measure
 from ferry.plan.auto import MIN_GAIN
 from ferry.plan.auto_measure import resolve_measure, subprocess_measurer

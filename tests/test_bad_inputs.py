@@ -296,7 +296,7 @@ def test_a_parquet_file_of_garbage_is_refused_naming_it(tmp_path):
 
 
 def test_directory_checks(tmp_path):
-    from ferry.config import ConfigError
+    from ferry.config_schema import ConfigError
     from ferry.paths import check_directory_to_write, check_existing_directory, check_existing_file
 
     (tmp_path / "file").write_text("x")
@@ -315,7 +315,7 @@ def test_directory_checks(tmp_path):
 
 
 def test_unicode_values_and_reserved_characters_need_no_quotes(tmp_path):
-    from ferry.config import ConfigError
+    from ferry.config_schema import ConfigError
     from ferry.overrides import compose_node, quote_non_ascii
 
     run_dir = str(tmp_path / "ünïcødé" / "rün")
@@ -389,7 +389,7 @@ def test_prepare_data_takes_its_own_keys_only(tmp_path, capsys):
 
 
 def test_a_refusal_keeps_its_brackets(capsys):
-    from ferry.config import ConfigError
+    from ferry.config_schema import ConfigError
     from tests.launcher_cases import load_launcher
 
     assert load_launcher().refuse(ConfigError('pip install -e ".[parquet]"')) == 2

@@ -412,7 +412,7 @@ def test_auto_moves_the_train_state_to_host_when_only_that_fits(tmp_path):
     into the preset a run trains with."""
     import yaml
 
-    from ferry.config import from_dict
+    from ferry.config_schema import from_dict
     from ferry.plan.report import write_plan
     from ferry.train.config import OffloadConfig
 

@@ -21,7 +21,7 @@ from rich.console import Console
 from safetensors.numpy import save_file
 
 import ferry.memory as memory_module
-from ferry.config import ConfigError
+from ferry.config_schema import ConfigError
 from ferry.errors import JsonFileError, read_json
 from ferry.hf import CheckpointError as HFCheckpointError
 from ferry.hf_format.safetensors_io import read_header

@@ -18,7 +18,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ferry.config import ConfigError
+from ferry.config_schema import ConfigError
 
 # mappings whose entries a user names freely (validated later against the model or XLA)
 OPEN_MAPPINGS = ("offload.tensors.", "platform.xla_flags.", "platform.env.")

@@ -3,7 +3,7 @@
 import dataclasses
 import math
 
-from ferry.config import ConfigError
+from ferry.config_schema import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from ferry.config import ConfigError
+from ferry.config_schema import ConfigError
 from ferry.models.registry import abstract_model
 from ferry.offload import Policy
 from ferry.plan.advice import step_identity

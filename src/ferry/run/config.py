@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from ferry.config import ConfigError, from_dict
+from ferry.config_schema import ConfigError, from_dict
 from ferry.data.config import DataConfig
 from ferry.distributed import DistributedConfig
 from ferry.models.registry import model_config

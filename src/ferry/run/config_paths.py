@@ -4,7 +4,7 @@ Hugging Face checkpoint and a saved dataset."""
 
 from pathlib import Path
 
-from ferry.config import ConfigError
+from ferry.config_schema import ConfigError
 from ferry.paths import check_directory_to_write, check_existing_directory
 from ferry.run.config import FerryConfig
 

@@ -7,7 +7,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ferry.config import ConfigError
+from ferry.config_schema import ConfigError
 from ferry.errors import FerryError
 from ferry.metrics import MetricsWriter
 from ferry.run.config import LogConfig

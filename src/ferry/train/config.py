@@ -8,7 +8,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from ferry.config import ConfigError, require_finite, require_positive
+from ferry.config_schema import ConfigError, require_finite, require_positive
 from ferry.loss import LossHead
 from ferry.offload import ENGINES, PLACEMENTS, Policy
 from ferry.train.state_memory import StatePlacement

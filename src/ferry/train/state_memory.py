@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ferry.config import ConfigError
+from ferry.config_schema import ConfigError
 from ferry.nn.stack import LayerStack
 from ferry.offload import has_memory_kinds
 from ferry.schedule import StateCopy
