@@ -240,7 +240,7 @@ class StreamedUpdate:
 
         def update(inputs: list[list[jax.Array]]) -> tuple[list[list[Any]], Any]:
             p, g, m, v = inputs
-            fetch = lambda xs, hs: [  # noqa: E731
+            fetch = lambda xs, hs: [
                 _put(x, "device", sh) if h and self.moves else x for x, h, sh in zip(xs, hs, shardings, strict=True)
             ]
             p, m, v = fetch(p, host_p), fetch(m, host_m), fetch(v, host_m)
@@ -250,12 +250,12 @@ class StreamedUpdate:
             updates, new_state = self.adamw.update(grads, state, params)
             new_p = [jax.tree.leaves(optax.apply_updates(params, updates))[i] for i in index]
             new_mu, new_nu = ([jax.tree.leaves(t)[i] for i in index] for t in _moments(new_state))
-            keep = lambda new, old: jnp.where(apply, new, old)  # noqa: E731
+            keep = lambda new, old: jnp.where(apply, new, old)
             new_p = [keep(a, b) for a, b in zip(new_p, p, strict=True)]
             new_mu = [keep(a, b) for a, b in zip(new_mu, m, strict=True)]
             new_nu = [keep(a, b) for a, b in zip(new_nu, v, strict=True)]
             compute = [x.astype(self.compute_dtype) if h else None for x, h in zip(new_p, host_p, strict=True)]
-            back = lambda xs, hs: [  # noqa: E731
+            back = lambda xs, hs: [
                 _put(x, "pinned_host", sh) if h and self.moves else x
                 for x, h, sh in zip(xs, hs, shardings, strict=True)
             ]
@@ -322,9 +322,9 @@ def _in_place(
     nu and compute copies (None where the master weights are in HBM). `collect`: a scan
     collecting new arrays instead, for inputs that are not where the update writes."""
     if collect:
-        split = lambda xs: [x if rows is None else x.reshape(steps, rows, *x.shape[1:]) for x in xs]  # noqa: E731
+        split = lambda xs: [x if rows is None else x.reshape(steps, rows, *x.shape[1:]) for x in xs]
         outputs = jax.lax.scan(lambda _, xs: (None, update(xs)[0]), None, [split(xs) for xs in inputs])[1]
-        join = lambda y: y if y is None or rows is None else y.reshape(-1, *y.shape[2:])  # noqa: E731
+        join = lambda y: y if y is None or rows is None else y.reshape(-1, *y.shape[2:])
         return [[join(y) for y in ys] for ys in outputs]
     params, grads, mu, nu = inputs
     compute = [jnp.zeros(x.shape, compute_dtype) if host else None for x, host in zip(params, host_params, strict=True)]
@@ -340,7 +340,7 @@ def _in_place(
         return jax.lax.dynamic_update_slice_in_dim(x, y, k * rows, 0)
 
     def step(k: jax.Array, carry: tuple[list[Any], ...]) -> tuple[list[Any], ...]:
-        take = lambda xs: [part(x, k) for x in xs]  # noqa: E731
+        take = lambda xs: [part(x, k) for x in xs]
         new = update([take(carry[0]), take(grads), take(carry[1]), take(carry[2])])[0]
         return tuple(
             [x if y is None else write(x, y, k) for x, y in zip(xs, ys, strict=True)]
