@@ -43,7 +43,11 @@ class DistributedConfig:
                 "distributed.coordinator_address, distributed.num_processes and distributed.process_id "
                 "go together: set all three, or none (single host, or SLURM)"
             )
-        if all(given) and not 0 <= self.process_id < self.num_processes:
+        if (
+            self.process_id is not None
+            and self.num_processes is not None
+            and not 0 <= self.process_id < self.num_processes
+        ):
             raise ConfigError(
                 f"distributed.process_id {self.process_id} must lie in [0, num_processes={self.num_processes})"
             )

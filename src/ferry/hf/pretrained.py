@@ -17,6 +17,7 @@ from ferry.hf_format.config_json import check_matches
 from ferry.hf_format.layout import TensorMap, check_tensors, host_tensors, load_array
 from ferry.hf_format.safetensors_io import CheckpointError, CheckpointReader, ShardedWriter
 from ferry.models import registry
+from ferry.models.base import AbstractLanguageModel
 from ferry.models.family import Family
 from ferry.sharding import tree_shardings
 
@@ -133,7 +134,7 @@ def load_pretrained(directory: str | Path, config: Any | None = None, mesh: Mesh
 
 
 def save_pretrained(
-    model: eqx.Module,
+    model: AbstractLanguageModel,
     directory: str | Path,
     *,
     dtype: str = "float32",
@@ -156,7 +157,8 @@ def save_pretrained(
     hf = mapping.config_to_hf(model.config)
     merged = hf | (config_overrides or {})
     if mapping.config_to_hf(mapping.config_from_hf(merged, model.config.mtp_depth)) != hf:
-        changed = sorted(k for k in config_overrides or {} if k in hf and config_overrides[k] != hf[k])
+        overrides = config_overrides or {}
+        changed = sorted(k for k in overrides if k in hf and overrides[k] != hf[k])
         raise ValueError(
             f"config_overrides changes the model ({changed}): it may only add keys, or set ones the model "
             "does not read (max_position_embeddings)"

@@ -11,6 +11,7 @@ from typing import Any
 from ferry.config_schema import ConfigError, from_dict
 from ferry.data.config import DataConfig
 from ferry.distributed import DistributedConfig
+from ferry.models.base import AbstractModelConfig
 from ferry.models.registry import model_config
 from ferry.plan.config import PlanConfig
 from ferry.platform import PlatformConfig
@@ -82,7 +83,7 @@ class FerryConfig:
     """A whole run, as resolved from Hydra: `model` is the family's own config dataclass."""
 
     model_name: str
-    model: object
+    model: AbstractModelConfig
     train: TrainConfig
     offload: OffloadConfig
     data: DataConfig

@@ -13,6 +13,7 @@ import optax
 from rich.console import Console
 
 from ferry.compile_oom import StepOverHbm
+from ferry.data.corpus import Corpus
 from ferry.data.pipeline import PackedWindows, local_batches
 from ferry.data.placement import BatchPlacement
 from ferry.distributed import is_main_process
@@ -60,7 +61,7 @@ def _train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
     settings = loss_settings(prepared)
     batches = open_batches(prepared)
     tc = config.train
-    if (note := held_out_note(tc, PackedWindows(prepared.corpus.eval, tc.seq_len).num_windows)) is not None:
+    if (note := held_out_note(tc, PackedWindows(training_corpus(prepared).eval, tc.seq_len).num_windows)) is not None:
         console.print(f"note: {note}", highlight=False)
     meter = StepMeter.of(config, prepared.schedule)
     # closing the iterators stops their prefetch threads, also when the run fails
@@ -113,15 +114,23 @@ def held_out_note(train: TrainConfig, held_out_windows: int) -> str | None:
     )
 
 
+def training_corpus(prepared: PreparedRun) -> Corpus:
+    """The corpus of a run that trains (only a run already complete has none, and returns early)."""
+    if prepared.corpus is None:
+        raise AssertionError("a complete run has no corpus to train on")
+    return prepared.corpus
+
+
 def loss_settings(prepared: PreparedRun) -> LossSettings:
     tc = prepared.config.train
-    documents = prepared.corpus.document_mask(prepared.config.data)  # data.document_mask: attention stays in each
+    corpus = training_corpus(prepared)
+    documents = corpus.document_mask(prepared.config.data)  # data.document_mask: attention stays in each
     return LossSettings.of(tc, prepared.policy, documents)
 
 
 def open_batches(prepared: PreparedRun) -> RunBatches:
     """This process's rows of the training stream (shuffled, prefetched) and of the held-out one."""
-    config, tc, corpus = prepared.config, prepared.config.train, prepared.corpus
+    config, tc, corpus = prepared.config, prepared.config.train, training_corpus(prepared)
     placement = BatchPlacement.on(prepared.mesh, (tc.global_batch_size, tc.seq_len + 1))
     rows = placement.local_rows
     train = local_batches(

@@ -195,6 +195,7 @@ class StreamedUpdate:
         collect = self.moves and not all(map(_in_host_memory, _moved_inputs(columns, self.smap)))
         blocks = row_blocks(self.smap, columns[0], shardings)
         units = [0, *sorted(set(self.smap.units) - {0})]  # unit 0 (maybe empty) yields the counts
+        pieces: list[tuple[int | None, list[int]]]
         pieces = [(unit, [i for i in self.smap.leaves_of(unit) if i not in blocks]) for unit in units]
         pieces += [(None, [i]) for i in blocks]  # each large unstacked leaf, a block of rows at a time
         for unit, index in pieces:
