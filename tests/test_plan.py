@@ -378,7 +378,7 @@ def test_an_expert_axis_shards_the_dense_weights_as_fsdp_does():
 def test_the_estimate_reads_the_compiled_collectives_and_counts_model_flops_as_maxtext():
     """llama_tiny over 8 H200s (FSDP): the weights' all-gathers and the gradients' reduce-scatters
     are in the estimate at NVLink speed; the matmul time is the program's FLOPs at the peak, the
-    model FLOPs `train/flops.py`'s per device."""
+    model FLOPs `train/step_flops.py`'s per device."""
     from ferry.train.step_flops import training_flops
 
     measured = plan("llama_tiny", "save_all", "mesh.fsdp=8")
