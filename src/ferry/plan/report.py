@@ -8,6 +8,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import jax
 import yaml
 from rich.console import Console
 from rich.table import Table
