@@ -1,6 +1,6 @@
 """ferry on a real GPU in one run (at most about 8 minutes on one H200):
 
-1. correctness: the gradient self-check (`ferry.train.policy_check`, what `train.check_policy`
+1. correctness: the gradient self-check (`ferry.run.policy_check`, what `train.check_policy`
    runs before training) for every offload preset on `llama_tiny` and `deepseek_v3_tiny`;
 2. memory: on a DeepSeek-V3-shaped slice (full width: dim 7168, 128 MLA heads, expert FFN 2048,
    vocabulary 129,280; 1 dense + 2 MoE layers, 16 routed experts so that a layer's parameters
@@ -37,9 +37,9 @@ from rich.table import Table
 
 from ferry.models.registry import abstract_model
 from ferry.platform import apply_platform
+from ferry.run.config import FerryConfig, load_config
+from ferry.run.policy_check import TOLERANCE, PolicyCheckError, check_policy, one_device_mesh
 from ferry.schedule import format_bytes
-from ferry.train.config import FerryConfig, load_config
-from ferry.train.policy_check import TOLERANCE, PolicyCheckError, check_policy, one_device_mesh
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from ferry.config import from_dict
+from ferry.config_schema import from_dict
 from ferry.models.registry import abstract_model, build_model, model_config
 from ferry.sharding import batch_sharded, make_mesh, replicated
 from ferry.train.config import OffloadConfig, TrainConfig

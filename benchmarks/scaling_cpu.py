@@ -39,9 +39,9 @@ class Layout:
 
         from ferry.data.placement import device_batch
         from ferry.plan.hlo_stats import collective_bytes
-        from ferry.train.config import load_config
+        from ferry.run.config import load_config
+        from ferry.run.preflight import prepare
         from ferry.train.optimizer import learning_rate_schedule, make_optimizer
-        from ferry.train.prepare import prepare
         from ferry.train.state import initial_state
         from ferry.train.step import LossSettings, make_train_step
 

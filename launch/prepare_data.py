@@ -31,7 +31,7 @@ from pathlib import Path  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.markup import escape  # noqa: E402
 
-from ferry.config import ConfigError, from_dict  # noqa: E402
+from ferry.config_schema import ConfigError, from_dict  # noqa: E402
 from ferry.data.config import DataConfig  # noqa: E402
 from ferry.data.prepare import prepare_corpus  # noqa: E402
 from ferry.data.shards import SPLITS  # noqa: E402

@@ -35,18 +35,19 @@ from rich.console import Console  # noqa: E402
 from rich.markup import escape  # noqa: E402
 
 from ferry import distributed  # noqa: E402
-from ferry.config import ConfigError, from_dict  # noqa: E402
+from ferry.config_schema import ConfigError, from_dict  # noqa: E402
 from ferry.errors import FerryError  # noqa: E402
 from ferry.overrides import compose_node  # noqa: E402
 from ferry.plan.scheduler_costs import scheduler_target  # noqa: E402
 from ferry.platform import PlatformConfig, apply_platform, check_gpu_jax, check_platform  # noqa: E402
-from ferry.train.checkpoint import checkpoint_steps  # noqa: E402
-from ferry.train.config import FerryConfig, OffloadConfig, load_config  # noqa: E402
-from ferry.train.config_paths import check_config_paths  # noqa: E402
-from ferry.train.nonfinite import NonFiniteLossError  # noqa: E402
-from ferry.train.prepare import PreparedRun, prepare  # noqa: E402
-from ferry.train.run import train  # noqa: E402
-from ferry.train.run_dir import resolve_run_dir  # noqa: E402
+from ferry.run.checkpoint import checkpoint_steps  # noqa: E402
+from ferry.run.config import FerryConfig, load_config  # noqa: E402
+from ferry.run.config_paths import check_config_paths  # noqa: E402
+from ferry.run.directory import resolve_run_dir  # noqa: E402
+from ferry.run.nonfinite import NonFiniteLossError  # noqa: E402
+from ferry.run.preflight import PreparedRun, prepare  # noqa: E402
+from ferry.run.training import train  # noqa: E402
+from ferry.train.config import OffloadConfig  # noqa: E402
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 # the console width when output goes to a file (SLURM, a redirect): wide enough that no table is cut
@@ -216,6 +217,6 @@ def script(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from ferry.train.process_exit import exit_process
+    from ferry.run.process_exit import exit_process
 
     exit_process(script(sys.argv[1:]))  # a thread left blocked by a failed save does not hold the exit

@@ -23,10 +23,11 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from ferry.config import from_dict
+from ferry.config_schema import from_dict
 from ferry.models.registry import model_config
 from ferry.platform import PlatformConfig
-from ferry.train.config import FerryConfig, OffloadConfig, load_config
+from ferry.run.config import FerryConfig, load_config
+from ferry.train.config import OffloadConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
@@ -164,8 +165,8 @@ def finished_run(tmp_path_factory):
 
     from rich.console import Console
 
-    from ferry.train.prepare import prepare
-    from ferry.train.run import train
+    from ferry.run.preflight import prepare
+    from ferry.run.training import train
 
     run_dir = tmp_path_factory.mktemp("finished") / "run"
     console = Console(file=io.StringIO(), width=200)

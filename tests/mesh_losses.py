@@ -19,9 +19,9 @@ from omegaconf import OmegaConf
 from rich.console import Console
 
 from ferry.platform import PlatformConfig, apply_platform
-from ferry.train.config import load_config
-from ferry.train.prepare import prepare
-from ferry.train.run import train
+from ferry.run.config import load_config
+from ferry.run.preflight import prepare
+from ferry.run.training import train
 from tests.conftest import compilation_cache
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"

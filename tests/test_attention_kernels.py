@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from ferry.config import ConfigError
+from ferry.config_schema import ConfigError
 from ferry.data.segments import DocumentMask
 from ferry.models.registry import abstract_model, build_model
 from ferry.nn.kernels.choice import (

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from rich.console import Console
 
-from ferry.config import ConfigError, from_dict
+from ferry.config_schema import ConfigError, from_dict
 from ferry.plan import auto_measure
 from ferry.plan.auto import MIN_GAIN
 from ferry.plan.auto_measure import resolve_measure, subprocess_measurer
@@ -26,8 +26,9 @@ from ferry.plan.measure import (
     measure_train_step,
 )
 from ferry.plan.report import run_plan, write_plan
-from ferry.train.config import AutoMeasureConfig, OffloadConfig, load_config
-from ferry.train.policy_check import one_device_mesh
+from ferry.run.config import load_config
+from ferry.run.policy_check import one_device_mesh
+from ferry.train.config import AutoMeasureConfig, OffloadConfig
 from tests.conftest import CONFIGS, compose_config, load_platform, load_preset, needs_cuda_plugin, run_launcher
 
 # llama_tiny at 256 tokens on an H200 (1 GiB of it): everything fits, so the search's candidates are

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ferry.train.lock import acquire
+from ferry.run.lock import acquire
 from tests.conftest import ROOT, SMALL_RUN, run_launcher
 
 COMMON = SMALL_RUN
@@ -296,7 +296,7 @@ def test_a_parquet_file_of_garbage_is_refused_naming_it(tmp_path):
 
 
 def test_directory_checks(tmp_path):
-    from ferry.config import ConfigError
+    from ferry.config_schema import ConfigError
     from ferry.paths import check_directory_to_write, check_existing_directory, check_existing_file
 
     (tmp_path / "file").write_text("x")
@@ -315,7 +315,7 @@ def test_directory_checks(tmp_path):
 
 
 def test_unicode_values_and_reserved_characters_need_no_quotes(tmp_path):
-    from ferry.config import ConfigError
+    from ferry.config_schema import ConfigError
     from ferry.overrides import compose_node, quote_non_ascii
 
     run_dir = str(tmp_path / "ünïcødé" / "rün")
@@ -389,7 +389,7 @@ def test_prepare_data_takes_its_own_keys_only(tmp_path, capsys):
 
 
 def test_a_refusal_keeps_its_brackets(capsys):
-    from ferry.config import ConfigError
+    from ferry.config_schema import ConfigError
     from tests.launcher_cases import load_launcher
 
     assert load_launcher().refuse(ConfigError('pip install -e ".[parquet]"')) == 2
@@ -417,7 +417,7 @@ def test_ctrl_c_during_the_imports_is_one_line_and_130(tmp_path):
 
 
 def test_the_nonfinite_stop_names_this_runs_likely_causes():
-    from ferry.train.nonfinite import likely_causes, nonfinite_error
+    from ferry.run.nonfinite import likely_causes, nonfinite_error
     from tests.conftest import compose_config
 
     risky = likely_causes(compose_config("train.warmup_steps=0", "train.learning_rate=0.05", "train.adam_eps=1e-20"))
@@ -437,7 +437,7 @@ def test_a_checkpoint_weight_holding_nan_is_refused_naming_the_tensor(tmp_path):
     import numpy as np
     from safetensors.numpy import save_file
 
-    from ferry.hf.safetensors_io import CheckpointError, CheckpointReader
+    from ferry.hf_format.safetensors_io import CheckpointError, CheckpointReader
 
     weight = np.ones((4, 4), np.float32)
     weight[2, 3] = np.nan
@@ -451,8 +451,8 @@ def test_a_checkpoint_weight_holding_nan_is_refused_naming_the_tensor(tmp_path):
 
 
 def test_an_evaluation_longer_than_the_held_out_split_is_noted():
+    from ferry.run.training import held_out_note
     from ferry.train.config import TrainConfig
-    from ferry.train.run import held_out_note
 
     train = TrainConfig(global_batch_size=4, seq_len=32, eval_batches=3)
     assert held_out_note(train, held_out_windows=12) is None

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ferry.chunked_head import OutputHead, VocabChunks, chunks_under_mesh, vocab_chunks
-from ferry.config import ConfigError
+from ferry.config_schema import ConfigError
 from ferry.loss import MIB, LossHead, next_token_loss, whole_logits
 from ferry.models.registry import build_model
 from ferry.offload import SAVE_ALL

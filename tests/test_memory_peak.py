@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from ferry.memory import CompiledMemory
-from ferry.train import memory_report
+from ferry.run import memory_report
 
 GIB = 2**30
 STEP = CompiledMemory(

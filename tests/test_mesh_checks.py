@@ -5,12 +5,11 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType
 from rich.console import Console
 
-from ferry.distributed import under_slurm
+from ferry.distributed import DistributedConfig, under_slurm
 from ferry.models.registry import abstract_model, count_parameters
 from ferry.platform import PlatformConfig
+from ferry.run.preflight import prepare
 from ferry.sharding import MESH_AXES, MeshConfig, MeshError, param_spec, parameters_per_device
-from ferry.train.config import DistributedConfig
-from ferry.train.prepare import prepare
 from tests.conftest import compose_config, load_model_config, run_launcher
 
 

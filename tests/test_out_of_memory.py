@@ -9,9 +9,9 @@ import shutil
 import jax
 import pytest
 
+import ferry.run.training as train_run
 import ferry.train.compiled_step as compiled_step
 import ferry.train.out_of_memory as out_of_memory
-import ferry.train.run as train_run
 from ferry.compile_oom import CompileTimeOom, StepOverHbm, parse_size
 from ferry.plan.planner import out_of_memory_plan
 from ferry.plan.report import refused_lines, write_plan

@@ -378,8 +378,8 @@ def test_an_expert_axis_shards_the_dense_weights_as_fsdp_does():
 def test_the_estimate_reads_the_compiled_collectives_and_counts_model_flops_as_maxtext():
     """llama_tiny over 8 H200s (FSDP): the weights' all-gathers and the gradients' reduce-scatters
     are in the estimate at NVLink speed; the matmul time is the program's FLOPs at the peak, the
-    model FLOPs `train/flops.py`'s per device."""
-    from ferry.train.flops import training_flops
+    model FLOPs `train/step_flops.py`'s per device."""
+    from ferry.train.step_flops import training_flops
 
     measured = plan("llama_tiny", "save_all", "mesh.fsdp=8")
     config = compose_config("model=llama_tiny", "train.seq_len=256", "mesh.fsdp=8")
@@ -412,7 +412,7 @@ def test_auto_moves_the_train_state_to_host_when_only_that_fits(tmp_path):
     into the preset a run trains with."""
     import yaml
 
-    from ferry.config import from_dict
+    from ferry.config_schema import from_dict
     from ferry.plan.report import write_plan
     from ferry.train.config import OffloadConfig
 

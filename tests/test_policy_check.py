@@ -15,7 +15,7 @@ import ferry.offload
 import ferry.offload_scan
 from ferry.models.registry import abstract_model
 from ferry.offload import Policy
-from ferry.train.policy_check import (
+from ferry.run.policy_check import (
     CHECK_LAYERS,
     TOLERANCE,
     PolicyCheckError,

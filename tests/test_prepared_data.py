@@ -20,9 +20,9 @@ from ferry.data.prepare import cache_directory, prepare_corpus
 from ferry.data.shards import MANIFEST, PreparedDataError, ShardedTokens, read_manifest
 from ferry.data.sources import DataSourceError, TextSplit, documents
 from ferry.data.tokenizer import ByteTokenizer, load_tokenizer
-from ferry.train.preemption import SigtermStop
-from ferry.train.prepare import prepare
-from ferry.train.run import train
+from ferry.run.preemption import SigtermStop
+from ferry.run.preflight import prepare
+from ferry.run.training import train
 from tests.conftest import ROOT, compilation_cache, compose_config
 
 # 300 documents of 40 to 240 bytes, in one file, separated by blank lines

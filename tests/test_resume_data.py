@@ -15,9 +15,9 @@ from ferry.data.corpus import open_prepared
 from ferry.data.prepare import prepare_corpus
 from ferry.data.shards import MANIFEST, PreparedDataError
 from ferry.data.tokenizer import ByteTokenizer
-from ferry.train.data_identity import data_difference
-from ferry.train.prepare import prepare
-from ferry.train.run import train
+from ferry.run.data_identity import data_difference
+from ferry.run.preflight import prepare
+from ferry.run.training import train
 from tests.conftest import SMALL_RUN, compilation_cache, compose_config
 from tests.test_bad_inputs import run_cases, tree_digest
 from tests.test_prepared_data import DOCUMENTS, text_config

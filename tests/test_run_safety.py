@@ -21,15 +21,15 @@ from rich.console import Console
 from safetensors.numpy import save_file
 
 import ferry.memory as memory_module
-from ferry.config import ConfigError
+from ferry.config_schema import ConfigError
 from ferry.errors import JsonFileError, read_json
 from ferry.hf import CheckpointError as HFCheckpointError
-from ferry.hf.safetensors_io import read_header
+from ferry.hf_format.safetensors_io import read_header
 from ferry.memory import CompiledMemory, InsufficientMemoryError, check_step_fits
-from ferry.train.checkpoint import Checkpoints, RunCheckpointError, array_checksums, checkpoint_steps
-from ferry.train.lock import LOCK_FILE, acquire
-from ferry.train.prepare import prepare
-from ferry.train.run import train
+from ferry.run.checkpoint import Checkpoints, RunCheckpointError, array_checksums, checkpoint_steps
+from ferry.run.lock import LOCK_FILE, acquire
+from ferry.run.preflight import prepare
+from ferry.run.training import train
 from tests.conftest import ROOT, compilation_cache, compose_config
 from tests.launcher_cases import load_launcher
 from tests.test_bad_inputs import COMMON, run_cases, tree_digest
@@ -275,7 +275,7 @@ def test_damaged_hf_checkpoints_through_the_launcher(tmp_path):
 def test_checkpoint_final_false_saves_only_the_periodic_steps(tmp_path):
     """checkpoint.final=false (a benchmark's throwaway run): no save after the last step, the
     periodic ones and SIGTERM's kept."""
-    from ferry.train.config import CheckpointConfig
+    from ferry.run.config import CheckpointConfig
 
     keeping = Checkpoints(tmp_path / "a", CheckpointConfig(every=5))
     throwaway = Checkpoints(tmp_path / "b", CheckpointConfig(every=5, final=False))

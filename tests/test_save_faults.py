@@ -20,13 +20,13 @@ import types
 import pytest
 from rich.console import Console
 
-import ferry.train.disk_space as disk_space
-import ferry.train.lock as lock_module
-from ferry.train.checkpoint import Checkpoints, _NoOrbaxRecords, _QuietAbortedWrites
-from ferry.train.disk_space import DiskSpaceError, check_checkpoint_space
-from ferry.train.lock import LOCK_FILE, RunDirectoryError, acquire
-from ferry.train.prepare import prepare
-from ferry.train.run import train
+import ferry.run.disk_space as disk_space
+import ferry.run.lock as lock_module
+from ferry.run.checkpoint import Checkpoints, _NoOrbaxRecords, _QuietAbortedWrites
+from ferry.run.disk_space import DiskSpaceError, check_checkpoint_space
+from ferry.run.lock import LOCK_FILE, RunDirectoryError, acquire
+from ferry.run.preflight import prepare
+from ferry.run.training import train
 from tests.conftest import ROOT, SMALL_RUN, compilation_cache, compose_config, run_launcher, run_python
 from tests.test_bad_inputs import tree_digest
 
@@ -176,8 +176,8 @@ SAVE_INTO_A_FILE = """
 import shutil, sys, time
 from pathlib import Path
 import jax.numpy as jnp
-from ferry.train.checkpoint import Checkpoints, CheckpointSaveError
-from ferry.train.config import CheckpointConfig
+from ferry.run.checkpoint import Checkpoints, CheckpointSaveError
+from ferry.run.config import CheckpointConfig
 directory = Path(sys.argv[1])
 checkpoints = Checkpoints(directory, CheckpointConfig(every=1))
 checkpoints.save(1, {"x": jnp.zeros(3)}, {"next_index": 1}, {})
@@ -257,8 +257,8 @@ def test_an_unwritable_checkpoint_directory_is_one_refusal(tmp_path):
 def test_metrics_on_a_full_disk_stop_the_run_in_one_line(tmp_path):
     """metrics.jsonl on a disk that is full (/dev/full): the write is refused naming the step and
     the file, and the file is closed, so the interpreter does not fail again on it at exit."""
-    from ferry.train.config import LogConfig
-    from ferry.train.loggers import RunLogError, RunLoggers
+    from ferry.run.config import LogConfig
+    from ferry.run.loggers import RunLogError, RunLoggers
 
     (tmp_path / "metrics.jsonl").symlink_to("/dev/full")
     loggers = RunLoggers(tmp_path, LogConfig(tensorboard=False), None, True)

@@ -14,10 +14,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rich.console import Console
 
 from ferry.models.registry import build_model
+from ferry.run.preflight import prepare
+from ferry.run.training import train as train_run
 from ferry.train.config import TrainConfig
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer, streamed_update
-from ferry.train.prepare import prepare
-from ferry.train.run import train as train_run
 from ferry.train.state_memory import (
     StatePlacement,
     StreamedUpdate,
@@ -308,7 +308,7 @@ def metric_losses(run_dir) -> list[float]:
 
 def test_a_checksum_of_host_memory_equals_the_devices_one():
     """Checkpoint checksums of host-resident leaves are computed a slice at a time on the device."""
-    from ferry.train.checkpoint import array_checksums
+    from ferry.run.checkpoint import array_checksums
 
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
     x = jax.random.normal(jax.random.key(1), (3, 5, 7))

@@ -23,12 +23,12 @@ from rich.console import Console
 
 import ferry.train.step as step_module
 from ferry.data.pipeline import PackedWindows, window_batches
-from ferry.train.checkpoint import Checkpoints, RunCheckpointError, checkpoint_steps
-from ferry.train.lock import RunDirectoryError
-from ferry.train.nonfinite import NonFiniteLossError
+from ferry.run.checkpoint import Checkpoints, RunCheckpointError, checkpoint_steps
+from ferry.run.lock import RunDirectoryError
+from ferry.run.nonfinite import NonFiniteLossError
+from ferry.run.preflight import prepare
+from ferry.run.training import train
 from ferry.train.optimizer import make_optimizer
-from ferry.train.prepare import prepare
-from ferry.train.run import train
 from ferry.train.state import state_layout
 from tests.conftest import compilation_cache, compose_config, start_launcher
 

@@ -45,9 +45,9 @@ from ferry.plan.verify import (
     verify_program,
     verify_recompute,
 )
+from ferry.run.config import FerryConfig
 from ferry.schedule import format_bytes
 from ferry.sharding import MeshConfig
-from ferry.train.config import FerryConfig
 from tests.conftest import GPU_FLAGS, compose_config, load_preset, needs_cuda_plugin, needs_libtpu, run_launcher
 
 pytestmark = needs_cuda_plugin

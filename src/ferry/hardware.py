@@ -1,6 +1,6 @@
 """Facts of the accelerators ferry knows, written once: each one's dense bf16 peak, and how JAX's
 `device.device_kind` names it. A leaf module: the planner's targets (`ferry.plan.targets`) and a
-run's MFU (`ferry.train.peak`) both read it, and it imports nothing of ferry."""
+run's MFU (`ferry.run.peak`) both read it, and it imports nothing of ferry."""
 
 # Dense bf16 peak FLOP/s per device, by accelerator name (the planner's target names). Sources:
 # NVIDIA's data sheets (see ../shared/gpu_targets.md) and Google Cloud's TPU pages.

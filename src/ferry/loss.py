@@ -10,7 +10,7 @@ import optax
 from jaxtyping import Array, Bool, Float, Int
 
 from ferry.chunked_head import OutputHead, chunks_under_mesh, logsumexp_and_target_logit
-from ferry.config import ConfigError
+from ferry.config_schema import ConfigError
 
 LOSS_HEADS = ("chunked", "logits")
 WEIGHT_GRADS = ("late", "early")

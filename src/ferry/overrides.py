@@ -18,7 +18,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ferry.config import ConfigError
+from ferry.config_schema import ConfigError
 
 # mappings whose entries a user names freely (validated later against the model or XLA)
 OPEN_MAPPINGS = ("offload.tensors.", "platform.xla_flags.", "platform.env.")
@@ -78,7 +78,7 @@ def prepared_overrides(argv: list[str], config_dir: Path, allowed_groups: tuple[
                     f"{argument}: not an override Hydra can read ({_one_line(error)}); a value with characters "
                     "such as < > | ( ) or spaces goes in quotes: key='value'"
                 ) from error
-            argument = quoted
+            argument = quoted or argument
         key = override.key_or_group
         if not key:
             raise ConfigError(f"{argument}: an override needs a key before the '=' (e.g. train.steps=100)")

@@ -12,7 +12,7 @@ import os
 import re
 from collections.abc import Iterator, Mapping
 
-from ferry.config import ConfigError
+from ferry.config_schema import ConfigError
 from ferry.errors import FerryError
 from ferry.xla_flags import check_xla_flags
 

@@ -74,6 +74,7 @@ class DataConfig:
         """Keys set away from their defaults that this source does not read (a note each at
         start-up: `data=synthetic data.path=corpus/` would otherwise train on random tokens
         without a word)."""
+        unread: tuple[str, ...]
         if self.source == "synthetic":
             unread, why = ("path", "pattern", "field", "cache_dir"), "makes random tokens"
         elif self.prepared is not None:

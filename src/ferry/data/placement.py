@@ -3,6 +3,7 @@ devices hold, and the global batch is assembled from them, rows split over the m
 
 import dataclasses
 from collections.abc import Callable
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -15,13 +16,20 @@ from ferry.sharding import batch_sharded
 def device_batch(rows: Callable[[slice], np.ndarray], shape: tuple[int, int], mesh: Mesh) -> jax.Array:
     """The global batch of `shape`, rows split over the batch axes; `rows(slice)` builds a block
     of rows, and each process builds only the blocks its own devices hold."""
-    return jax.make_array_from_callback(shape, batch_sharded(mesh), lambda index: rows(index[0])[:, index[1]])
+    return jax.make_array_from_callback(
+        shape, batch_sharded(mesh), lambda index: rows(_index(index)[0])[:, _index(index)[1]]
+    )
+
+
+def _index(index: tuple[slice, ...] | None) -> tuple[slice, ...]:
+    """A device's block of a 2-d batch (JAX types it optional; a sharded array's is always set)."""
+    return cast(tuple[slice, ...], index)
 
 
 def process_rows(mesh: Mesh, shape: tuple[int, int]) -> np.ndarray:
     """The rows of a global batch that this process's devices hold, sorted."""
     indices = batch_sharded(mesh).addressable_devices_indices_map(shape).values()
-    return np.unique(np.concatenate([np.arange(shape[0])[index[0]] for index in indices]))
+    return np.unique(np.concatenate([np.arange(shape[0])[_index(index)[0]] for index in indices]))
 
 
 def local_batch(local: np.ndarray, local_rows: np.ndarray, shape: tuple[int, int], mesh: Mesh) -> jax.Array:

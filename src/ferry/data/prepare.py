@@ -25,6 +25,7 @@ import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -355,7 +356,8 @@ class _UnitRecorder:
     def __init__(
         self, directory: Path, done: dict[int, UnitResult], console: Console | None, started: float, what: str
     ):
-        self.done, self.started, self.written, self.new_tokens = done, started, [], 0
+        self.done, self.started, self.new_tokens = done, started, 0
+        self.written: list[int] = []
         self.journal = (directory / PROGRESS / "units.jsonl").open("a")
         self.status = Progress(
             SpinnerColumn(),
@@ -374,11 +376,13 @@ class _UnitRecorder:
         self.status.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
         try:
             self.journal.close()
         finally:
-            self.status.__exit__(*exc)
+            self.status.__exit__(kind, error, trace)
 
     def record(self, result: UnitResult) -> None:
         self.done[result.unit] = result

@@ -16,9 +16,15 @@ END_OF_DOCUMENT_TOKENS = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "
 
 @runtime_checkable
 class Tokenizer(Protocol):
-    vocab_size: int
-    end_of_document: int
-    identity: str  # what a prepared corpus records: the same ids for the same text
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def end_of_document(self) -> int: ...
+
+    @property
+    def identity(self) -> str:  # what a prepared corpus records: the same ids for the same text
+        ...
 
     def encode_documents(self, texts: Sequence[bytes]) -> list[np.ndarray]: ...
 

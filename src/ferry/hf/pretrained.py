@@ -4,7 +4,6 @@ directories (config.json + safetensors shards + their index)."""
 import dataclasses
 import json
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import equinox as eqx
@@ -14,9 +13,11 @@ import numpy as np
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from ferry.errors import read_json
-from ferry.hf.hf_config import check_matches
-from ferry.hf.layout import TensorMap, check_tensors, host_tensors, load_array
-from ferry.hf.safetensors_io import CheckpointError, CheckpointReader, ShardedWriter
+from ferry.hf_format.config_json import check_matches
+from ferry.hf_format.layout import TensorMap, check_tensors, host_tensors, load_array
+from ferry.hf_format.safetensors_io import CheckpointError, CheckpointReader, ShardedWriter
+from ferry.models import registry
+from ferry.models.base import AbstractLanguageModel
 from ferry.models.family import Family
 from ferry.sharding import tree_shardings
 
@@ -45,7 +46,6 @@ def open_checkpoint(directory: str | Path) -> Checkpoint:
             "(config.json, *.safetensors and, when sharded, model.safetensors.index.json)"
         )
     hf = read_json(config_file, "the checkpoint's config")
-    registry = _registry()
     family = registry.hf_family(hf.get("model_type"))
     if family is None:
         known = sorted(f.hf.MODEL_TYPE for f in registry.FAMILIES.values())
@@ -56,14 +56,6 @@ def open_checkpoint(directory: str | Path) -> Checkpoint:
     reader = CheckpointReader(directory, _fp8_block(hf))
     config = family.hf.config_from_hf(hf, family.hf.mtp_layers(reader.names(), hf))
     return Checkpoint(directory, hf, family, config, reader)
-
-
-def _registry() -> ModuleType:
-    """`ferry.models.registry`, imported when first used: each family's `hf` module imports this
-    package, so importing the registry at the top would be circular."""
-    from ferry.models import registry
-
-    return registry
 
 
 def _fp8_block(hf: dict[str, Any]) -> tuple[int, int] | None:
@@ -116,7 +108,7 @@ def check_checkpoint(directory: str | Path, config: Any | None = None) -> Checke
     checkpoint = open_checkpoint(directory)
     config = checkpoint.config if config is None else matching_config(checkpoint, config)
     maps = checkpoint.family.hf.tensor_maps(config, checkpoint.hf_config)
-    abstract = _registry().abstract_model(config)
+    abstract = registry.abstract_model(config)
     check_tensors(
         checkpoint.reader, maps, _leaves(abstract, maps), checkpoint.family.hf.ignored(config, checkpoint.hf_config)
     )
@@ -142,7 +134,7 @@ def load_pretrained(directory: str | Path, config: Any | None = None, mesh: Mesh
 
 
 def save_pretrained(
-    model: eqx.Module,
+    model: AbstractLanguageModel,
     directory: str | Path,
     *,
     dtype: str = "float32",
@@ -155,7 +147,6 @@ def save_pretrained(
     `{"bos_token_id": 128000, "max_position_embeddings": 131072}`. Every process must call this
     (each tensor is gathered from the devices holding it, one at a time); process 0 writes.
     Returns the files written."""
-    registry = _registry()
     family = next((f for f in registry.FAMILIES.values() if type(model) is f.model), None)
     if family is None:
         known = ", ".join(f.model.__name__ for f in registry.FAMILIES.values())
@@ -166,7 +157,8 @@ def save_pretrained(
     hf = mapping.config_to_hf(model.config)
     merged = hf | (config_overrides or {})
     if mapping.config_to_hf(mapping.config_from_hf(merged, model.config.mtp_depth)) != hf:
-        changed = sorted(k for k in config_overrides or {} if k in hf and config_overrides[k] != hf[k])
+        overrides = config_overrides or {}
+        changed = sorted(k for k in overrides if k in hf and overrides[k] != hf[k])
         raise ValueError(
             f"config_overrides changes the model ({changed}): it may only add keys, or set ones the model "
             "does not read (max_position_embeddings)"

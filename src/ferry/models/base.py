@@ -29,7 +29,7 @@ MeshDim = tuple[str, int, str]
 
 class AbstractModelConfig(eqx.Module):
     """A model family's architecture and its model-side training settings (frozen; built from
-    the Hydra `model` node by `ferry.config.from_dict`)."""
+    the Hydra `model` node by `ferry.config_schema.from_dict`)."""
 
     vocab_size: AbstractVar[int]
     dim: AbstractVar[int]  # the residual stream's width: every decoder layer's input
@@ -71,7 +71,7 @@ class AbstractModelConfig(eqx.Module):
     @abc.abstractmethod
     def forward_flops(self, batch: int, seq: int) -> tuple[int, float]:
         """(weight, attention) FLOPs of one forward pass over `batch` x `seq` tokens, by MaxText's
-        convention (`ferry.train.flops`)."""
+        convention (`ferry.train.step_flops`)."""
 
     @abc.abstractmethod
     def for_platform(self, platform: str) -> "AbstractModelConfig":

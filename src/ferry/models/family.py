@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from ferry.models.base import AbstractLanguageModel, AbstractModelConfig
 
 if TYPE_CHECKING:
-    from ferry.hf.layout import TensorMap
+    from ferry.hf_format.layout import TensorMap
 
 
 @runtime_checkable

@@ -1,6 +1,6 @@
 """The FLOP counts the families' formulas share (`AbstractModelConfig.forward_flops`), by
 MaxText's convention: 2 x m x n x k per matmul with a weight, attention's QK^T and PV halved by
-the causal mask; no recomputation, norms or elementwise work (see `ferry.train.flops`)."""
+the causal mask; no recomputation, norms or elementwise work (see `ferry.train.step_flops`)."""
 
 
 def swiglu_flops(tokens: int, dim: int, mlp_dim: int) -> int:

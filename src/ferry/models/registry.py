@@ -12,7 +12,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from ferry.config import ConfigError, from_dict
+from ferry.config_schema import ConfigError, from_dict
 from ferry.models import deepseek_v3, llama, qwen3
 from ferry.models.base import AbstractLanguageModel, AbstractModelConfig
 from ferry.models.family import Family

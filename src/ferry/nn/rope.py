@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from ferry.config import ConfigError, require_positive
+from ferry.config_schema import ConfigError, require_positive
 
 
 @dataclasses.dataclass(frozen=True)

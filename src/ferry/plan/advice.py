@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ferry.run.config import FerryConfig
 from ferry.schedule import format_bytes
-from ferry.train.config import FerryConfig
 
 
 def step_identity(config: FerryConfig) -> dict[str, Any]:

@@ -33,8 +33,8 @@ from ferry.plan.planner import MemoryPlan, for_target
 from ferry.plan.replay import LayerGroupTrace, read_by_backward, recompute_flops, record_names, total_dot_flops
 from ferry.plan.targets import Target
 from ferry.precision import cast_floating
+from ferry.run.config import FerryConfig
 from ferry.schedule import model_schedule
-from ferry.train.config import FerryConfig
 from ferry.train.state import run_state_layout
 from ferry.train.state_memory import (
     DEVICE,

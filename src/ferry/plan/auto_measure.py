@@ -14,11 +14,12 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ferry.config import ConfigError
+from ferry.config_schema import ConfigError
 from ferry.plan.auto import STATE_DECISIONS, Tried, banded_rank, state_of
 from ferry.plan.measure import MeasureError, Measurement, StepTimer, measure_in_subprocess
 from ferry.platform import PlatformConfig
-from ferry.train.config import AutoMeasureConfig, FerryConfig, OffloadConfig
+from ferry.run.config import FerryConfig
+from ferry.train.config import AutoMeasureConfig, OffloadConfig
 
 
 @dataclasses.dataclass(frozen=True)

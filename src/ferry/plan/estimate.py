@@ -52,7 +52,7 @@ class StepEstimate:
     matmul_seconds: float  # the program's matmul FLOPs (recompute included) at the dense peak
     exposed_copy_seconds: float  # host copies the compute scheduled under them does not hide
     collective_seconds: float
-    model_flops: float  # per device per step, MaxText's convention (`ferry.train.flops`): no recompute
+    model_flops: float  # per device per step, MaxText's convention (`ferry.train.step_flops`): no recompute
 
     @property
     def best_seconds(self) -> float:

@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 
 from ferry.data.segments import DocumentMask
 from ferry.errors import FerryError
-from ferry.train.config import FerryConfig
+from ferry.run.config import FerryConfig
 
 T = TypeVar("T")
 # a candidate's compile and its steps, in its own process; a 386M model on a v5e compiles in about a minute
@@ -229,7 +229,7 @@ def main(argv: list[str]) -> int:
     """`python -m ferry.plan.measure REQUEST RESULT`: measure the request's config, write the
     result (or, for a refused config, `{"refused": why}`) as JSON."""
     from ferry.platform import apply_platform, check_platform
-    from ferry.train.config import load_config
+    from ferry.run.config import load_config
 
     request_path, result_path = Path(argv[0]), Path(argv[1])
     request = json.loads(request_path.read_text())

@@ -28,14 +28,14 @@ from ferry.plan.replay import LayerGroupTrace, read_by_backward
 from ferry.plan.scheduler_costs import ProfileCache, compile_with_costs
 from ferry.plan.targets import GpuTarget, Target
 from ferry.plan.transfers import Transfer, TransferSummary, time_transfers, transfers_json
+from ferry.run.config import FerryConfig
 from ferry.schedule import TransferSchedule, model_schedule
 from ferry.sharding import MESH_AXES, MeshConfig, batch_sharded
-from ferry.train.config import FerryConfig
-from ferry.train.flops import training_flops
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer
 from ferry.train.state import StateLayout, run_state_layout
 from ferry.train.state_memory import state_writes
 from ferry.train.step import LossSettings, train_step_body
+from ferry.train.step_flops import training_flops
 
 
 class PlanError(FerryError, RuntimeError):
@@ -64,7 +64,7 @@ class MemoryPlan:
     compile_seconds: float  # lowering and compiling on this machine
     verification: Any = None  # `ferry.plan.verify.Verification`: the compiled program checked against the plan
     collectives: CollectiveTraffic = CollectiveTraffic({}, 0.0)
-    model_flops: float = 0.0  # per device per step, MaxText's convention (`ferry.train.flops`)
+    model_flops: float = 0.0  # per device per step, MaxText's convention (`ferry.train.step_flops`)
     peak_flops: float = 0.0  # the target's dense bf16 peak, per device
     extrapolated: str | None = None  # how `ferry.plan.extrapolate` made it from shallow compiles; None: compiled whole
     pipeline_bytes: int = 0  # offloaded values a pipelined schedule keeps in HBM (`TransferSchedule.pipeline_bytes`)
@@ -354,7 +354,7 @@ def _read_plan(
 
 
 def model_flops_per_device(config: FerryConfig, target: Target) -> float:
-    """Model FLOPs of one step per device, by MaxText's convention (`ferry.train.flops`)."""
+    """Model FLOPs of one step per device, by MaxText's convention (`ferry.train.step_flops`)."""
     flops = training_flops(for_target(config.model, target), config.train.global_batch_size, config.train.seq_len)
     return flops.per_device(config.mesh.num_devices)
 

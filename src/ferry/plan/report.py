@@ -13,7 +13,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from ferry.config import ConfigError
+from ferry.config_schema import ConfigError
 from ferry.models.registry import abstract_model
 from ferry.offload import Policy
 from ferry.plan.advice import step_identity
@@ -51,8 +51,9 @@ from ferry.plan.scheduler_costs import ProfileCache
 from ferry.plan.targets import TARGETS, Target
 from ferry.plan.verify import DEAD, RecomputeNotChecked, explain_recompute, recompute_checked
 from ferry.platform import PlatformConfig
+from ferry.run.config import FerryConfig, check_mesh_shape
 from ferry.schedule import format_bytes
-from ferry.train.config import FerryConfig, OffloadConfig, check_mesh_shape
+from ferry.train.config import OffloadConfig
 from ferry.train.state_memory import StatePlacement
 
 HOST_POOL_VARIABLE = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"  # GiB of pinned host XLA's GPU client sets up

@@ -9,7 +9,7 @@ from ferry.compile_oom import StepOverHbm
 from ferry.hardware import accelerator_name
 from ferry.memory import InsufficientMemoryError
 from ferry.plan.advice import plan_advice
-from ferry.train.config import FerryConfig
+from ferry.run.config import FerryConfig
 
 
 def over_hbm_refusal(over: StepOverHbm, config: FerryConfig) -> InsufficientMemoryError:

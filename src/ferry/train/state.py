@@ -13,8 +13,9 @@ from jax.sharding import Mesh
 
 from ferry.hf import load_pretrained
 from ferry.models.registry import build_model
+from ferry.run.config import FerryConfig
 from ferry.sharding import tree_shardings
-from ferry.train.config import FerryConfig, TrainConfig
+from ferry.train.config import TrainConfig
 from ferry.train.optimizer import make_optimizer, streamed_update
 from ferry.train.state_memory import (
     DEVICE_STATE,

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ferry.config import ConfigError
+from ferry.config_schema import ConfigError
 from ferry.nn.stack import LayerStack
 from ferry.offload import has_memory_kinds
 from ferry.schedule import StateCopy
@@ -195,6 +195,7 @@ class StreamedUpdate:
         collect = self.moves and not all(map(_in_host_memory, _moved_inputs(columns, self.smap)))
         blocks = row_blocks(self.smap, columns[0], shardings)
         units = [0, *sorted(set(self.smap.units) - {0})]  # unit 0 (maybe empty) yields the counts
+        pieces: list[tuple[int | None, list[int]]]
         pieces = [(unit, [i for i in self.smap.leaves_of(unit) if i not in blocks]) for unit in units]
         pieces += [(None, [i]) for i in blocks]  # each large unstacked leaf, a block of rows at a time
         for unit, index in pieces:
@@ -240,7 +241,7 @@ class StreamedUpdate:
 
         def update(inputs: list[list[jax.Array]]) -> tuple[list[list[Any]], Any]:
             p, g, m, v = inputs
-            fetch = lambda xs, hs: [  # noqa: E731
+            fetch = lambda xs, hs: [
                 _put(x, "device", sh) if h and self.moves else x for x, h, sh in zip(xs, hs, shardings, strict=True)
             ]
             p, m, v = fetch(p, host_p), fetch(m, host_m), fetch(v, host_m)
@@ -250,12 +251,12 @@ class StreamedUpdate:
             updates, new_state = self.adamw.update(grads, state, params)
             new_p = [jax.tree.leaves(optax.apply_updates(params, updates))[i] for i in index]
             new_mu, new_nu = ([jax.tree.leaves(t)[i] for i in index] for t in _moments(new_state))
-            keep = lambda new, old: jnp.where(apply, new, old)  # noqa: E731
+            keep = lambda new, old: jnp.where(apply, new, old)
             new_p = [keep(a, b) for a, b in zip(new_p, p, strict=True)]
             new_mu = [keep(a, b) for a, b in zip(new_mu, m, strict=True)]
             new_nu = [keep(a, b) for a, b in zip(new_nu, v, strict=True)]
             compute = [x.astype(self.compute_dtype) if h else None for x, h in zip(new_p, host_p, strict=True)]
-            back = lambda xs, hs: [  # noqa: E731
+            back = lambda xs, hs: [
                 _put(x, "pinned_host", sh) if h and self.moves else x
                 for x, h, sh in zip(xs, hs, shardings, strict=True)
             ]
@@ -322,9 +323,9 @@ def _in_place(
     nu and compute copies (None where the master weights are in HBM). `collect`: a scan
     collecting new arrays instead, for inputs that are not where the update writes."""
     if collect:
-        split = lambda xs: [x if rows is None else x.reshape(steps, rows, *x.shape[1:]) for x in xs]  # noqa: E731
+        split = lambda xs: [x if rows is None else x.reshape(steps, rows, *x.shape[1:]) for x in xs]
         outputs = jax.lax.scan(lambda _, xs: (None, update(xs)[0]), None, [split(xs) for xs in inputs])[1]
-        join = lambda y: y if y is None or rows is None else y.reshape(-1, *y.shape[2:])  # noqa: E731
+        join = lambda y: y if y is None or rows is None else y.reshape(-1, *y.shape[2:])
         return [[join(y) for y in ys] for ys in outputs]
     params, grads, mu, nu = inputs
     compute = [jnp.zeros(x.shape, compute_dtype) if host else None for x, host in zip(params, host_params, strict=True)]
@@ -340,7 +341,7 @@ def _in_place(
         return jax.lax.dynamic_update_slice_in_dim(x, y, k * rows, 0)
 
     def step(k: jax.Array, carry: tuple[list[Any], ...]) -> tuple[list[Any], ...]:
-        take = lambda xs: [part(x, k) for x in xs]  # noqa: E731
+        take = lambda xs: [part(x, k) for x in xs]
         new = update([take(carry[0]), take(grads), take(carry[1]), take(carry[2])])[0]
         return tuple(
             [x if y is None else write(x, y, k) for x, y in zip(xs, ys, strict=True)]

@@ -6,7 +6,7 @@ import dataclasses
 import jax
 from jaxtyping import PRNGKeyArray
 
-from ferry.config import require_non_negative, require_positive
+from ferry.config_schema import require_non_negative, require_positive
 from ferry.models.base import AbstractModelConfig, MeshDim
 from ferry.models.flops import causal_attention_flops, swiglu_flops
 from ferry.nn.mla import MultiHeadLatentAttention

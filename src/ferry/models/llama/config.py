@@ -2,7 +2,7 @@
 
 import dataclasses
 
-from ferry.config import require_positive
+from ferry.config_schema import require_positive
 from ferry.models.base import AbstractModelConfig, MeshDim
 from ferry.models.flops import grouped_query_attention_flops, swiglu_flops
 from ferry.nn.rope import Llama3RopeScaling, check_llama3_scaling

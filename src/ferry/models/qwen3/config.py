@@ -3,7 +3,7 @@ biases, plain RoPE (theta 1e6) and, in its small models, the output head tied to
 
 import dataclasses
 
-from ferry.config import require_positive
+from ferry.config_schema import require_positive
 from ferry.models.base import AbstractModelConfig, MeshDim
 from ferry.models.flops import grouped_query_attention_flops, swiglu_flops
 

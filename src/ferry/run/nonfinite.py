@@ -8,7 +8,7 @@ import dataclasses
 import jax
 
 from ferry.errors import FerryError
-from ferry.train.config import FerryConfig
+from ferry.run.config import FerryConfig
 
 
 class NonFiniteLossError(FerryError, RuntimeError):

@@ -71,6 +71,27 @@ def describe_holder(text: str) -> str:
 
 def acquire(directory: Path) -> RunLock:
     """Lock `directory` (made if missing) for this process, or refuse naming the holder."""
+    created_directory = _make_directory(directory)
+    path = directory / LOCK_FILE
+    while True:
+        created_file = not path.exists()
+        fd = _open_lock_file(directory, path, created_directory, created_file)
+        _lock_or_refuse(directory, fd)
+        try:
+            same_file = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same_file = False
+        if not same_file:  # the previous holder removed the file between our open and lock: retry
+            os.close(fd)
+            continue
+        previous = _read(fd)
+        _claim(directory, path, RunLock(directory, fd, created_directory, created_file, None, previous=previous))
+        stale = describe_holder(previous) if previous.strip() else None
+        return RunLock(directory, fd, created_directory, created_file, stale, previous=previous)
+
+
+def _make_directory(directory: Path) -> bool:
+    """Make the run directory (and its parents) if missing; whether it was made."""
     created_directory = not directory.exists()
     if directory.exists() and not directory.is_dir():
         raise RunDirectoryError(f"run.dir={directory} is a file, not a directory; pass a directory for the run")
@@ -88,53 +109,52 @@ def acquire(directory: Path) -> RunLock:
         raise RunDirectoryError(
             f"run.dir={directory} cannot be made ({error.strerror or error}); pass a run.dir where you can write"
         ) from error
-    path = directory / LOCK_FILE
-    while True:
-        created_file = not path.exists()
+    return created_directory
+
+
+def _open_lock_file(directory: Path, path: Path, created_directory: bool, created_file: bool) -> int:
+    """Open (creating) the lock file; refused, take back what `acquire` made."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except PermissionError as error:
+        _undo(directory, created_directory, created_file)
+        raise RunDirectoryError(
+            f"run.dir={directory} is not writable (permission denied on {path}); pass a run.dir where you can write"
+        ) from error
+    except OSError as error:  # a directory named ferry.lock, a read-only or full file system
+        _undo(directory, created_directory, created_file)
+        raise RunDirectoryError(
+            f"run.dir={directory}: its lock file {path} cannot be opened ({error.strerror or error}); "
+            "pass a run.dir where you can write"
+        ) from error
+
+
+def _lock_or_refuse(directory: Path, fd: int) -> None:
+    """Take the exclusive lock without waiting, or refuse naming the run that holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = describe_holder(_read(fd))
+        os.close(fd)
+        raise RunDirectoryError(
+            f"run.dir={directory} is in use by another ferry run ({holder}); wait for it to finish, "
+            "or pass another run.dir"
+        ) from None
+
+
+def _claim(directory: Path, path: Path, lock: RunLock) -> None:
+    """Write this process into the held lock file; on a full disk release everything and refuse."""
+    try:
+        _write(lock.fd, {"host": socket.gethostname(), "pid": os.getpid(), "since": _now()})
+    except OSError as error:  # a full disk: nothing of this run may stay behind
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except PermissionError as error:
-            _undo(directory, created_directory, created_file)
-            raise RunDirectoryError(
-                f"run.dir={directory} is not writable (permission denied on {path}); pass a run.dir where you can write"
-            ) from error
-        except OSError as error:  # a directory named ferry.lock, a read-only or full file system
-            _undo(directory, created_directory, created_file)
-            raise RunDirectoryError(
-                f"run.dir={directory}: its lock file {path} cannot be opened ({error.strerror or error}); "
-                "pass a run.dir where you can write"
-            ) from error
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = describe_holder(_read(fd))
-            os.close(fd)
-            raise RunDirectoryError(
-                f"run.dir={directory} is in use by another ferry run ({holder}); wait for it to finish, "
-                "or pass another run.dir"
-            ) from None
-        try:
-            same_file = os.fstat(fd).st_ino == os.stat(path).st_ino
-        except FileNotFoundError:
-            same_file = False
-        if not same_file:  # the previous holder removed the file between our open and lock: retry
-            os.close(fd)
-            continue
-        previous = _read(fd)
-        try:
-            _write(fd, {"host": socket.gethostname(), "pid": os.getpid(), "since": _now()})
-        except OSError as error:  # a full disk: nothing of this run may stay behind
-            lock = RunLock(directory, fd, created_directory, created_file, None, previous=previous)
-            try:
-                lock.release()
-            except OSError:
-                pass
-            raise RunDirectoryError(
-                f"run.dir={directory}: its lock file {path} cannot be written ({error.strerror or error}); "
-                "free space there or pass a run.dir on another disk"
-            ) from error
-        stale = describe_holder(previous) if previous.strip() else None
-        return RunLock(directory, fd, created_directory, created_file, stale, previous=previous)
+            lock.release()
+        except OSError:
+            pass
+        raise RunDirectoryError(
+            f"run.dir={directory}: its lock file {path} cannot be written ({error.strerror or error}); "
+            "free space there or pass a run.dir on another disk"
+        ) from error
 
 
 def _undo(directory: Path, created_directory: bool, created_file: bool) -> None:

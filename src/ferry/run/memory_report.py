@@ -7,8 +7,8 @@ import resource
 import jax
 
 from ferry.memory import CompiledMemory
+from ferry.run.config import FerryConfig
 from ferry.schedule import TransferSchedule, format_bytes
-from ferry.train.config import FerryConfig
 
 
 def step_fit_advice(config: FerryConfig) -> str:

@@ -41,7 +41,7 @@ import orbax.checkpoint as ocp
 from jaxtyping import Array, UInt32
 
 from ferry.errors import FerryError
-from ferry.train.config import CheckpointConfig
+from ferry.run.config import CheckpointConfig
 from ferry.train.state_memory import on_host
 
 ITEMS = ("state", "data", "model", "checksums")

@@ -4,14 +4,14 @@ Hugging Face checkpoint and a saved dataset."""
 
 from pathlib import Path
 
-from ferry.config import ConfigError
+from ferry.config_schema import ConfigError
 from ferry.paths import check_directory_to_write, check_existing_directory
-from ferry.train.config import FerryConfig
+from ferry.run.config import FerryConfig
 
 
 def check_config_paths(config: FerryConfig) -> None:
     """Refuse, naming the key, a path of the wrong kind or a directory that cannot be made. An
-    existing run directory is left to the run directory's own checks (`ferry.train.run_dir`)."""
+    existing run directory is left to the run directory's own checks (`ferry.run.directory`)."""
     run, data = config.run, config.data
     paths = {
         "run.dir": run.dir,

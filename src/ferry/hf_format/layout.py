@@ -8,12 +8,13 @@ so an array is assembled slice by slice on import and split back into tensors on
 
 import dataclasses
 from collections.abc import Callable, Iterator
+from typing import cast
 
 import jax
 import numpy as np
 from jaxtyping import Array, Float
 
-from ferry.hf.safetensors_io import SCALE_SUFFIX, CheckpointError, CheckpointReader
+from ferry.hf_format.safetensors_io import SCALE_SUFFIX, CheckpointError, CheckpointReader
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +107,9 @@ def load_array(
     """A ferry array placed straight onto `sharding`: each device's shard is read from disk by
     itself (only the slices this process's devices hold are read)."""
     return jax.make_array_from_callback(
-        like.shape, sharding, lambda index: read_block(reader, tensor_map, like.shape, index).astype(like.dtype)
+        like.shape,
+        sharding,
+        lambda index: read_block(reader, tensor_map, like.shape, cast(tuple[slice, ...], index)).astype(like.dtype),
     )
 
 

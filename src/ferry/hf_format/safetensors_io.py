@@ -16,6 +16,7 @@ import json
 import math
 import struct
 from pathlib import Path
+from typing import cast
 
 import ml_dtypes
 import numpy as np
@@ -155,7 +156,7 @@ class CheckpointReader:
         block = np.asarray(self._mapped(entry)[index]).astype(np.float32)
         if entry.dtype == FP8:
             full = tuple(index) + (slice(None),) * (len(entry.shape) - len(index))
-            blocks = zip(full, entry.shape, self.fp8_block, strict=True)
+            blocks = zip(full, entry.shape, cast(tuple[int, int], self.fp8_block), strict=True)  # set for FP8
             rows, cols = (np.arange(*s.indices(n)) // b for s, n, b in blocks)
             block = block * self._mapped(self.entries[name + SCALE_SUFFIX])[np.ix_(rows, cols)].astype(np.float32)
         check_finite(block, name, entry.file)

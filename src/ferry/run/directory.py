@@ -15,12 +15,12 @@ from jax.experimental import multihost_utils
 
 from ferry.distributed import is_main_process
 from ferry.errors import FerryError
+from ferry.run.checkpoint import Checkpoints, RunCheckpointError, checkpoint_steps, identity_difference
+from ferry.run.config import FerryConfig
+from ferry.run.data_identity import data_difference
+from ferry.run.lock import LOCK_FILE, RunDirectoryError, RunLock, acquire
+from ferry.run.members import check_members
 from ferry.schedule import TransferSchedule
-from ferry.train.checkpoint import Checkpoints, RunCheckpointError, checkpoint_steps, identity_difference
-from ferry.train.config import FerryConfig
-from ferry.train.data_identity import data_difference
-from ferry.train.lock import LOCK_FILE, RunDirectoryError, RunLock, acquire
-from ferry.train.run_members import check_members
 
 
 def resolve_run_dir(config: FerryConfig) -> Path:

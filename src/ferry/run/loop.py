@@ -18,13 +18,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 
 from ferry.data.placement import BatchPlacement
 from ferry.distributed import is_main_process
-from ferry.train.checkpoint import Checkpoints
+from ferry.run.checkpoint import Checkpoints
+from ferry.run.loggers import RunLoggers
+from ferry.run.meter import StepMeter
+from ferry.run.nonfinite import NonFiniteWatch
+from ferry.run.preemption import SigtermStop
+from ferry.run.profiling import StepProfiler
 from ferry.train.config import TrainConfig
-from ferry.train.loggers import RunLoggers
-from ferry.train.meter import StepMeter
-from ferry.train.nonfinite import NonFiniteWatch
-from ferry.train.preemption import SigtermStop
-from ferry.train.profiling import StepProfiler
 from ferry.train.step import TrainState
 
 

@@ -7,10 +7,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ferry.config import ConfigError
+from ferry.config_schema import ConfigError
 from ferry.errors import FerryError
 from ferry.metrics import MetricsWriter
-from ferry.train.config import LogConfig
+from ferry.run.config import LogConfig
 
 
 class RunLogError(FerryError, OSError):

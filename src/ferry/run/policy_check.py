@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import equinox as eqx
 import jax
@@ -37,8 +37,9 @@ from rich.console import Console
 from ferry.models.registry import abstract_model, family_of, model_config
 from ferry.nn.stack import LayerStack
 from ferry.offload import Policy, PolicyError
+from ferry.run.config import FerryConfig
+from ferry.schedule import LayerKind
 from ferry.sharding import MESH_AXES
-from ferry.train.config import FerryConfig
 
 CHECK_LAYERS = 3
 """Layers per checked stack: the backward loop then reads its residuals at three different steps."""
@@ -159,16 +160,24 @@ def check_model_config(config: Any, budget_bytes: int = BUDGET_BYTES) -> tuple[A
     names and the compiler flags are the run's, the matmul sizes (which only make it compile
     longer: `BUDGET_BYTES`) are not."""
     model = abstract_model(config)
-    largest = max(_stack_bytes(kind.make) for kind in model.layer_kinds())
+    largest = max(_stack_bytes(_maker(kind)) for kind in model.layer_kinds())
     if largest <= budget_bytes:
         return config, False
-    tiny = model_config(OmegaConf.to_container(OmegaConf.load(_CONFIGS / f"{family_of(config).tiny_model}.yaml")))
+    node = OmegaConf.to_container(OmegaConf.load(_CONFIGS / f"{family_of(config).tiny_model}.yaml"))
+    tiny = model_config(cast(dict[str, Any], node))
     sizes = {
         f.name: getattr(tiny, f.name)
         for f in dataclasses.fields(config)
         if f.name not in _KEPT_SIZES and type(getattr(config, f.name)) is int  # widths, counts; not flags
     }
     return dataclasses.replace(config, **sizes), True
+
+
+def _maker(kind: LayerKind) -> Callable[[PRNGKeyArray], eqx.Module]:
+    """The builder of one layer of `kind`; every family gives one for each kind it lists."""
+    if kind.make is None:
+        raise AssertionError(f"layer kind {kind.name} gives no builder for the gradient self-check")
+    return kind.make
 
 
 def _stack_bytes(make: Callable[[PRNGKeyArray], eqx.Module]) -> int:
@@ -209,13 +218,13 @@ def check_policy(
     mesh = one_device_mesh(device)
     with jax.default_device(device), jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
         for kind in model.layer_kinds():
-            structure = _structure(kind.make)
+            structure = _structure(_maker(kind))
             if structure in seen:
                 index = seen[structure]
                 results[index] = dataclasses.replace(results[index], groups=(*results[index].groups, kind.name))
                 continue
             start = time.perf_counter()
-            worst, compiling = compare_group(kind.make, config.dim, seq, policy, seed, len(seen))
+            worst, compiling = compare_group(_maker(kind), config.dim, seq, policy, seed, len(seen))
             seen[structure] = len(results)
             results.append(GroupCheck((kind.name,), worst, time.perf_counter() - start, narrowed, compiling))
     failed = [r for r in results if not r.ok]

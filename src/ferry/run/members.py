@@ -5,7 +5,7 @@ directory. A refused start leaves the directory byte for byte as it was."""
 import os
 from pathlib import Path
 
-from ferry.train.lock import LOCK_FILE, RunDirectoryError
+from ferry.run.lock import LOCK_FILE, RunDirectoryError
 
 # the members ferry writes or rewrites, and whether each is a directory
 MEMBERS = {

@@ -8,11 +8,11 @@ from typing import Any
 import jax
 
 from ferry.memory import CompiledMemory
+from ferry.run.config import FerryConfig
+from ferry.run.memory_report import device_memory_peak
+from ferry.run.peak import device_peak
 from ferry.schedule import TransferSchedule
-from ferry.train.config import FerryConfig
-from ferry.train.flops import training_flops
-from ferry.train.memory_report import device_memory_peak
-from ferry.train.peak import device_peak
+from ferry.train.step_flops import training_flops
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,15 +23,15 @@ from ferry.hf import check_checkpoint
 from ferry.memory import check_fits
 from ferry.models.registry import abstract_model, count_parameters, family_of, size_summary
 from ferry.offload import Policy
+from ferry.run.checkpoint import model_identity
+from ferry.run.config import FerryConfig, check_mesh_shape
+from ferry.run.data_identity import data_identity
+from ferry.run.directory import RunDirectory, run_directory
+from ferry.run.disk_space import check_checkpoint_space, state_bytes
+from ferry.run.loggers import check_wandb
+from ferry.run.policy_check import check_before_training
 from ferry.schedule import TransferSchedule, format_bytes, model_schedule
 from ferry.sharding import make_mesh, parameters_per_device
-from ferry.train.checkpoint import model_identity
-from ferry.train.config import FerryConfig, check_mesh_shape
-from ferry.train.data_identity import data_identity
-from ferry.train.disk_space import check_checkpoint_space, state_bytes
-from ferry.train.loggers import check_wandb
-from ferry.train.policy_check import check_before_training
-from ferry.train.run_dir import RunDirectory, run_directory
 from ferry.train.state import StateLayout, run_state_layout
 from ferry.train.state_memory import state_copies
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import jax
 
-from ferry.train.config import ProfileConfig
+from ferry.run.config import ProfileConfig
 
 
 class StepProfiler:

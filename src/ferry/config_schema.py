@@ -81,7 +81,7 @@ def checked_value(key: str, value: Any, hint: Any) -> Any:
         if isinstance(value, int | float) and not isinstance(value, bool):  # Hydra parsed a name as a number
             return str(value)
         raise ConfigError(f"{key}={value!r} ({type(value).__name__}): expected a string")
-    if dataclasses.is_dataclass(hint) and not isinstance(value, hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint) and not isinstance(value, hint):
         shown = "null" if value is None else repr(value)
         raise ConfigError(f"{key}={shown}: expected a mapping of its keys ({', '.join(_field_names(hint))})")
     origin = typing.get_origin(hint)
@@ -137,9 +137,9 @@ def _type_name(hint: Any) -> str:
 
 def _dataclass_in(hint: Any) -> type | None:
     """The dataclass a field holds, also through `X | None`."""
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return hint
     for arg in typing.get_args(hint):
-        if dataclasses.is_dataclass(arg):
+        if isinstance(arg, type) and dataclasses.is_dataclass(arg):
             return arg
     return None

@@ -1,7 +1,7 @@
-"""A training run as prepared (`ferry.train.prepare`): the step compiled from the train state's
+"""A training run as prepared (`ferry.run.preflight`): the step compiled from the train state's
 layout, its memory checked against the machine before any state is allocated or anything
 written; then the state (new, or the checkpoint's it resumes), the start-up report, and the
-step loop (`ferry.train.loop`)."""
+step loop (`ferry.run.loop`)."""
 
 import contextlib
 import dataclasses
@@ -13,26 +13,27 @@ import optax
 from rich.console import Console
 
 from ferry.compile_oom import StepOverHbm
+from ferry.data.corpus import Corpus
 from ferry.data.pipeline import PackedWindows, local_batches
 from ferry.data.placement import BatchPlacement
 from ferry.distributed import is_main_process
 from ferry.memory import CompiledMemory, check_step_fits
 from ferry.plan.scheduler_costs import ProfileCache, scheduler_target
+from ferry.run.checkpoint import Checkpoints
+from ferry.run.directory import write_start_files
+from ferry.run.loggers import RunLoggers
+from ferry.run.loop import RunBatches, TrainingLoop
+from ferry.run.memory_report import describe_memory, host_bytes_line, step_fit_advice
+from ferry.run.meter import StepMeter
+from ferry.run.nonfinite import likely_causes, nonfinite_error
+from ferry.run.preemption import SigtermStop
+from ferry.run.preflight import PreparedRun
+from ferry.run.profiling import StepProfiler
 from ferry.schedule import schedule_table
-from ferry.train.checkpoint import Checkpoints
 from ferry.train.compiled_step import compile_step
 from ferry.train.config import TrainConfig
-from ferry.train.loggers import RunLoggers
-from ferry.train.loop import RunBatches, TrainingLoop
-from ferry.train.memory_report import describe_memory, host_bytes_line, step_fit_advice
-from ferry.train.meter import StepMeter
-from ferry.train.nonfinite import likely_causes, nonfinite_error
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer
 from ferry.train.out_of_memory import over_hbm_refusal
-from ferry.train.preemption import SigtermStop
-from ferry.train.prepare import PreparedRun
-from ferry.train.profiling import StepProfiler
-from ferry.train.run_dir import write_start_files
 from ferry.train.state import initial_state
 from ferry.train.step import LossSettings, TrainState, make_eval_step, train_step_body
 
@@ -60,7 +61,7 @@ def _train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
     settings = loss_settings(prepared)
     batches = open_batches(prepared)
     tc = config.train
-    if (note := held_out_note(tc, PackedWindows(prepared.corpus.eval, tc.seq_len).num_windows)) is not None:
+    if (note := held_out_note(tc, PackedWindows(training_corpus(prepared).eval, tc.seq_len).num_windows)) is not None:
         console.print(f"note: {note}", highlight=False)
     meter = StepMeter.of(config, prepared.schedule)
     # closing the iterators stops their prefetch threads, also when the run fails
@@ -113,15 +114,23 @@ def held_out_note(train: TrainConfig, held_out_windows: int) -> str | None:
     )
 
 
+def training_corpus(prepared: PreparedRun) -> Corpus:
+    """The corpus of a run that trains (only a run already complete has none, and returns early)."""
+    if prepared.corpus is None:
+        raise AssertionError("a complete run has no corpus to train on")
+    return prepared.corpus
+
+
 def loss_settings(prepared: PreparedRun) -> LossSettings:
     tc = prepared.config.train
-    documents = prepared.corpus.document_mask(prepared.config.data)  # data.document_mask: attention stays in each
+    corpus = training_corpus(prepared)
+    documents = corpus.document_mask(prepared.config.data)  # data.document_mask: attention stays in each
     return LossSettings.of(tc, prepared.policy, documents)
 
 
 def open_batches(prepared: PreparedRun) -> RunBatches:
     """This process's rows of the training stream (shuffled, prefetched) and of the held-out one."""
-    config, tc, corpus = prepared.config, prepared.config.train, prepared.corpus
+    config, tc, corpus = prepared.config, prepared.config.train, training_corpus(prepared)
     placement = BatchPlacement.on(prepared.mesh, (tc.global_batch_size, tc.seq_len + 1))
     rows = placement.local_rows
     train = local_batches(

@@ -1,0 +1,25 @@
+"""`PlanConfig`: the `plan` group, read by `mode=plan` (`ferry.plan.report`)."""
+
+import dataclasses
+import math
+
+from ferry.config_schema import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanConfig:
+    """`mode=plan`: the target to compile for, and the presets to compare (default: save_all,
+    full_remat and the run's own `offload`). `capacity_gib` overrides the target's HBM.
+    `extrapolate` plans a deep model from shallow compiles (`ferry.plan.extrapolate`) instead of
+    compiling it whole: off by default, since a whole scanned stack compiles as fast as one probe
+    and the probes' line under-estimated DeepSeek-V3's temporaries at the seed by 27 GB."""
+
+    presets: tuple[str, ...] | None = None
+    capacity_gib: float | None = None
+    extrapolate: bool = False
+
+    def __post_init__(self) -> None:
+        if self.presets is not None:
+            object.__setattr__(self, "presets", tuple(str(p) for p in self.presets))
+        if self.capacity_gib is not None and not (math.isfinite(self.capacity_gib) and self.capacity_gib > 0):
+            raise ConfigError(f"plan.capacity_gib must be positive, got {self.capacity_gib}")

@@ -1,0 +1,218 @@
+"""The run's root config, `FerryConfig` (a whole run as resolved from Hydra, composing each
+group's config from beside its code: `train` and `offload` in `ferry.train.config`, `data` in
+`ferry.data.config`, `plan` in `ferry.plan.config`, `mesh` in `ferry.sharding`, `platform` in
+`ferry.platform`, `distributed` in `ferry.distributed`), `load_config` that validates one, and
+the run lifecycle's own groups: `run`, `checkpoint`, `log`, `profile` and `init`."""
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from ferry.config_schema import ConfigError, from_dict
+from ferry.data.config import DataConfig
+from ferry.distributed import DistributedConfig
+from ferry.models.base import AbstractModelConfig
+from ferry.models.registry import model_config
+from ferry.plan.config import PlanConfig
+from ferry.platform import PlatformConfig
+from ferry.sharding import MeshConfig, check_divisible
+from ferry.train.config import OffloadConfig, TrainConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    dir: str | None = None
+    root: str = "runs"
+    resume: bool = True  # a run.dir holding checkpoints of this model resumes from the latest
+    allow_data_change: bool = False  # resume although batch, sequence, seed or data differ from the checkpoint's
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints in <run dir>/checkpoints: every `every` steps (0: only the final save and
+    on preemption), the last `keep` kept, and also every `keep_every`-th step when set."""
+
+    every: int = 100
+    keep: int = 3
+    keep_every: int | None = None
+    async_save: bool = True  # write in a background thread; the step loop goes on
+    final: bool = True  # save after the last step; false: a throwaway run (a benchmark) ends without one
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ConfigError(f"checkpoint.every must be 0 (final save only) or more, got {self.every}")
+        if self.keep < 1:
+            raise ConfigError(f"checkpoint.keep must be at least 1, got {self.keep}")
+        if self.keep_every is not None and self.keep_every < 1:
+            raise ConfigError(f"checkpoint.keep_every must be at least 1 or null, got {self.keep_every}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LogConfig:
+    """Where logged steps go besides the console and metrics.jsonl."""
+
+    tensorboard: bool = True  # event files in <run dir>/tensorboard
+    wandb: bool = False  # Weights & Biases (pip install wandb)
+    wandb_project: str = "ferry"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+    """A jax.profiler trace of `steps` steps from `start_step` into <run dir>/profile."""
+
+    start_step: int | None = None
+    steps: int = 3
+
+    def __post_init__(self) -> None:
+        if self.start_step is not None and self.start_step < 1:
+            raise ConfigError(f"profile.start_step must be at least 1 (or null: no profile), got {self.start_step}")
+        if self.steps < 1:
+            raise ConfigError(f"profile.steps must be at least 1, got {self.steps}")
+
+
+@dataclasses.dataclass(frozen=True)
+class InitConfig:
+    """Where the first parameters come from: a random init (`train.seed`), or `from_hf`, a local
+    Hugging Face checkpoint directory whose config.json the model config must match."""
+
+    from_hf: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class FerryConfig:
+    """A whole run, as resolved from Hydra: `model` is the family's own config dataclass."""
+
+    model_name: str
+    model: AbstractModelConfig
+    train: TrainConfig
+    offload: OffloadConfig
+    data: DataConfig
+    run: RunConfig
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    log: LogConfig = LogConfig()
+    profile: ProfileConfig = ProfileConfig()
+    platform: PlatformConfig = PlatformConfig()
+    mesh: MeshConfig = MeshConfig()
+    distributed: DistributedConfig = DistributedConfig()
+    mode: str = "train"
+    target: str | None = None
+    plan: PlanConfig = PlanConfig()
+    init: InitConfig = InitConfig()
+    notes: tuple[str, ...] = ()  # what was adjusted or looks wrong, printed once at start-up
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("train", "plan"):
+            raise ConfigError(f"mode is {self.mode!r}; use train or plan")
+        if self.mode == "plan" and self.target is None:
+            raise ConfigError("mode=plan needs a target: target=h100|h200|b200|gb200|v5p|v5e|v6e")
+        if self.mode == "train" and self.target is not None:
+            raise ConfigError(
+                f"target={self.target} is the hardware mode=plan compiles for; a training run uses this machine's. "
+                f"Add mode=plan to plan for {self.target}, or drop target= to train here"
+            )
+        if self.mode == "train" and self.plan != PlanConfig():
+            changed = [f.name for f in dataclasses.fields(PlanConfig) if getattr(self.plan, f.name) != f.default]
+            raise ConfigError(
+                f"plan.{changed[0]} is read by mode=plan only; add mode=plan target=<target> to plan, or drop "
+                "the plan.* keys to train"
+            )
+        if self.profile.start_step is not None and self.profile.start_step > self.train.steps:
+            raise ConfigError(
+                f"profile.start_step={self.profile.start_step} is after the last step "
+                f"(train.steps={self.train.steps}), "
+                f"so nothing would be profiled; choose a step from 1 to {self.train.steps}"
+            )
+        check_peel(self.offload, self.model)
+        if self.mode == "train" and self.offload.name == "auto":
+            raise ConfigError(
+                "offload=auto is chosen for a target by the planner: run mode=plan target=<target> offload=auto, "
+                "copy the offload_auto.yaml it writes into configs/offload/ and train with that preset"
+            )
+
+
+def check_peel(offload: OffloadConfig, model: Any) -> None:
+    """`offload.peel` takes layers out of a pipelined scanned stack's loop: refused where it would
+    do nothing (no scanned stack, no pipelining, every tensor kept) or be cut to fit the stack."""
+    if offload.peel == 0:
+        return
+    why = None
+    if offload.keep_all:
+        why = f"offload={offload.name} keeps every tensor on the device (keep_all), so there are no copies to peel"
+    elif not offload.pipelined:
+        why = "offload.pipelined=false: only a pipelined stack is peeled"
+    elif not model.scan_layers:
+        why = "model.scan_layers=false: the layers run one by one, not as a loop to peel"
+    if why is not None:
+        raise ConfigError(f"offload.peel={offload.peel} would do nothing: {why}; set offload.peel=0")
+    depths = model.stack_depths()
+    deepest = max(depths.values(), default=0)
+    if offload.peel > deepest - 1:
+        stacks = ", ".join(f"{name} {depth}" for name, depth in depths.items())
+        raise ConfigError(
+            f"offload.peel={offload.peel} peels more layers than a stack has after its first (layers per stack: "
+            f"{stacks}); use at most {max(deepest - 1, 0)}"
+        )
+
+
+def check_mesh_shape(config: FerryConfig) -> None:
+    """The mesh's axes divide the model's dimensions and the batch (no devices needed)."""
+    axes = config.mesh.shape
+    for what, size, axis in config.model.mesh_dims():
+        check_divisible(what, size, axis, axes[axis], f"choose a mesh.{axis} that divides {size}")
+    config.train.check_batch(config.mesh.data_parallel, config.mesh.describe())
+
+
+def load_config(node: Mapping) -> FerryConfig:
+    """Validate a resolved Hydra config (a plain dict) into frozen dataclasses."""
+    known = {"model", "train", "offload", "data", "run", "checkpoint", "log", "profile", "init"}
+    known |= {"platform", "mesh", "distributed", "mode", "target", "plan"}
+    unknown = sorted(set(node) - known)
+    if unknown:
+        raise ConfigError(f"unknown top-level config key(s) {unknown}; known: {sorted(known)}")
+    for key in sorted(known - {"mode", "target"}):
+        if node.get(key) is not None and not isinstance(node[key], Mapping):
+            raise ConfigError(f"{key}={node[key]!r}: {key} holds keys ({key}.NAME=VALUE), not a value of its own")
+    if not isinstance(node.get("model"), Mapping):
+        raise ConfigError("the config has no model: choose one with model=NAME (a file of configs/model/)")
+    model = dict(node["model"])
+    model_settings = model_config(model)
+    train_node, notes = fit_warmup(dict(node.get("train", {})))
+    train = from_dict(TrainConfig, train_node, "train")
+    data = from_dict(DataConfig, node.get("data", {}), "data")
+    notes += data.ignored()
+    if train.learning_rate == 0:
+        notes.append("train.learning_rate=0: the parameters will not change (the optimizer's steps are all zero)")
+    return FerryConfig(
+        model_name=str(model.get("name", "custom")),
+        model=model_settings,
+        train=train,
+        offload=from_dict(OffloadConfig, node.get("offload", {}), "offload"),
+        data=data,
+        run=from_dict(RunConfig, node.get("run", {}), "run"),
+        checkpoint=from_dict(CheckpointConfig, node.get("checkpoint", {}), "checkpoint"),
+        log=from_dict(LogConfig, node.get("log", {}), "log"),
+        profile=from_dict(ProfileConfig, node.get("profile", {}), "profile"),
+        platform=from_dict(PlatformConfig, node.get("platform", {}), "platform"),
+        mesh=from_dict(MeshConfig, node.get("mesh", {}), "mesh"),
+        distributed=from_dict(DistributedConfig, node.get("distributed", {}), "distributed"),
+        mode=str(node.get("mode", "train")),
+        target=None if node.get("target") is None else str(node["target"]),
+        plan=from_dict(PlanConfig, node.get("plan", {}), "plan"),
+        init=from_dict(InitConfig, node.get("init", {}), "init"),
+        notes=tuple(notes),
+    )
+
+
+def fit_warmup(train: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """A warmup as long as the run (train.steps=10 with the default 20 warmup steps, the first
+    override a newcomer tries) is shortened to a tenth of the run, with a note saying so."""
+    steps, warmup = train.get("steps", TrainConfig.steps), train.get("warmup_steps", TrainConfig.warmup_steps)
+    integers = all(isinstance(v, int) and not isinstance(v, bool) for v in (steps, warmup))
+    if not integers or steps < 1 or warmup < steps:
+        return train, []
+    fitted = steps // 10
+    note = (
+        f"train.warmup_steps={warmup} does not fit a run of train.steps={steps}; warming up over {fitted} "
+        f"step(s), a tenth of the run (set train.warmup_steps below {steps} to choose)"
+    )
+    return {**train, "warmup_steps": fitted}, [note]
