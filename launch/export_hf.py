@@ -25,8 +25,8 @@ from ferry.errors import FerryError
 from ferry.hf import save_pretrained
 from ferry.hf.pretrained import EXPORT_DTYPES
 from ferry.sharding import MeshConfig, make_mesh
-from ferry.train.checkpoint import Checkpoints, checkpoint_steps
-from ferry.train.config import FerryConfig, load_config
+from ferry.run.checkpoint import Checkpoints, checkpoint_steps
+from ferry.run.config import FerryConfig, load_config
 from ferry.train.state import run_state_layout
 
 

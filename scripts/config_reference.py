@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ferry.models.registry import FAMILIES
-from ferry.train.config import FerryConfig as ROOT  # the one import naming where the root config lives
+from ferry.run.config import FerryConfig as ROOT  # the one import naming where the root config lives
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "reference" / "config.md"
 # the root's fields that no override sets: derived from the model group, or printed notes
@@ -138,12 +138,13 @@ def hints(cls: type) -> dict[str, Any]:
 
 
 def sections(cls: type, prefix: str) -> Iterator[tuple[str, type]]:
-    """`cls` under the key `prefix`, then every dataclass nested in it, depth first."""
+    """`cls` under the key `prefix`, then every dataclass nested in it, depth first (the root's
+    `model`, a family's own config, has the model section of its own)."""
     yield prefix, cls
     annotations = hints(cls)
     for field in dataclasses.fields(cls):
         nested = nested_dataclass(annotations.get(field.name, field.type))
-        if nested is not None and field.name not in DERIVED:
+        if nested is not None and field.name not in DERIVED and not (field.name == "model" and not prefix):
             yield from sections(nested, f"{prefix}.{field.name}" if prefix else field.name)
 
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from ferry.overrides import compose_node
-from ferry.train.config import load_config
+from ferry.run.config import load_config
 from tests.conftest import CONFIGS, ROOT
 from tests.test_readme import launcher_overrides
 

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from ferry.hf import load_pretrained
 from ferry.overrides import compose_node
 from ferry.sharding import MeshConfig, make_mesh
-from ferry.train.checkpoint import Checkpoints
+from ferry.run.checkpoint import Checkpoints
 from ferry.train.state import run_state_layout
 from tests.conftest import CONFIGS, ROOT, SMALL_RUN, compose_config
 

@@ -14,7 +14,7 @@ import pytest
 from ferry.offload import Policy
 from ferry.overrides import compose_node
 from ferry.plan.hlo_stats import matmul_flops
-from ferry.train.config import load_config
+from ferry.run.config import load_config
 from tests.conftest import CONFIGS, ROOT
 
 README = ROOT / "README.md"
