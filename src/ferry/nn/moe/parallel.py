@@ -149,7 +149,6 @@ def expert_parallel_moe(
     capacity = capacity_per_expert(capacity_factor, tokens * group, k, num_experts)
     tagged_rows = tagged_row_count(tag_capacity_factor, tokens, k, group)
     experts, expert_spec = per_device_experts(experts, mesh)
-
     check_vma = _kernel_checks_vma(kernel, tile_rows, mesh)
 
     def matmul(a: jax.Array, w: jax.Array, d: Dispatch, gather: bool) -> jax.Array:
