@@ -91,8 +91,8 @@ def test_attention_modules_restart_rotary_positions_in_each_document(kind):
         return model(h, segments)
 
     params, static = eqx.partition(module, eqx.is_inexact_array)
-    run_split = lambda inputs, segments: run((eqx.combine(inputs[0], static), inputs[1]), segments)  # noqa: E731
-    cut = lambda inputs, document: (inputs[0], inputs[1][:, document])  # noqa: E731
+    run_split = lambda inputs, segments: run((eqx.combine(inputs[0], static), inputs[1]), segments)
+    cut = lambda inputs, document: (inputs[0], inputs[1][:, document])
     (packed, packed_grads), (alone, alone_grads) = packed_and_alone(run_split, (params, x), cotangent, cut)
     np.testing.assert_allclose(packed, alone, rtol=1e-5, atol=1e-5)
     for a, b in zip(jax.tree.leaves(packed_grads), jax.tree.leaves(alone_grads), strict=True):

@@ -31,7 +31,7 @@ def two_walks(x, w, active):
 
     def walk(tiles: int, runs: int, h):
         def one_tile(carry, tile):
-            product = lambda: carry @ w  # noqa: E731
+            product = lambda: carry @ w
             return jax.lax.cond(tile < active, product, lambda: carry), None
 
         with expected_work(runs, tiles):
@@ -68,7 +68,7 @@ def test_the_compiled_programs_marked_loops_count_the_tiles_that_run():
         hlo = jax.jit(two_walks).lower(x, w, active).compile(GPU_FLAGS).as_text()
     loops = [line for line in hlo.splitlines() if " while(" in line]
     products = [line for line in hlo.splitlines() if " dot(" in line or "__cublas" in line]
-    op_name = lambda line: re.search(r'op_name="([^"]*)"', line)[1]  # noqa: E731
+    op_name = lambda line: re.search(r'op_name="([^"]*)"', line)[1]
     assert len({op_name(line) for line in loops}) == 2 and len({op_name(line) for line in products}) == 1
     assert matmul_flops(hlo) == pytest.approx(3 * PRODUCT)
     assert matmul_flops(hlo, bound=True) == pytest.approx(16 * PRODUCT)

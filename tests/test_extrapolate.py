@@ -104,7 +104,7 @@ def assert_same(planned: MemoryPlan, whole: MemoryPlan, temp_over: float) -> Non
         assert getattr(planned, field) == getattr(whole, field), field
     assert whole.temp_bytes <= planned.temp_bytes <= (1 + temp_over) * whole.temp_bytes
     assert planned.model_flops == whole.model_flops
-    key = lambda t: (t.tensor, t.direction, t.shape, t.bytes, t.executions)  # noqa: E731
+    key = lambda t: (t.tensor, t.direction, t.shape, t.bytes, t.executions)
     assert sorted(map(key, planned.transfers)) == sorted(map(key, whole.transfers))
     for field in ("bytes_to_host", "bytes_to_device"):
         assert getattr(planned.transfer_summary, field) == getattr(whole.transfer_summary, field)

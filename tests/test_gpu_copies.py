@@ -62,7 +62,7 @@ def test_a_trace_gives_the_copy_time_no_kernel_hides(tmp_path):
         },
     )
     measured = trace_exposure(trace, steps=2)
-    us = lambda seconds: round(seconds * 1e6)  # noqa: E731
+    us = lambda seconds: round(seconds * 1e6)
     assert us(measured["copy_seconds"]) == 100  # 200 us of host copies over 2 steps
     assert us(measured["to_host_seconds"]) == us(measured["to_device_seconds"]) == 50
     assert us(measured["exposed_seconds"]) == 40  # (30 + 50) / 2

@@ -53,7 +53,10 @@ def test_per_tensor_override_and_preset(tmp_path):
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("offload.tensors.mlpwoo=offload", "names ['mlpwoo'], which this model never tags; it tags: attention_lse, attention_out"),
+        (
+            "offload.tensors.mlpwoo=offload",
+            "names ['mlpwoo'], which this model never tags; it tags: attention_lse, attention_out",
+        ),
         ("offload.tensors.mlpwo=host", "'mlpwo' has placement 'host'; a placement is one of device, offload, remat"),
         ("train.seq_len=0", "train.seq_len must be at least 1"),
         ("offload.peel=-1", "offload.peel=-1: it counts a stack's last layers run outside its loop"),

@@ -451,10 +451,7 @@ def test_copies_hide_under_compute_where_the_link_allows(preset):
         assert measured.transfer_summary.link_seconds < measured.flops / H200.bf16_peak_flops
     bound = lambda p: (
         max(0.0, p.transfer_summary.link_seconds - p.flops / H200.bf16_peak_flops)
-        + 0.05
-        * (  # noqa: E731
-            p.flops / H200.bf16_peak_flops
-        )
+        + 0.05 * (p.flops / H200.bf16_peak_flops)
     )
     assert pipelined.transfer_summary.exposed_seconds <= bound(pipelined)
     assert pipelined.transfer_summary.exposed_seconds < per_layer.transfer_summary.exposed_seconds
@@ -471,7 +468,7 @@ def compiled_gradient(model, policy: offload.Policy, rows: int, seq_len: int) ->
     params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_device), params)
     batch = jax.ShapeDtypeStruct((rows, seq_len + 1), jnp.int32, sharding=on_device)
     settings = LossSettings(policy, "bfloat16")
-    loss = lambda p, b: batch_loss(eqx.combine(p, static), b, settings)[0]  # noqa: E731
+    loss = lambda p, b: batch_loss(eqx.combine(p, static), b, settings)[0]
     with jax.set_mesh(mesh):
         compiled = jax.jit(jax.grad(loss)).lower(params, batch).compile(H200.compile_options(GPU_FLAGS))
     return matmul_flops(compiled.as_text()), compiled.memory_analysis().temp_size_in_bytes

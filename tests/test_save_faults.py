@@ -146,7 +146,9 @@ def test_orbax_records_are_kept_off_the_console_and_others_are_not():
             exec(compile("raise ValueError('No space left on device')", filename, "exec"))
         except ValueError:
             exc_info = sys.exc_info()
-        return logging.LogRecord("asyncio", logging.ERROR, asyncio.__file__, 1, "Task exception was never retrieved", None, exc_info)
+        return logging.LogRecord(
+            "asyncio", logging.ERROR, asyncio.__file__, 1, "Task exception was never retrieved", None, exc_info
+        )
 
     keep = _NoOrbaxRecords().filter
     assert not keep(record_of("/venv/site-packages/orbax/checkpoint/_src/serialization/serialization.py"))

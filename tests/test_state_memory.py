@@ -89,7 +89,7 @@ def test_host_resident_state_trains_bit_for_bit_as_in_hbm(placement, vocab):
     expected, reference = train("llama_tiny", placement, 4, reference=True, vocab_size=vocab)
     losses, state = train("llama_tiny", placement, 4, vocab_size=vocab)
     np.testing.assert_array_equal(np.array(losses), np.array(expected))
-    weights = lambda s: jax.tree.leaves(eqx.filter(s.model, eqx.is_array))  # noqa: E731
+    weights = lambda s: jax.tree.leaves(eqx.filter(s.model, eqx.is_array))
     for got, want in zip(weights(state), weights(reference), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     kinds = {leaf.sharding.memory_kind for leaf in jax.tree.leaves(state.opt_state) + jax.tree.leaves(state.model)}
@@ -128,7 +128,7 @@ def compiled_state_step(
     body = train_step_body(optimizer, settings, learning_rate_schedule(train), 1, shardings, stream=stream)
     args = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
     batch = jax.ShapeDtypeStruct((4, 33), np.int32, sharding=NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
-    step = lambda arrays, tokens: body(eqx.combine(arrays, static), tokens)  # noqa: E731
+    step = lambda arrays, tokens: body(eqx.combine(arrays, static), tokens)
     with jax.set_mesh(mesh):
         compiled = jax.jit(step, donate_argnums=0).lower(args, batch).compile(target.compile_options({}))
     layout = compiled.as_text().split("entry_computation_layout={")[1].split("}, allow_spmd")[0]

@@ -273,7 +273,7 @@ def test_llama_all_saved_recomputes_no_saved_value(mode_plan):
     model, groups = abstract_model(model_config), layer_group_traces(config, model_config)
     fields = {k: check[k] for k in ("policy", "matmuls", "flops", "save_all_matmuls", "save_all_flops")}
     beyond = RecomputeCheck(**fields | {"matmuls": check["matmuls"] + 1})
-    explain = lambda: explain_recompute(model, groups, {"decoder": layers}, llama_h200.policy)  # noqa: E731
+    explain = lambda: explain_recompute(model, groups, {"decoder": layers}, llama_h200.policy)
     with pytest.raises(RecomputedProducerError, match="the compiler recomputes 1 matmuls of saved values"):
         verify_recompute(beyond, explain, "llama_tiny on h200")
 
@@ -297,7 +297,7 @@ def compile_user_stack(nonlinear_tag: bool, policy: Policy) -> tuple[str, LayerS
     mesh = compile_only_mesh(H200, MeshConfig())
     stack = eqx.filter_eval_shape(lambda key: LayerStack(make, 3, key=key), jax.random.key(0))
     on_device = NamedSharding(mesh, PartitionSpec())
-    place = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_device)  # noqa: E731
+    place = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_device)
     stack_in = jax.tree.map(place, stack)
     x = place(jax.ShapeDtypeStruct((4, 16, 32), jnp.float32))
 
@@ -322,7 +322,7 @@ def test_a_tag_on_a_nonlinear_output_is_refused(nonlinear_tag):
     reference, _, _ = compile_user_stack(nonlinear_tag, Policy.save_all())
     counts = (matmul_count(program), matmul_flops(program), matmul_count(reference), matmul_flops(reference))
     check = RecomputeCheck("h on device", *counts)
-    explain = lambda: explain_recompute(stack, {"mix": group}, {"mix": 3}, saved)  # noqa: E731
+    explain = lambda: explain_recompute(stack, {"mix": group}, {"mix": 3}, saved)
     if not nonlinear_tag:
         assert verify_recompute(check, explain, "the mix stack on h200").equal
         return

@@ -59,7 +59,7 @@ class CompiledMemory:
         analysis = compiled.memory_analysis()
         if analysis is None:
             return None
-        read = lambda name: int(getattr(analysis, name, 0) or 0)  # noqa: E731
+        read = lambda name: int(getattr(analysis, name, 0) or 0)
         return cls(
             arguments=read("argument_size_in_bytes"),
             outputs=read("output_size_in_bytes"),

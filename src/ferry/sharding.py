@@ -27,7 +27,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
-from jax._src.mesh import get_concrete_mesh
+from jax._src.mesh import get_concrete_mesh  # no public API: `jax.sharding.get_mesh` refuses while tracing
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ferry.errors import FerryError

@@ -23,7 +23,7 @@ MODEL_TYPE = "deepseek_v3"
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 FAMILY = "DeepSeek-V3"
 
-CONFIG_KEYS = {
+CONFIG_KEYS: Mapping[str, str] = {  # ferry field -> the config.json key it comes from
     "vocab_size": "vocab_size",
     "dim": "hidden_size",
     "num_layers": "num_hidden_layers",

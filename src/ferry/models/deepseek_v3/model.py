@@ -130,14 +130,14 @@ class DeepSeekV3(AbstractLanguageModel):
 
     def layer_kinds(self) -> list[LayerKind]:
         config, kinds = self.config, []
-        make_dense = lambda k: dense_layer(config, key=k)  # noqa: E731
-        make_moe = lambda k: moe_layer(config, key=k)  # noqa: E731
+        make_dense = lambda k: dense_layer(config, key=k)
+        make_moe = lambda k: moe_layer(config, key=k)
         if self.dense_layers is not None:
             kinds.append(LayerKind.of_stack("dense", lambda m: m.dense_layers, self, make_dense))
         if self.moe_layers is not None:
             kinds.append(LayerKind.of_stack("moe", lambda m: m.moe_layers, self, make_moe))
         for depth in range(1, len(self.mtp) + 1):
-            run_mtp = lambda m, x, i=depth - 1: m.mtp[i].block(x)  # noqa: E731
+            run_mtp = lambda m, x, i=depth - 1: m.mtp[i].block(x)
             kinds.append(LayerKind(f"mtp_{depth}", 1, run_mtp, seq_shrink=depth, make=make_moe))  # its block
         return kinds
 
@@ -240,10 +240,10 @@ class DeepSeekV3(AbstractLanguageModel):
         rate = self.config.bias_update_rate
         model = self
         if "moe_expert_load" in stats:
+            blocks = None if self.moe_layers is None else self.moe_layers.layers  # every MoE block, stacked
+            assert isinstance(blocks, MoEDecoderBlock), "a MoE load comes from the MoE layers"
             model = eqx.tree_at(
-                lambda m: m.moe_layers.layers.mlp,
-                model,
-                _update_bias(model.moe_layers.layers.mlp, stats["moe_expert_load"], rate),
+                lambda m: m.moe_layers.layers.mlp, model, _update_bias(blocks.mlp, stats["moe_expert_load"], rate)
             )
         if "mtp_expert_load" in stats:
             mtp = tuple(

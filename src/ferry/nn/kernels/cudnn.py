@@ -17,6 +17,8 @@ q/k heads 192, plans with `xla` on a GPU target).
 """
 
 import inspect
+from types import ModuleType
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +27,9 @@ from jaxtyping import Array, Float
 from ferry.nn.kernels.flash import FlashAttention, SegmentIds
 
 try:  # JAX's cuDNN attention: no public API gives its float32 statistics or its backward alone
-    from jax._src.cudnn import fused_attention_stablehlo as _cudnn
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    _cudnn: ModuleType | None = fused_attention_stablehlo
 except ImportError:  # pragma: no cover - every jax ferry supports has it
     _cudnn = None
 
@@ -50,10 +54,18 @@ def cudnn_version() -> int | None:
     """The loaded cuDNN's version (91000 for 9.10.0); with no GPU in this process, the planner's
     targets' (`DEVICELESS_CUDNN_VERSION`: the program is compiled for a GPU elsewhere); None where
     a GPU process has no cuDNN."""
-    try:
-        return _cudnn.check_cudnn_version()
-    except (RuntimeError, AttributeError):
-        return DEVICELESS_CUDNN_VERSION if jax.default_backend() != "gpu" else None
+    if _cudnn is not None:
+        try:
+            return _cudnn.check_cudnn_version()
+        except (RuntimeError, AttributeError):
+            pass
+    return DEVICELESS_CUDNN_VERSION if jax.default_backend() != "gpu" else None
+
+
+def _jax_cudnn() -> ModuleType:
+    """JAX's cuDNN attention module, for callers that `cudnn_unavailable_reason` cleared."""
+    assert _cudnn is not None, "jax has no cuDNN attention module (see cudnn_unavailable_reason)"
+    return _cudnn
 
 
 def cudnn_unavailable_reason() -> str | None:
@@ -88,7 +100,8 @@ def cudnn_shape_reason(
     k = jax.ShapeDtypeStruct((batch, seq, kv_heads, qk_dim), dtype)
     v = jax.ShapeDtypeStruct((batch, seq, kv_heads, v_dim), dtype)
     try:
-        _cudnn.check_is_flash_attention(q, k, v, _cudnn.AttentionLayout.BTNH.value, cudnn_version(), False, True)
+        cudnn = _jax_cudnn()
+        cudnn.check_is_flash_attention(q, k, v, cudnn.AttentionLayout.BTNH.value, cudnn_version(), False, True)
     except NotImplementedError as error:
         return f"cuDNN flash attention does not take it: {error}"
     return None
@@ -100,14 +113,15 @@ class CudnnAttention(FlashAttention):
     def describe(self) -> str:
         return "cudnn (cuDNN fused flash attention)"
 
-    def _options(self, scale: float) -> dict:
+    def _options(self, scale: float) -> dict[str, Any]:
+        cudnn = _jax_cudnn()
         return dict(
             scale=scale,
             seed=0,
             dropout_rate=0.0,
             variadic_args=(False, False),  # no bias, no bias gradient
-            mask_type=_cudnn.MaskType.CAUSAL,
-            layout=_cudnn.AttentionLayout.BTNH.value,
+            mask_type=cudnn.MaskType.CAUSAL,
+            layout=cudnn.AttentionLayout.BTNH.value,
             sliding_window_length=None,
             score_mod=None,
             cudnn_version=cudnn_version(),
@@ -127,7 +141,7 @@ class CudnnAttention(FlashAttention):
     ) -> tuple[Float[Array, "batch seq heads v_dim"], Float[Array, "batch seq heads"]]:
         assert segment_ids is None, "chosen only without segment ids (ferry.nn.kernels.choice)"
         unused = self._unused(q)
-        out, stats = _cudnn._dot_product_attention_fwd(  # noqa: SLF001 (see the module docstring)
+        out, stats = _jax_cudnn()._dot_product_attention_fwd(  # noqa: SLF001 (see the module docstring)
             q, k, v, *(unused,) * 7, (), return_residual=True, **self._options(scale)
         )
         return out, stats.transpose(0, 2, 1)  # cuDNN's (batch, heads, seq) -> ferry's (batch, seq, heads)
@@ -145,7 +159,7 @@ class CudnnAttention(FlashAttention):
     ) -> tuple[Array, Array, Array]:
         unused = self._unused(q)
         residuals = (q, k, v, *(unused,) * 7, (), lse.transpose(0, 2, 1), out.astype(q.dtype))
-        grads = _cudnn._dot_product_attention_bwd_rule(  # noqa: SLF001 (see the module docstring)
-            *self._options(scale).values(), False, residuals, d_out.astype(q.dtype)
+        grads = _jax_cudnn()._dot_product_attention_bwd_rule(  # noqa: SLF001 (see the module docstring)
+            **self._options(scale), return_residual=False, res=residuals, grad_output=d_out.astype(q.dtype)
         )
         return grads[0], grads[1], grads[2]

@@ -124,7 +124,7 @@ def _attach_forward(kernel, scale, q, k, v, out, lse, segment_ids):  # noqa: ANN
 
 def _attach_backward(kernel, scale, residuals, d_out):  # noqa: ANN001, ANN202
     q, k, v, out, lse, segment_ids = residuals
-    split = lambda t: t.reshape(*q.shape[:3], v.shape[-1])  # noqa: E731
+    split = lambda t: t.reshape(*q.shape[:3], v.shape[-1])
     dq, dk, dv = kernel.backward(q, k, v, split(out), lse, split(d_out), scale, segment_ids)
     return dq, dk, dv, None, None, None
 

@@ -110,7 +110,7 @@ class SplashAttention(FlashAttention):
     def block_sizes(self, seq: int) -> splash.BlockSizes:
         b = self.block or block_size(seq)
         compute = self.block_kv_compute or b
-        backward = {} if self.fused_backward else {"block_q_dq": b, "block_kv_dq": b}
+        dq = None if self.fused_backward else b  # the fused backward has no dq kernel (BlockSizes refuses its blocks)
         return splash.BlockSizes(
             block_q=b,
             block_kv=b,
@@ -118,8 +118,9 @@ class SplashAttention(FlashAttention):
             block_q_dkv=b,
             block_kv_dkv=b,
             block_kv_dkv_compute=compute,
+            block_q_dq=dq,
+            block_kv_dq=dq,
             use_fused_bwd_kernel=self.fused_backward,
-            **backward,
         )
 
     def _kernel(self, seq: int, heads: int) -> Any:

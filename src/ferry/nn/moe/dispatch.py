@@ -1,6 +1,9 @@
 """Dispatch algebra: the (token, expert) slots routed to one device's experts sorted by expert,
 windows of them, their rows through a grouped matmul, and the tokens' sums back."""
 
+import functools
+import operator
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -44,9 +47,11 @@ class Dispatch(eqx.Module):
     def expected_tiles(self) -> int:
         """Of the tile layout's tiles, those the balanced rows fill: each local expert's share of
         them, rounded up to whole tiles."""
-        tiles, experts = self.layout.tile_expert.shape[0], self.group_sizes.shape[0]
+        layout = self.layout
+        assert layout is not None, "only a tiled dispatch has tiles"
+        tiles, experts = layout.tile_expert.shape[0], self.group_sizes.shape[0]
         rows = self.row_token.shape[0] if self.balanced_rows is None else self.balanced_rows
-        return min(tiles, experts * -(-rows // (experts * self.layout.tile_rows)))
+        return min(tiles, experts * -(-rows // (experts * layout.tile_rows)))
 
 
 def dispatch(
@@ -118,7 +123,7 @@ def tagged_windows(d: Dispatch, tagged_rows: int) -> tuple[Dispatch, ...]:
 
 def combine_windows(outs: tuple[jax.Array, ...], windows: tuple[Dispatch, ...], num_tokens: int) -> jax.Array:
     """Each token's sum over the windows of its rows."""
-    return sum(combine(out, d, num_tokens) for out, d in zip(outs, windows, strict=True))
+    return functools.reduce(operator.add, (combine(out, d, num_tokens) for out, d in zip(outs, windows, strict=True)))
 
 
 def capacity_per_expert(capacity_factor: float | None, tokens: int, k: int, num_experts: int) -> int | None:

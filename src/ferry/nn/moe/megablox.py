@@ -10,15 +10,20 @@ for a TPU gets the kernels. `interpret=True` runs the kernels themselves on any 
 """
 
 import functools
-import importlib
 
 import jax
 import jax.numpy as jnp
-from jax._src import config as jax_config
-from jaxtyping import Array, Float, Int
 
-# the kernels' module (the package's `gmm` attribute is the wrapped function, not the module)
-kernels = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+# No public API switches shard_map's varying-axes check off around one call: `_unchecked` below.
+from jax._src import config as jax_config
+
+# The kernels, from their own module: the package (`jax.experimental.pallas.ops.tpu.megablox`)
+# exports only `gmm`, a wrapper with its own VJP and tiling, whose name hides this module as an
+# attribute (hence `from ... .gmm import`); ferry's VJP calls the forward kernel (with
+# `transpose_rhs` for the input gradient) and the weight-gradient kernel `tgmm` itself.
+from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm as gmm_kernel
+from jax.experimental.pallas.ops.tpu.megablox.gmm import tgmm as tgmm_kernel
+from jaxtyping import Array, Float, Int
 
 # Rows x contracted x output columns per kernel step, as MaxText's default megablox tiling; each
 # is clipped to the operand's size, so small (test) widths take one tile.
@@ -62,14 +67,14 @@ def _in_groups(rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
 def _forward(x: jax.Array, w: jax.Array, group_sizes: jax.Array, interpret: bool) -> jax.Array:
     m, k = x.shape
     tiling = _tiling(m, k, w.shape[2])
-    out = _unchecked(kernels.gmm)(_padded_rows(x, tiling[0]), w, group_sizes, x.dtype, tiling, interpret=interpret)
+    out = _unchecked(gmm_kernel)(_padded_rows(x, tiling[0]), w, group_sizes, x.dtype, tiling, interpret=interpret)
     return _in_groups(out[:m], group_sizes)
 
 
 def _input_gradient(g: jax.Array, w: jax.Array, group_sizes: jax.Array, dtype: jnp.dtype, interpret: bool):
     m, n = g.shape
     tiling = _tiling(m, n, w.shape[1])
-    gmm = _unchecked(kernels.gmm)
+    gmm = _unchecked(gmm_kernel)
     dx = gmm(_padded_rows(g, tiling[0]), w, group_sizes, dtype, tiling, transpose_rhs=True, interpret=interpret)
     return _in_groups(dx[:m], group_sizes)
 
@@ -78,7 +83,7 @@ def _weight_gradient(x: jax.Array, g: jax.Array, group_sizes: jax.Array, dtype: 
     m, k = x.shape
     tiling = _tiling(m, k, g.shape[1])
     x, g = _padded_rows(x, tiling[0]), _padded_rows(g, tiling[0])
-    return _unchecked(kernels.tgmm)(x.swapaxes(0, 1), g, group_sizes, dtype, tiling, interpret=interpret)
+    return _unchecked(tgmm_kernel)(x.swapaxes(0, 1), g, group_sizes, dtype, tiling, interpret=interpret)
 
 
 def _reference_forward(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:

@@ -103,7 +103,7 @@ def _receive_and_dispatch(
     num_local = num_experts // group
     position = jax.lax.axis_index("expert")
     first = position * num_local
-    queue_start = 0
+    queue_start: jax.Array | int = 0
     if capacity is not None:
         queue_start = _queue_start(indices, (position + shift) % group, first, num_local, num_experts)
     if shift:
@@ -149,13 +149,12 @@ def expert_parallel_moe(
     capacity = capacity_per_expert(capacity_factor, tokens * group, k, num_experts)
     tagged_rows = tagged_row_count(tag_capacity_factor, tokens, k, group)
     experts, expert_spec = per_device_experts(experts, mesh)
-
     check_vma = _kernel_checks_vma(kernel, tile_rows, mesh)
 
     def matmul(a: jax.Array, w: jax.Array, d: Dispatch, gather: bool) -> jax.Array:
         local = functools.partial(_copy_matmul, gather=gather)
-        specs = {"in_specs": (rows, expert_spec, rows), "out_specs": rows, "check_vma": check_vma}
-        return jax.shard_map(local, mesh=mesh, **specs)(a, w, d)
+        in_specs = (rows, expert_spec, rows)
+        return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=rows, check_vma=check_vma)(a, w, d)
 
     total = None
     for shift in range(group):
@@ -180,6 +179,7 @@ def expert_parallel_moe(
         send = functools.partial(_combine_and_return, shift=shift, group=group, tokens=tokens)
         total_step = jax.shard_map(send, mesh=mesh, in_specs=rows, out_specs=rows)(outs, windows)
         total = total_step if total is None else total + total_step
+    assert total is not None, "a ring has at least one step"
     return total
 
 
