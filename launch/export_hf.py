@@ -24,9 +24,9 @@ from omegaconf import OmegaConf
 from ferry.errors import FerryError
 from ferry.hf import save_pretrained
 from ferry.hf.pretrained import EXPORT_DTYPES
-from ferry.sharding import MeshConfig, make_mesh
 from ferry.run.checkpoint import Checkpoints, checkpoint_steps
 from ferry.run.config import FerryConfig, load_config
+from ferry.sharding import MeshConfig, make_mesh
 from ferry.train.state import run_state_layout
 
 
