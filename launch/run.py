@@ -36,7 +36,10 @@ from rich.markup import escape  # noqa: E402
 
 from ferry import distributed  # noqa: E402
 from ferry.config import ConfigError, from_dict  # noqa: E402
+from ferry.default_policy import DefaultChoice, choose_default, names_preset, sets_offload_keys  # noqa: E402
 from ferry.errors import FerryError  # noqa: E402
+from ferry.hardware import accelerator_name  # noqa: E402
+from ferry.memory import InsufficientMemoryError  # noqa: E402
 from ferry.overrides import compose_node  # noqa: E402
 from ferry.plan.scheduler_costs import scheduler_target  # noqa: E402
 from ferry.platform import PlatformConfig, apply_platform, check_gpu_jax, check_platform  # noqa: E402
@@ -59,14 +62,15 @@ def make_console(quiet: bool = False) -> Console:
     """The console: the terminal's width on a terminal, otherwise wide enough for every table
     (a log file has no width, and rich would cut columns at 80)."""
     terminal = sys.stdout.isatty()
-    return Console(quiet=quiet, width=None if terminal else FILE_WIDTH, soft_wrap=not terminal)
+    # markup off: a printed line's own brackets (an install hint's ".[gpu]") are text
+    return Console(quiet=quiet, width=None if terminal else FILE_WIDTH, soft_wrap=not terminal, markup=False)
 
 
 def compose_overrides(argv: list[str]) -> dict:
     """The resolved config for these overrides, as a plain dict; every refusal (a bad override,
     an unknown key, a missing preset) a one-line ConfigError (`ferry.overrides`)."""
     for arg in argv:
-        if arg.startswith("-"):
+        if arg.startswith("-"):  # `--cfg job` is taken by `config_request` before
             raise ConfigError(f"{arg}: ferry takes config overrides (key=value), not options; see {__file__}")
     return compose_node("train", argv, Path(CONFIG_DIR))
 
@@ -79,7 +83,11 @@ def main(argv: list[str]) -> int:
         return 0
     prepared: PreparedRun | None = None
     try:
+        argv, show_config = config_request(argv)
         node = compose_overrides(argv)
+        if show_config:  # Hydra's `--cfg job`: the resolved config, and no backend
+            console.print(OmegaConf.to_yaml(node), highlight=False, markup=False, end="")
+            return 0
         config = load_config(node)
         for note in config.notes:
             console.print(f"note: {note}", highlight=False)
@@ -99,9 +107,19 @@ def main(argv: list[str]) -> int:
         check_platform(config.platform)
         scheduler_target(config.platform, jax.devices()[0].device_kind)  # a device ferry can price, or refused now
         console = make_console(quiet=jax.process_index() != 0)  # process 0 speaks for the run
-        prepared = prepare(config, console)
-        train(prepared, OmegaConf.to_yaml(node), console)
-        return 0
+        choice = None if names_preset(argv) else choose_default(config, accelerator(), sets_offload_keys(argv))
+        while True:
+            if choice is not None:
+                node, config = with_choice(choice, argv, node)
+                console.print(choice.line(), highlight=False)
+            prepared = prepare(config, console)
+            try:
+                train(prepared, OmegaConf.to_yaml(node), console)
+                return 0
+            except InsufficientMemoryError as error:  # minimal's step over the device: full_remat's may fit
+                if choice is None or not choice.may_fall_back() or wrote(prepared):
+                    raise
+                choice = choice.fallback(str(error).split(". ")[0])
     except NonFiniteLossError as error:
         return refuse(error, code=3)
     except FerryError as error:
@@ -112,6 +130,43 @@ def main(argv: list[str]) -> int:
     finally:
         if prepared is not None:
             prepared.release()
+
+
+def config_request(argv: list[str]) -> tuple[list[str], bool]:
+    """The overrides without Hydra's `--cfg job` (`--cfg=job`, `-c job`), and whether it was given;
+    Hydra's other `--cfg` parts (hydra, all) are not ferry's config and are refused."""
+    rest, show = [], False
+    arguments = iter(argv)
+    for arg in arguments:
+        if arg in ("--cfg", "-c"):
+            arg = f"--cfg={next(arguments, '')}"
+        if arg.startswith("--cfg="):
+            if arg != "--cfg=job":
+                raise ConfigError(
+                    f"{arg}: ferry prints its own config with --cfg job (Hydra's hydra and all parts are not used)"
+                )
+            show = True
+        else:
+            rest.append(arg)
+    return rest, show
+
+
+def wrote(prepared: PreparedRun) -> bool:
+    """The run has written into its directory (past its step's memory check)."""
+    lock = prepared.directory.lock
+    return lock is not None and lock.started
+
+
+def accelerator() -> str | None:
+    """This machine's accelerator as the planner names it (h100, v5e, ...), or None (a CPU)."""
+    return accelerator_name(jax.devices()[0].device_kind)
+
+
+def with_choice(choice: DefaultChoice, argv: list[str], node: dict) -> tuple[dict, FerryConfig]:
+    """The resolved config with the default preset chosen for a command that names none."""
+    planned = choice.offload_node()
+    node = compose_overrides([*argv, f"offload={choice.name}"]) if planned is None else {**node, "offload": planned}
+    return node, load_config(node)
 
 
 def refuse(error: Exception, code: int = 2) -> int:
