@@ -12,6 +12,7 @@ interrupted by Ctrl-C. Anything else is a bug, shown with its traceback.
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 EARLY_INTERRUPT = "interrupted before the run started; nothing was written"
 
@@ -81,7 +82,7 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] in ("-h", "--help"):
         console.print(__doc__.strip(), highlight=False, markup=False)
         return 0
-    prepared: PreparedRun | None = None
+    runs: list[PreparedRun] = []  # prepared (more than one where the default preset's step did not fit)
     try:
         argv, show_config = config_request(argv)
         node = compose_overrides(argv)
@@ -107,29 +108,38 @@ def main(argv: list[str]) -> int:
         check_platform(config.platform)
         scheduler_target(config.platform, jax.devices()[0].device_kind)  # a device ferry can price, or refused now
         console = make_console(quiet=jax.process_index() != 0)  # process 0 speaks for the run
-        choice = None if names_preset(argv) else choose_default(config, accelerator(), sets_offload_keys(argv))
-        while True:
-            if choice is not None:
-                node, config = with_choice(choice, argv, node)
-                console.print(choice.line(), highlight=False)
-            prepared = prepare(config, console)
-            try:
-                train(prepared, OmegaConf.to_yaml(node), console)
-                return 0
-            except InsufficientMemoryError as error:  # minimal's step over the device: full_remat's may fit
-                if choice is None or not choice.may_fall_back() or wrote(prepared):
-                    raise
-                choice = choice.fallback(str(error).split(". ")[0])
+        train_run(argv, node, config, console, runs)
+        return 0
     except NonFiniteLossError as error:
         return refuse(error, code=3)
     except FerryError as error:
         return refuse(error)
     except KeyboardInterrupt:
-        console.print(interrupted(prepared), highlight=False)
+        console.print(interrupted(runs[-1] if runs else None), highlight=False)
         return 130
     finally:
-        if prepared is not None:
+        for prepared in runs:
             prepared.release()
+
+
+def train_run(argv: list[str], node: dict, config: FerryConfig, console: Console, runs: list[PreparedRun]) -> None:
+    """Prepare and train (each prepared run appended to `runs`); a command that names no preset
+    trains with `ferry.default_policy`'s choice, full_remat where minimal's compiled step is over
+    the device (refused before anything is written)."""
+    choice = None if names_preset(argv) else choose_default(config, accelerator(), sets_offload_keys(argv))
+    while True:
+        if choice is not None:
+            node, config = with_choice(choice, argv, node)
+            console.print(choice.line(), highlight=False)
+        runs.append(prepare(config, console))
+        try:
+            train(runs[-1], OmegaConf.to_yaml(node), console)
+            return
+        except InsufficientMemoryError as error:  # minimal's step over the device: full_remat's may fit
+            if choice is None or not choice.may_fall_back() or wrote(runs[-1]):
+                raise
+            runs[-1].release()
+            choice = choice.fallback(str(error).split(". ")[0])
 
 
 def config_request(argv: list[str]) -> tuple[list[str], bool]:
@@ -186,7 +196,7 @@ def interrupted(prepared: PreparedRun | None) -> str:
     return f"interrupted before the first checkpoint of {prepared.run_dir}; the same command starts the run over"
 
 
-def check_plan_extra(target: str, find_spec: object = None) -> None:
+def check_plan_extra(target: str, find_spec: Callable[[str], object] | None = None) -> None:
     """`mode=plan` compiles for GPUs with the CUDA plugin and for TPUs with libtpu: refuse an
     unknown target, and at once when the one the target needs is not installed."""
     import importlib.util
@@ -222,6 +232,8 @@ def plan(config: FerryConfig, console: Console, node: dict) -> int:
     from ferry.plan.report import plan_presets, run_plan, target_platform, write_plan
     from ferry.plan.targets import TARGETS
 
+    if config.target is None:  # FerryConfig refuses mode=plan without one; said again for the type checker
+        raise ConfigError("mode=plan needs target=<target>")
     check_plan_extra(config.target)
     if TARGETS[config.target].platform == "gpu":  # the plan compiles with the same XLA:GPU as a run
         check_gpu_jax(f"mode=plan target={config.target}")
@@ -230,11 +242,11 @@ def plan(config: FerryConfig, console: Console, node: dict) -> int:
         path = Path(CONFIG_DIR) / "offload" / f"{name}.yaml"
         if not path.exists():
             raise ConfigError(f"plan.presets names {name!r}, which is not in configs/offload/")
-        return from_dict(OffloadConfig, OmegaConf.to_container(OmegaConf.load(path)), f"offload {name}")
+        return from_dict(OffloadConfig, yaml_mapping(path), f"offload {name}")
 
     def load_platform(name: str) -> PlatformConfig:
         path = Path(CONFIG_DIR) / "platform" / f"{name}.yaml"
-        return from_dict(PlatformConfig, OmegaConf.to_container(OmegaConf.load(path)), f"platform {name}")
+        return from_dict(PlatformConfig, yaml_mapping(path), f"platform {name}")
 
     run_dir = resolve_run_dir(config)
     measure_one = None
@@ -255,6 +267,14 @@ def plan(config: FerryConfig, console: Console, node: dict) -> int:
     written = write_plan(plans, choices, run_dir, config, measured)
     console.print("plan written to " + ", ".join(str(path) for path in written))
     return 0
+
+
+def yaml_mapping(path: Path) -> dict:
+    """A preset file's keys."""
+    node = OmegaConf.to_container(OmegaConf.load(path))
+    if not isinstance(node, dict):
+        raise ConfigError(f"{path} holds no keys")
+    return node
 
 
 def script(argv: list[str]) -> int:
