@@ -86,6 +86,9 @@ def test_a_run_without_offload_says_why_and_uses_the_choice(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("offload: minimal (default: no plan for this machine"), lines
     assert json.loads((run_dir / "schedule.json").read_text())["policy"] == "minimal"
     assert "name: minimal\n" in (run_dir / "config.yaml").read_text()
+    # the run ends with its summary (ferry.train.summary)
+    assert "summary: done at step 4 of 4" in result.stdout
+    assert f"last checkpoint: {run_dir / 'checkpoints' / '4'}" in result.stdout
     named = run_launcher(*SMALL_RUN, "offload=full_remat", f"run.dir={tmp_path / 'named'}", old_default=False)
     assert named.returncode == 0 and "offload: " not in named.stdout  # an explicit preset is never replaced
 
