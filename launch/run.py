@@ -146,10 +146,12 @@ def config_request(argv: list[str]) -> tuple[list[str], bool]:
     """The overrides without Hydra's `--cfg job` (`--cfg=job`, `-c job`), and whether it was given;
     Hydra's other `--cfg` parts (hydra, all) are not ferry's config and are refused."""
     rest, show = [], False
-    arguments = iter(argv)
-    for arg in arguments:
+    for index, arg in enumerate(argv):
+        if index > 0 and argv[index - 1] in ("--cfg", "-c") and "=" not in arg:
+            continue  # the part, taken with its flag
         if arg in ("--cfg", "-c"):
-            arg = f"--cfg={next(arguments, '')}"
+            following = argv[index + 1] if index + 1 < len(argv) else ""
+            arg = "--cfg=" + ("" if "=" in following else following)
         if arg.startswith("--cfg="):
             if arg != "--cfg=job":
                 raise ConfigError(
