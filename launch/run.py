@@ -4,6 +4,11 @@ Configs live in configs/ (Hydra); the arguments are Hydra overrides. A per-tenso
 `offload.tensors.mlpwo=offload` may name a tensor the preset does not list; the offload policy
 then checks it against the names the model really tags.
 
+Without `offload=`, the run uses offload=auto's choice where `mode=plan offload=auto` planned this
+step for this accelerator under run.root, else minimal (the fastest measured preset), or full_remat
+where minimal's compiled step does not fit; one start-up line says which and why
+(`ferry.default_policy`). `--cfg job` prints the resolved config and exits without starting JAX.
+
 Exit status: 0 done (or stopped cleanly by SIGTERM), 2 refused (one line saying what and how to fix
 it; nothing was changed), 3 stopped at a non-finite loss (the last good state checkpointed), 130
 interrupted by Ctrl-C. Anything else is a bug, shown with its traceback.
