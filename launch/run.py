@@ -4,6 +4,11 @@ Configs live in configs/ (Hydra); the arguments are Hydra overrides. A per-tenso
 `offload.tensors.mlpwo=offload` may name a tensor the preset does not list; the offload policy
 then checks it against the names the model really tags.
 
+Without `offload=`, the run uses offload=auto's choice where `mode=plan offload=auto` planned this
+step for this accelerator under run.root, else minimal (the fastest measured preset), or full_remat
+where minimal's compiled step does not fit; one start-up line says which and why
+(`ferry.default_policy`). `--cfg job` prints the resolved config and exits without starting JAX.
+
 Exit status: 0 done (or stopped cleanly by SIGTERM), 2 refused (one line saying what and how to fix
 it; nothing was changed), 3 stopped at a non-finite loss (the last good state checkpointed), 130
 interrupted by Ctrl-C. Anything else is a bug, shown with its traceback.
@@ -12,6 +17,7 @@ interrupted by Ctrl-C. Anything else is a bug, shown with its traceback.
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 EARLY_INTERRUPT = "interrupted before the run started; nothing was written"
 
@@ -36,7 +42,10 @@ from rich.markup import escape  # noqa: E402
 
 from ferry import distributed  # noqa: E402
 from ferry.config_schema import ConfigError, from_dict  # noqa: E402
+from ferry.default_policy import DefaultChoice, choose_default, names_preset, sets_offload_keys  # noqa: E402
 from ferry.errors import FerryError  # noqa: E402
+from ferry.hardware import accelerator_name  # noqa: E402
+from ferry.memory import InsufficientMemoryError  # noqa: E402
 from ferry.overrides import compose_node  # noqa: E402
 from ferry.plan.scheduler_costs import scheduler_target  # noqa: E402
 from ferry.platform import PlatformConfig, apply_platform, check_gpu_jax, check_platform  # noqa: E402
@@ -60,14 +69,15 @@ def make_console(quiet: bool = False) -> Console:
     """The console: the terminal's width on a terminal, otherwise wide enough for every table
     (a log file has no width, and rich would cut columns at 80)."""
     terminal = sys.stdout.isatty()
-    return Console(quiet=quiet, width=None if terminal else FILE_WIDTH, soft_wrap=not terminal)
+    # markup off: a printed line's own brackets (an install hint's ".[gpu]") are text
+    return Console(quiet=quiet, width=None if terminal else FILE_WIDTH, soft_wrap=not terminal, markup=False)
 
 
 def compose_overrides(argv: list[str]) -> dict:
     """The resolved config for these overrides, as a plain dict; every refusal (a bad override,
     an unknown key, a missing preset) a one-line ConfigError (`ferry.overrides`)."""
     for arg in argv:
-        if arg.startswith("-"):
+        if arg.startswith("-"):  # `--cfg job` is taken by `config_request` before
             raise ConfigError(f"{arg}: ferry takes config overrides (key=value), not options; see {__file__}")
     return compose_node("train", argv, Path(CONFIG_DIR))
 
@@ -78,9 +88,13 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] in ("-h", "--help"):
         console.print(__doc__.strip(), highlight=False, markup=False)
         return 0
-    prepared: PreparedRun | None = None
+    runs: list[PreparedRun] = []  # prepared (more than one where the default preset's step did not fit)
     try:
+        argv, show_config = config_request(argv)
         node = compose_overrides(argv)
+        if show_config:  # Hydra's `--cfg job`: the resolved config, and no backend
+            console.print(OmegaConf.to_yaml(node), highlight=False, markup=False, end="")
+            return 0
         config = load_config(node)
         for note in config.notes:
             console.print(f"note: {note}", highlight=False)
@@ -100,19 +114,77 @@ def main(argv: list[str]) -> int:
         check_platform(config.platform)
         scheduler_target(config.platform, jax.devices()[0].device_kind)  # a device ferry can price, or refused now
         console = make_console(quiet=jax.process_index() != 0)  # process 0 speaks for the run
-        prepared = prepare(config, console)
-        train(prepared, OmegaConf.to_yaml(node), console)
+        train_run(argv, node, config, console, runs)
         return 0
     except NonFiniteLossError as error:
         return refuse(error, code=3)
     except FerryError as error:
         return refuse(error)
     except KeyboardInterrupt:
-        console.print(interrupted(prepared), highlight=False)
+        console.print(interrupted(runs[-1] if runs else None), highlight=False)
         return 130
     finally:
-        if prepared is not None:
+        for prepared in runs:
             prepared.release()
+
+
+def train_run(argv: list[str], node: dict, config: FerryConfig, console: Console, runs: list[PreparedRun]) -> None:
+    """Prepare and train (each prepared run appended to `runs`); a command that names no preset
+    trains with `ferry.default_policy`'s choice, full_remat where minimal's compiled step is over
+    the device (refused before anything is written)."""
+    choice = None if names_preset(argv) else choose_default(config, accelerator(), sets_offload_keys(argv))
+    while True:
+        if choice is not None:
+            node, config = with_choice(choice, argv, node)
+            console.print(choice.line(), highlight=False)
+        runs.append(prepare(config, console))
+        try:
+            train(runs[-1], OmegaConf.to_yaml(node), console)
+            return
+        except InsufficientMemoryError as error:  # minimal's step over the device: full_remat's may fit
+            if choice is None or not choice.may_fall_back() or wrote(runs[-1]):
+                raise
+            runs[-1].release()
+            choice = choice.fallback(str(error).split(". ")[0])
+
+
+def config_request(argv: list[str]) -> tuple[list[str], bool]:
+    """The overrides without Hydra's `--cfg job` (`--cfg=job`, `-c job`), and whether it was given;
+    Hydra's other `--cfg` parts (hydra, all) are not ferry's config and are refused."""
+    rest, show = [], False
+    for index, arg in enumerate(argv):
+        if index > 0 and argv[index - 1] in ("--cfg", "-c") and "=" not in arg:
+            continue  # the part, taken with its flag
+        if arg in ("--cfg", "-c"):
+            following = argv[index + 1] if index + 1 < len(argv) else ""
+            arg = "--cfg=" + ("" if "=" in following else following)
+        if arg.startswith("--cfg="):
+            if arg != "--cfg=job":
+                raise ConfigError(
+                    f"{arg}: ferry prints its own config with --cfg job (Hydra's hydra and all parts are not used)"
+                )
+            show = True
+        else:
+            rest.append(arg)
+    return rest, show
+
+
+def wrote(prepared: PreparedRun) -> bool:
+    """The run has written into its directory (past its step's memory check)."""
+    lock = prepared.directory.lock
+    return lock is not None and lock.started
+
+
+def accelerator() -> str | None:
+    """This machine's accelerator as the planner names it (h100, v5e, ...), or None (a CPU)."""
+    return accelerator_name(jax.devices()[0].device_kind)
+
+
+def with_choice(choice: DefaultChoice, argv: list[str], node: dict) -> tuple[dict, FerryConfig]:
+    """The resolved config with the default preset chosen for a command that names none."""
+    planned = choice.offload_node()
+    node = compose_overrides([*argv, f"offload={choice.name}"]) if planned is None else {**node, "offload": planned}
+    return node, load_config(node)
 
 
 def refuse(error: Exception, code: int = 2) -> int:
@@ -132,7 +204,7 @@ def interrupted(prepared: PreparedRun | None) -> str:
     return f"interrupted before the first checkpoint of {prepared.run_dir}; the same command starts the run over"
 
 
-def check_plan_extra(target: str, find_spec: object = None) -> None:
+def check_plan_extra(target: str, find_spec: Callable[[str], object] | None = None) -> None:
     """`mode=plan` compiles for GPUs with the CUDA plugin and for TPUs with libtpu: refuse an
     unknown target, and at once when the one the target needs is not installed."""
     import importlib.util
@@ -168,6 +240,8 @@ def plan(config: FerryConfig, console: Console, node: dict) -> int:
     from ferry.plan.report import plan_presets, run_plan, target_platform, write_plan
     from ferry.plan.targets import TARGETS
 
+    if config.target is None:  # FerryConfig refuses mode=plan without one; said again for the type checker
+        raise ConfigError("mode=plan needs target=<target>")
     check_plan_extra(config.target)
     if TARGETS[config.target].platform == "gpu":  # the plan compiles with the same XLA:GPU as a run
         check_gpu_jax(f"mode=plan target={config.target}")
@@ -176,11 +250,11 @@ def plan(config: FerryConfig, console: Console, node: dict) -> int:
         path = Path(CONFIG_DIR) / "offload" / f"{name}.yaml"
         if not path.exists():
             raise ConfigError(f"plan.presets names {name!r}, which is not in configs/offload/")
-        return from_dict(OffloadConfig, OmegaConf.to_container(OmegaConf.load(path)), f"offload {name}")
+        return from_dict(OffloadConfig, yaml_mapping(path), f"offload {name}")
 
     def load_platform(name: str) -> PlatformConfig:
         path = Path(CONFIG_DIR) / "platform" / f"{name}.yaml"
-        return from_dict(PlatformConfig, OmegaConf.to_container(OmegaConf.load(path)), f"platform {name}")
+        return from_dict(PlatformConfig, yaml_mapping(path), f"platform {name}")
 
     run_dir = resolve_run_dir(config)
     measure_one = None
@@ -201,6 +275,14 @@ def plan(config: FerryConfig, console: Console, node: dict) -> int:
     written = write_plan(plans, choices, run_dir, config, measured)
     console.print("plan written to " + ", ".join(str(path) for path in written))
     return 0
+
+
+def yaml_mapping(path: Path) -> dict:
+    """A preset file's keys."""
+    node = OmegaConf.to_container(OmegaConf.load(path))
+    if not isinstance(node, dict):
+        raise ConfigError(f"{path} holds no keys")
+    return node
 
 
 def script(argv: list[str]) -> int:

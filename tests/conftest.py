@@ -28,6 +28,7 @@ from ferry.models.registry import model_config
 from ferry.platform import PlatformConfig
 from ferry.run.config import FerryConfig, load_config
 from ferry.train.config import OffloadConfig
+from tests.old_default import with_old_default
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
@@ -74,9 +75,10 @@ def load_model_config(name: str, **overrides):
 
 
 def compose_config(*overrides: str) -> FerryConfig:
-    """The validated config `python launch/run.py OVERRIDES...` would run."""
+    """The validated config `python launch/run.py OVERRIDES...` would run (offload=minimal_offloaded
+    where they name no preset)."""
     with initialize_config_dir(str(CONFIGS), version_base=None):
-        cfg = compose("train", overrides=list(overrides))
+        cfg = compose("train", overrides=list(with_old_default(overrides)))
     return load_config(OmegaConf.to_container(cfg, resolve=True))
 
 
@@ -96,8 +98,10 @@ def preset_policy(name: str, model):
 MOE_ONLY_PRESETS = {"moe_offload"}
 
 
-def run_launcher(*overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python launch/run.py ...` as a user types it."""
+def run_launcher(*overrides: str, timeout: float = 300, old_default: bool = True) -> subprocess.CompletedProcess:
+    """`python launch/run.py ...` as a user types it (`old_default`: with offload=minimal_offloaded
+    where it names no preset)."""
+    overrides = with_old_default(overrides) if old_default else overrides
     return subprocess.run(
         [sys.executable, str(ROOT / "launch" / "run.py"), *overrides],
         cwd=ROOT,
@@ -132,8 +136,8 @@ class Background:
 
 
 def start_launcher(*overrides: str, log_dir: Path) -> Background:
-    """`python launch/run.py ...` in the background."""
-    return Background([sys.executable, str(ROOT / "launch" / "run.py"), *overrides], log_dir)
+    """`python launch/run.py ...` in the background (offload=minimal_offloaded where it names no preset)."""
+    return Background([sys.executable, str(ROOT / "launch" / "run.py"), *with_old_default(overrides)], log_dir)
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,8 @@ import sys
 import traceback
 from pathlib import Path
 
+from tests.old_default import with_old_default
+
 LAUNCHER = Path(__file__).resolve().parent.parent / "launch" / "run.py"
 
 
@@ -32,10 +34,12 @@ def load_launcher():
 
 
 def run_case(launcher, argv: list[str]) -> dict:
+    """One command's exit status and output (with offload=minimal_offloaded where it names no
+    preset: `tests.old_default`)."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            code = launcher.main(argv)
+            code = launcher.main(list(with_old_default(tuple(argv))))
         except SystemExit as exit_:
             code = exit_.code if isinstance(exit_.code, int) else 1
         except BaseException:  # what the interpreter would print for an uncaught exception

@@ -13,8 +13,9 @@ def read_metrics(run_dir):
 
 
 def test_default_run_learns_the_stdlib(tmp_path):
-    """The default command (llama_tiny, an offloading preset, 200 steps) lowers held-out loss
-    below 60% of its starting value."""
+    """The default command (llama_tiny, 200 steps; with the offloading preset that was the default
+    before the default became a choice: tests/old_default.py) lowers held-out loss below 60% of its
+    starting value."""
     run_dir = tmp_path / "run"
     result = run_launcher(f"run.dir={run_dir}")
     assert result.returncode == 0, result.stderr + result.stdout
@@ -122,3 +123,42 @@ def test_moe_preset_on_llama_lists_the_names(tmp_path):
     result = run_launcher("offload=moe_offload", f"run.dir={tmp_path / 'run'}")
     assert result.returncode == 2
     assert "never tags" in result.stdout and "moe_mlpwi_0" in result.stdout
+
+
+def test_cfg_job_prints_the_resolved_config_and_starts_nothing():
+    """Hydra's `--cfg job`: the resolved config as YAML, exit 0, no backend (no platform line)."""
+    import yaml
+
+    result = run_launcher("--cfg", "job", "train.steps=7", "offload.tensors.mlpwo=offload", old_default=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    node = yaml.safe_load(result.stdout)
+    assert node["train"]["steps"] == 7 and node["offload"]["name"] == "minimal"
+    assert node["offload"]["tensors"] == {"mlpwo": "offload"} and node["model"]["name"] == "llama_tiny"
+    assert "platform cpu" not in result.stdout and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--cfg", "hydra"], "--cfg=hydra: ferry prints its own config with --cfg job"),
+        (["--cfg"], "--cfg=: ferry prints its own config with --cfg job"),
+        (["--cfg=job", "--multirun"], "--multirun: ferry takes config overrides (key=value), not options"),
+    ],
+)
+def test_other_options_are_still_refused(argv, message):
+    from tests.launcher_cases import load_launcher, run_case
+
+    case = run_case(load_launcher(), argv)
+    assert case["code"] == 2 and message in " ".join(case["stdout"].split()), case
+
+
+def test_install_hints_are_printed_without_markup(capsys):
+    """A line's own brackets (`pip install -e ".[gpu]"`) are text, on the run's console and in a refusal."""
+    from ferry.platform import PlatformError
+    from tests.launcher_cases import load_launcher
+
+    launcher = load_launcher()
+    launcher.make_console().print('note: pip install -e ".[gpu]", [bold]not bold[/]')
+    assert 'note: pip install -e ".[gpu]", [bold]not bold[/]' in capsys.readouterr().out
+    assert launcher.refuse(PlatformError('install ferry\'s tpu extra (pip install -e ".[tpu]")')) == 2
+    assert '(pip install -e ".[tpu]")' in capsys.readouterr().out

@@ -146,7 +146,8 @@ import ferry.offload_scan
 restore = ferry.offload.to_memory
 ferry.offload.to_memory = lambda x, kind, *a, **k: restore(x, kind, *a, **k) * (1.001 if kind == "device" else 1)
 ferry.offload_scan.to_memory = ferry.offload.to_memory
-sys.argv = ["launch/run.py", "train.check_policy=true", "train.seq_len={SEQ}", "data=synthetic", "run.dir={run_dir}"]
+sys.argv = ["launch/run.py", "train.check_policy=true", "train.seq_len={SEQ}", "data=synthetic", "run.dir={run_dir}",
+            "offload=minimal_offloaded"]  # an offloading preset: the broken restore is on its path
 runpy.run_path("launch/run.py", run_name="__main__")
 """
     result = run_python(code, timeout=300)

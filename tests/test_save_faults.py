@@ -31,7 +31,7 @@ from tests.conftest import ROOT, SMALL_RUN, compilation_cache, compose_config, r
 from tests.test_bad_inputs import tree_digest
 
 # Six steps of the small run, each logged, checkpoints at 2, 4 and 6.
-FAULT_RUN = (*SMALL_RUN, "train.steps=6", "train.log_every=1")
+FAULT_RUN = (*SMALL_RUN, "train.steps=6", "train.log_every=1", "offload=minimal_offloaded")  # the old default
 # A tmpfs that holds one checkpoint of llama_tiny's state (1.5 MiB of arrays: the launch check
 # asks for 2.5 MiB with Orbax's metadata) but not two: the save of step 4 fills it.
 TMPFS_SIZE = "2816k"

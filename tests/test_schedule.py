@@ -1,5 +1,8 @@
 """The transfer schedule's table and totals for llama_tiny."""
 
+import dataclasses
+import io
+
 import jax.numpy as jnp
 import pytest
 from jax.sharding import AbstractMesh, AxisType
@@ -61,3 +64,41 @@ def test_schedule_is_sized_per_device_of_the_mesh(shape, mla_q_width, moe_rows):
     assert shapes["decoder_layer_input"] == (1, 32, 64)
     assert shapes["mla_q"] == (1, 32, mla_q_width)
     assert [r.shape for r in moe.residuals if r.name == "moe_mlpwi_0"] == [(rows, 32) for rows in moe_rows]
+
+
+def rendered(schedule, width: int) -> str:
+    from rich.console import Console
+
+    from ferry.schedule import schedule_table
+
+    console = Console(width=width, record=True, file=io.StringIO())
+    console.print(schedule_table(schedule))
+    return console.export_text()
+
+
+@pytest.mark.parametrize("width", [80, 100])
+def test_table_fits_the_terminal_with_every_tensor_name_whole(width):
+    """deepseek_v3_tiny (the longest names, three layer groups, pipelined and not) with a streamed
+    train state: no line wider than the terminal, and every name a user types (offload.tensors.NAME)
+    whole on one line."""
+    from ferry.schedule import StateCopy
+
+    model = abstract_model(load_model_config("deepseek_v3_tiny"))
+    policy = preset_policy("minimal_offloaded", model)
+    schedule = model_schedule(model, policy, 8, 4096, jnp.bfloat16, "minimal_offloaded")
+    schedule = dataclasses.replace(schedule, state=(StateCopy("moe", "AdamW moments", 2, 3 << 20),))
+    text = rendered(schedule, width)
+    assert max(len(line) for line in text.splitlines()) <= width
+    words = set(text.split())
+    for name in {r.name for r in schedule.residuals}:
+        assert name in words, (name, text)
+    assert "AdamW moments" in text and "D2H k+1, H2D k+1 bwd" in " ".join(text.split())
+    assert "H2D bwd = as its layer's backward starts" in " ".join(text.split())  # the legend of the short words
+
+
+def test_a_wide_terminal_keeps_the_table_in_words(tiny_config):
+    model = abstract_model(tiny_config)
+    schedule = model_schedule(model, preset_policy("qkv_offload", model), 4, 32, jnp.bfloat16, "qkv_offload")
+    text = rendered(schedule, 1000)
+    assert "D2H as layer k+1 starts" in text and "H2D as layer k+1's backward starts" in text
+    assert all(name in text.split() for name in ("decoder_layer_input", "query_proj", "mlpwo"))

@@ -310,33 +310,106 @@ def format_bytes(n: int | float) -> str:
 
 
 def schedule_table(schedule: TransferSchedule) -> Any:
-    """A rich Table of the schedule, one section per layer group, with the per-step totals as
-    its caption."""
+    """The schedule as a rich renderable: its table, one section per layer group, with the per-step
+    totals as its caption; on a terminal too narrow for that, the same rows stacked (`ScheduleTable`)."""
+    return ScheduleTable(schedule)
+
+
+# the copy timings of `_ISSUED` and `_INPUT_ISSUED`, and the update's, in the stacked table's short words
+_SHORT = {
+    "D2H after its tag": "D2H tag",
+    "D2H as its layer starts": "D2H start",
+    "D2H as layer k+1 starts": "D2H k+1",
+    "H2D as its layer's backward starts": "H2D bwd",
+    "H2D as layer k+1's backward starts": "H2D k+1 bwd",
+    "upd H2D": "upd H2D",
+    "upd D2H": "upd D2H",
+}
+_LEGEND = (
+    "copies: D2H tag = after its tag, start = as its layer starts, k+1 = as layer k+1 starts; "
+    "H2D bwd = as its layer's backward starts, k+1 bwd = as layer k+1's backward starts; upd = the update's"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleTable:
+    """The schedule's table at the console's width: one row per tensor with its copy timings in
+    words where it fits; else the layer groups as heading rows and the timings in short words (a
+    legend in the caption), so it fits 80 columns. No tensor name is ever cut: a user types them
+    (`offload.tensors.NAME=...`)."""
+
+    schedule: TransferSchedule
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        from rich.measure import Measurement
+
+        wide = _wide_table(self.schedule)
+        if Measurement.get(console, options.update_width(10**6), wide).maximum <= options.max_width:
+            yield wide
+        else:
+            yield _stacked_table(self.schedule)
+
+
+def _group_rows(group: LayerGroup) -> list[tuple[str, ...]]:
+    """(layers, tensor, shape, dtype, bytes, placement, fwd, bwd) of a group's tensors; layers on the first."""
+    label = f"{group.name} x{group.num_layers}"
+    return [
+        (label if i == 0 else "", r.name, "x".join(map(str, r.shape)), r.dtype, format_bytes(r.bytes_per_device))
+        + (r.placement, r.forward, r.backward)
+        for i, r in enumerate(group.residuals)
+    ]
+
+
+def _state_rows(schedule: TransferSchedule) -> list[tuple[str, ...]]:
+    """The train state's copies, when the update streams it: in, updated, back, a layer at a time."""
+    return [
+        (f"{c.group} x{c.num_layers}", c.tensor, "", "float32", format_bytes(c.bytes_per_layer), "host")
+        + ("upd H2D", "upd D2H")
+        for c in schedule.state
+    ]
+
+
+def _wide_table(schedule: TransferSchedule) -> Table:
     table = Table(title=f"offload schedule: {schedule.policy_name} (per layer, per device)")
     for column in ("layers", "tensor", "shape", "dtype", "bytes", "placement", "fwd", "bwd"):
         table.add_column(column, justify="right" if column == "bytes" else "left")
     for group in schedule.groups:
-        label = f"{group.name} x{group.num_layers}"
-        for r in group.residuals:
-            table.add_row(
-                label,
-                r.name,
-                "x".join(map(str, r.shape)),
-                r.dtype,
-                format_bytes(r.bytes_per_device),
-                r.placement,
-                r.forward,
-                r.backward,
-            )
-            label = ""
+        for row in _group_rows(group):
+            table.add_row(*row)
         table.add_section()
-    for copy in schedule.state:  # when the update runs: in, updated, back, a layer at a time
-        label = f"{copy.group} x{copy.num_layers}"
-        table.add_row(
-            label, copy.tensor, "", "float32", format_bytes(copy.bytes_per_layer), "host", "upd H2D", "upd D2H"
-        )
+    for row in _state_rows(schedule):
+        table.add_row(*row)
+    table.caption = _caption(schedule)
+    return table
+
+
+def _stacked_table(schedule: TransferSchedule) -> Table:
+    from rich import box
+    from rich.text import Text
+
+    title = f"offload schedule: {schedule.policy_name} (per layer, per device)"
+    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False)
+    rows = [row for group in schedule.groups for row in _group_rows(group)] + _state_rows(schedule)
+    names = [row[1] for row in rows]
+    table.add_column("tensor", no_wrap=True, min_width=max(map(len, names), default=6))
+    table.add_column("shape", overflow="fold")
+    table.add_column("dtype", overflow="fold")
+    table.add_column("bytes", justify="right", no_wrap=True)
+    table.add_column("placement", no_wrap=True)
+    table.add_column("copies")
+    for label, name, shape, dtype, size, placement, forward, backward in rows:
+        if label:
+            table.add_row(Text(f"{label} layers", style="bold"))
+        copies = "-" if forward == "-" else f"{_SHORT.get(forward, forward)}, {_SHORT.get(backward, backward)}"
+        table.add_row(name, shape, dtype, size, placement, copies)
+    table.caption = _caption(schedule) + "; " + _LEGEND
+    return table
+
+
+def _caption(schedule: TransferSchedule) -> str:
+    """The per-step totals, and what the pipeline, peeling and the train state add."""
     t = schedule.totals()
-    table.caption = (
+    caption = (
         f"per step ({t['micro_steps']} micro x {t['num_layers']} layers): "
         f"D2H {format_bytes(t['device_to_host_bytes_per_step'])}, "
         f"H2D {format_bytes(t['host_to_device_bytes_per_step'])}, "
@@ -344,15 +417,15 @@ def schedule_table(schedule: TransferSchedule) -> Any:
         f"HBM saved vs save_all {format_bytes(t['hbm_bytes_saved_vs_save_all'])}"
     )
     if schedule.pipeline_bytes:
-        table.caption += (
+        caption += (
             f"; pipelined: each stack's last layer of offloaded values stays in HBM "
             f"({format_bytes(schedule.pipeline_bytes)}), one more layer's in flight while a stack runs"
         )
     if peeled := [f"{g.name}: the first and the last {g.peeled}" for g in schedule.groups if g.peeled]:
-        table.caption += (
+        caption += (
             f"; peeled ({', '.join(peeled)} layers outside the loop): no placeholder crosses the link, and "
             "the copies of the layers outside the loop are not bound to one layer"
         )
     if schedule.state:
-        table.caption += f"; train state in pinned host {format_bytes(schedule.state_host_bytes)}, each way per step"
-    return table
+        caption += f"; train state in pinned host {format_bytes(schedule.state_host_bytes)}, each way per step"
+    return caption

@@ -36,6 +36,7 @@ from ferry.train.optimizer import learning_rate_schedule, make_optimizer
 from ferry.train.out_of_memory import over_hbm_refusal
 from ferry.train.state import initial_state
 from ferry.train.step import LossSettings, TrainState, make_eval_step, train_step_body
+from ferry.run.summary import run_summary
 
 
 def train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
@@ -98,6 +99,9 @@ def _train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
     report_skipped(loop.state, config.train.on_nonfinite, console)
     if loop.watch.bad_step is not None:
         raise nonfinite_error(loop.watch.bad_step, checkpoints.directory, likely_causes(config))
+    trace = None if config.profile.start_step is None else run_dir / "profile"
+    summary = run_summary(run_dir, int(loop.state.step), config.train.steps, prepared.resume_step or 0, trace)
+    console.print(summary, highlight=False, markup=False)
     return run_dir
 
 
