@@ -147,7 +147,7 @@ def plan_slice_deviceless(
     from the planner's deviceless compile of the real train step (`plan_memory`), and its HBM
     bytes, by preset (presets the planner refuses are printed with the reason and left out)."""
     from ferry.plan.planner import PlanError, plan_memory
-    from ferry.plan.targets import TARGETS
+    from ferry.xla.targets import TARGETS
 
     target = TARGETS[target_name]
     gpu = compose_run("platform=gpu").platform
@@ -205,7 +205,7 @@ def measure_slice(
     `steps` timed steps after two warm-up steps, and report the predicted bytes, the device's
     peak (None where the backend reports none: the CPU) and tokens/s."""
     from ferry.plan.planner import compile_train_step
-    from ferry.plan.scheduler_costs import scheduler_target
+    from ferry.xla.scheduler_costs import scheduler_target
 
     device = jax.devices()[0]
     stats = device.memory_stats() or {}

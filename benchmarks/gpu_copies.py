@@ -41,7 +41,7 @@ if __package__ in (None, ""):  # run as a script: benchmarks.* from the reposito
 
 from benchmarks.gpu_check import compose_run, has_gpu, initial_arrays, random_batches, run_steps  # noqa: E402
 from ferry.platform import apply_platform  # noqa: E402
-from ferry.profile_trace import busy_ns, uncovered_ns  # noqa: E402
+from ferry.xla.profile_trace import busy_ns, uncovered_ns  # noqa: E402
 
 SCHEDULES = {  # name: (offload.pipelined, xla_gpu_enable_pipelined_host_offloading)
     "ferry": (True, False),
@@ -145,7 +145,7 @@ def compile_configuration(configuration: Configuration, args: argparse.Namespace
     """The configuration's step compiled on this machine's first device and the planner's reading of it."""
     from ferry.models.registry import abstract_model
     from ferry.plan.planner import compile_train_step, read_plan
-    from ferry.plan.targets import TARGETS
+    from ferry.xla.targets import TARGETS
     from ferry.sharding import make_mesh
 
     model = [f"model={args.model}"] + ([f"model.num_layers={args.layers}"] if args.layers else [])

@@ -38,7 +38,7 @@ class Layout:
         from rich.console import Console
 
         from ferry.data.placement import device_batch
-        from ferry.plan.hlo_stats import collective_bytes
+        from ferry.xla.hlo_stats import collective_bytes
         from ferry.train.config import load_config
         from ferry.train.optimizer import learning_rate_schedule, make_optimizer
         from ferry.train.prepare import prepare

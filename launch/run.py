@@ -38,7 +38,7 @@ from ferry import distributed  # noqa: E402
 from ferry.config import ConfigError, from_dict  # noqa: E402
 from ferry.errors import FerryError  # noqa: E402
 from ferry.overrides import compose_node  # noqa: E402
-from ferry.plan.scheduler_costs import scheduler_target  # noqa: E402
+from ferry.xla.scheduler_costs import scheduler_target  # noqa: E402
 from ferry.platform import PlatformConfig, apply_platform, check_gpu_jax, check_platform  # noqa: E402
 from ferry.train.checkpoint import checkpoint_steps  # noqa: E402
 from ferry.train.config import FerryConfig, OffloadConfig, load_config  # noqa: E402
@@ -136,7 +136,7 @@ def check_plan_extra(target: str, find_spec: object = None) -> None:
     unknown target, and at once when the one the target needs is not installed."""
     import importlib.util
 
-    from ferry.plan.targets import TARGETS
+    from ferry.xla.targets import TARGETS
 
     find = find_spec or importlib.util.find_spec
     spec = TARGETS.get(target)
@@ -165,7 +165,7 @@ def plan(config: FerryConfig, console: Console, node: dict) -> int:
     from ferry.plan.auto_measure import resolve_measure, subprocess_measurer
     from ferry.plan.measure import accelerator_present
     from ferry.plan.report import plan_presets, run_plan, target_platform, write_plan
-    from ferry.plan.targets import TARGETS
+    from ferry.xla.targets import TARGETS
 
     check_plan_extra(config.target)
     if TARGETS[config.target].platform == "gpu":  # the plan compiles with the same XLA:GPU as a run

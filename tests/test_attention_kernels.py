@@ -33,7 +33,7 @@ from ferry.nn.kernels.splash import SplashAttention, block_size
 from ferry.nn.kernels.xla import XlaAttention
 from ferry.offload import record_tags
 from ferry.plan.planner import compile_only_mesh, compile_train_step
-from ferry.plan.targets import TARGETS
+from ferry.xla.targets import TARGETS
 from ferry.train.step import LossSettings, batch_loss
 from tests.conftest import (
     GPU_FLAGS,

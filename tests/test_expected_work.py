@@ -10,10 +10,10 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ferry.expected_work import expected_fraction, expected_work
-from ferry.plan.hlo_stats import matmul_count, matmul_flops
+from ferry.xla.hlo_stats import matmul_count, matmul_flops
 from ferry.plan.planner import compile_only_mesh
 from ferry.plan.replay import total_dot_flops
-from ferry.plan.targets import TARGETS
+from ferry.xla.targets import TARGETS
 from ferry.sharding import MeshConfig
 from tests.conftest import GPU_FLAGS, needs_cuda_plugin
 from tests.test_scheduler_costs import planned

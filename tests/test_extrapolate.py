@@ -15,7 +15,7 @@ from ferry.plan.extrapolate import (
     with_depths,
 )
 from ferry.plan.planner import MemoryPlan, model_flops_per_device, plan_memory
-from ferry.plan.targets import TARGETS
+from ferry.xla.targets import TARGETS
 from ferry.plan.transfers import Transfer, TransferSummary
 from tests.conftest import GPU_FLAGS, compose_config, load_model_config, load_preset, needs_cuda_plugin
 

@@ -8,7 +8,7 @@ import jax
 import pytest
 
 from ferry.models.registry import abstract_model
-from ferry.plan.targets import TARGETS
+from ferry.xla.targets import TARGETS
 from ferry.train.flops import training_flops
 from ferry.train.peak import device_peak, table_peak
 from tests.conftest import load_model_config

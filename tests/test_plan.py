@@ -34,10 +34,10 @@ from ferry.plan.auto import (
     tensor_decisions,
 )
 from ferry.plan.estimate import StepEstimate
-from ferry.plan.hlo_stats import matmul_flops, xla_rematerialised
+from ferry.xla.hlo_stats import matmul_flops, xla_rematerialised
 from ferry.plan.planner import PlanError, compile_only_mesh, for_target, plan_memory
 from ferry.plan.replay import LayerGroupTrace, recompute_flops
-from ferry.plan.targets import TARGETS
+from ferry.xla.targets import TARGETS
 from ferry.plan.verify import DEAD
 from ferry.schedule import model_schedule
 from ferry.sharding import MeshConfig

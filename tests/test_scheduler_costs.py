@@ -1,4 +1,4 @@
-"""ferry's cost model handed to XLA:GPU's latency-hiding scheduler (`ferry.plan.scheduler_costs`):
+"""ferry's cost model handed to XLA:GPU's latency-hiding scheduler (`ferry.xla.scheduler_costs`):
 every instruction the scheduler orders gets a time from the compiled program and the target, and
 with them the scheduler hides the reloads its own fixed estimates leave exposed on an FSDP mesh."""
 
@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-import ferry.plan.scheduler_costs as scheduler_costs
+import ferry.xla.scheduler_costs as scheduler_costs
 from ferry.models.registry import abstract_model
-from ferry.plan.hlo_stats import collectives, host_copies, scheduled_instructions
+from ferry.xla.hlo_stats import collectives, host_copies, scheduled_instructions
 from ferry.plan.planner import compile_only_mesh, compile_train_step, plan_memory
-from ferry.plan.scheduler_costs import (
+from ferry.xla.scheduler_costs import (
     COLLECTIVE_LATENCY_US,
     CostProfile,
     ProfileCache,
@@ -23,7 +23,7 @@ from ferry.plan.scheduler_costs import (
     cost_profile,
     scheduler_target,
 )
-from ferry.plan.targets import TARGETS
+from ferry.xla.targets import TARGETS
 from ferry.plan.verify import DEAD
 from ferry.platform import PlatformConfig
 from tests.conftest import GPU_FLAGS, compose_config, needs_cuda_plugin

@@ -104,7 +104,7 @@ def compiled_state_step(
     its inputs and outputs live in pinned host (S(5) in the entry layout), and per device the
     moved bytes, the compute copies' bytes and the largest unit's host-resident state."""
     from ferry.plan.planner import compile_only_mesh
-    from ferry.plan.targets import TARGETS
+    from ferry.xla.targets import TARGETS
     from ferry.sharding import MeshConfig, tree_shardings
 
     target = TARGETS[target_name]
@@ -241,7 +241,7 @@ def test_a_deviceless_h200_plan_finds_the_embeddings_write_backs_block_by_block(
     walking the way its index goes."""
     from ferry.models.registry import abstract_model
     from ferry.plan.planner import plan_memory
-    from ferry.plan.targets import TARGETS
+    from ferry.xla.targets import TARGETS
     from tests.conftest import GPU_FLAGS
 
     config = compose_config(

@@ -21,7 +21,7 @@ from ferry.models.registry import abstract_model
 from ferry.nn.stack import LayerStack
 from ferry.offload import Policy, tag
 from ferry.plan import verify
-from ferry.plan.hlo_stats import host_copies, matmul_count, matmul_flops
+from ferry.xla.hlo_stats import host_copies, matmul_count, matmul_flops
 from ferry.plan.planner import (
     BackwardReads,
     MemoryPlan,
@@ -33,7 +33,7 @@ from ferry.plan.planner import (
 )
 from ferry.plan.replay import LayerGroupTrace
 from ferry.plan.report import transfer_table, verification_table
-from ferry.plan.targets import TARGETS
+from ferry.xla.targets import TARGETS
 from ferry.plan.transfers import engine
 from ferry.plan.verify import (
     DEAD,

@@ -31,7 +31,7 @@ from ferry.offload import LAYER_INPUT, Policy
 from ferry.plan.estimate import StepEstimate
 from ferry.plan.planner import MemoryPlan, for_target
 from ferry.plan.replay import LayerGroupTrace, read_by_backward, recompute_flops, record_names, total_dot_flops
-from ferry.plan.targets import Target
+from ferry.xla.targets import Target
 from ferry.precision import cast_floating
 from ferry.schedule import model_schedule
 from ferry.train.config import FerryConfig

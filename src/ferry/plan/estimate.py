@@ -9,8 +9,8 @@ import dataclasses
 from collections import Counter
 from typing import Any
 
-from ferry.plan.hlo_stats import collectives
-from ferry.plan.targets import Target
+from ferry.xla.hlo_stats import collectives
+from ferry.xla.targets import Target
 
 REFERENCE = "full_remat"  # the preset every estimate is compared with
 

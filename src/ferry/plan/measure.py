@@ -131,7 +131,7 @@ def measure_train_step(
     from ferry.data.placement import BatchPlacement
     from ferry.memory import CompiledMemory
     from ferry.models.registry import abstract_model
-    from ferry.plan.scheduler_costs import ProfileCache, scheduler_target
+    from ferry.xla.scheduler_costs import ProfileCache, scheduler_target
     from ferry.schedule import format_bytes
     from ferry.sharding import make_mesh
     from ferry.train.compiled_step import compile_step

@@ -17,16 +17,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from ferry.compile_oom import CompileTimeOom, StepOverHbm, argument_bytes
+from ferry.xla.compile_oom import CompileTimeOom, StepOverHbm, argument_bytes
 from ferry.errors import FerryError
 from ferry.models.registry import abstract_model
 from ferry.nn.kernels.choice import attention_platform
 from ferry.offload import Policy
 from ferry.plan.estimate import CollectiveTraffic, StepEstimate, collective_traffic
-from ferry.plan.hlo_stats import matmul_count, matmul_flops, xla_rematerialised
+from ferry.xla.hlo_stats import matmul_count, matmul_flops, xla_rematerialised
 from ferry.plan.replay import LayerGroupTrace, read_by_backward
-from ferry.plan.scheduler_costs import ProfileCache, compile_with_costs
-from ferry.plan.targets import GpuTarget, Target
+from ferry.xla.scheduler_costs import ProfileCache, compile_with_costs
+from ferry.xla.targets import GpuTarget, Target
 from ferry.plan.transfers import Transfer, TransferSummary, time_transfers, transfers_json
 from ferry.schedule import TransferSchedule, model_schedule
 from ferry.sharding import MESH_AXES, MeshConfig, batch_sharded
@@ -74,7 +74,7 @@ class MemoryPlan:
     flops_bound: float | None = None
     xla_rematerialised: int = 0  # instructions XLA's own rematerialisation added (`hlo_stats.xla_rematerialised`)
     profile_cached: bool = False  # ferry's cost profile came from its cache: one compile, not two
-    # XLA refused to compile the program over HBM (`ferry.compile_oom`): what it said, in words. Then
+    # XLA refused to compile the program over HBM (`ferry.xla.compile_oom`): what it said, in words. Then
     # `temp_bytes` is what it said the program needs, the arguments are the state's and the batch's
     # bytes, and `flops` the model FLOPs (no program to count them in); nothing else is known
     compile_oom: str | None = None
@@ -157,7 +157,7 @@ def compile_train_step(
     """Compile the step training runs (`train_step_body`) from the state's shapes alone, over
     `mesh`, with the per-compile XLA `options`, the model as it runs on `target` (None: as
     configured, for this process's backend). `scheduler_costs`: on a GPU target, XLA's scheduler
-    times the ops with ferry's cost model (`ferry.plan.scheduler_costs`, as
+    times the ops with ferry's cost model (`ferry.xla.scheduler_costs`, as
     `platform.scheduler_costs=ferry` runs do; its profile kept in `costs_cache`)."""
     optimizer = make_optimizer(config.train)
     data_parallel = config.mesh.data_parallel
@@ -217,7 +217,7 @@ def plan_memory(
     """Compile the train step of `config` under `policy` for `target` with the XLA flags a real
     run on it uses (`xla_flags`, from its platform preset), on compile-only devices, and read it
     (`read_plan`). `scheduler_costs`: on a GPU target, XLA's scheduler times the ops with ferry's
-    cost model (`ferry.plan.scheduler_costs`, as `platform.scheduler_costs=ferry` runs do; its
+    cost model (`ferry.xla.scheduler_costs`, as `platform.scheduler_costs=ferry` runs do; its
     profile kept in `costs_cache`)."""
     mesh = compile_only_mesh(target, config.mesh)
     options = target.compile_options(dict(xla_flags or {}))

@@ -47,8 +47,8 @@ from ferry.plan.planner import (
     model_flops_per_device,
     plan_memory,
 )
-from ferry.plan.scheduler_costs import ProfileCache
-from ferry.plan.targets import TARGETS, Target
+from ferry.xla.scheduler_costs import ProfileCache
+from ferry.xla.targets import TARGETS, Target
 from ferry.plan.verify import DEAD, RecomputeNotChecked, explain_recompute, recompute_checked
 from ferry.platform import PlatformConfig
 from ferry.schedule import format_bytes

@@ -9,9 +9,9 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from ferry.compile_oom import CompileTimeOom, StepOverHbm, argument_bytes
-from ferry.plan.scheduler_costs import ProfileCache, compile_with_costs
-from ferry.plan.targets import GpuTarget
+from ferry.xla.compile_oom import CompileTimeOom, StepOverHbm, argument_bytes
+from ferry.xla.scheduler_costs import ProfileCache, compile_with_costs
+from ferry.xla.targets import GpuTarget
 from ferry.train.state import StateLayout
 from ferry.train.step import TrainState
 
@@ -27,7 +27,7 @@ def compile_step(
     before the state is allocated), and a function running it on a TrainState. The state's
     arrays and the batch are donated: parameters and moments are updated in place. With a
     `scheduler` target, XLA's scheduler times the step's ops with ferry's cost model of it
-    (`ferry.plan.scheduler_costs`, as the plan does; its profile kept in `costs_cache`). A step
+    (`ferry.xla.scheduler_costs`, as the plan does; its profile kept in `costs_cache`). A step
     XLA refuses to compile over HBM (libtpu checks at compile time) is a `StepOverHbm`."""
 
     def step(arrays: Any, batch: jax.Array) -> tuple[Any, dict[str, jax.Array]]:

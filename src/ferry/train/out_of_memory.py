@@ -5,8 +5,8 @@ from pathlib import Path
 
 import jax
 
-from ferry.compile_oom import StepOverHbm
-from ferry.hardware import accelerator_name
+from ferry.xla.compile_oom import StepOverHbm
+from ferry.xla.hardware import accelerator_name
 from ferry.memory import InsufficientMemoryError
 from ferry.plan.advice import plan_advice
 from ferry.train.config import FerryConfig

@@ -12,12 +12,12 @@ import jax
 import optax
 from rich.console import Console
 
-from ferry.compile_oom import StepOverHbm
+from ferry.xla.compile_oom import StepOverHbm
 from ferry.data.pipeline import PackedWindows, local_batches
 from ferry.data.placement import BatchPlacement
 from ferry.distributed import is_main_process
 from ferry.memory import CompiledMemory, check_step_fits
-from ferry.plan.scheduler_costs import ProfileCache, scheduler_target
+from ferry.xla.scheduler_costs import ProfileCache, scheduler_target
 from ferry.schedule import schedule_table
 from ferry.train.checkpoint import Checkpoints
 from ferry.train.compiled_step import compile_step

@@ -14,7 +14,7 @@ over the host link; a collective its ring bytes over the links its groups span
 where the model marked a loop sized for the worst case: `ferry.expected_work`). XLA reads the
 profile when it sets up the scheduler, after the passes that make the module it prices: the profile
 file is leased, and when XLA opens it the module is priced from XLA's dump of its last pass and
-written before the open returns (`ferry.plan.profile_handoff`), so one compile schedules with it.
+written before the open returns (`ferry.xla.profile_handoff`), so one compile schedules with it.
 Where that cannot be done (no leases; a compile that autotunes) or the module scheduled is not the
 one priced, the step is compiled as far as the scheduler (XLA's dump of the module it would
 receive; the compile stops there), priced, and compiled again with the profile. The profile must
@@ -42,8 +42,8 @@ from typing import Any, NamedTuple
 import jax
 
 from ferry.errors import FerryError
-from ferry.hardware import accelerator_name
-from ferry.plan.hlo_stats import (
+from ferry.xla.hardware import accelerator_name
+from ferry.xla.hlo_stats import (
     HOST_MEMORY_SPACE,
     ScheduledInstruction,
     collective_of,
@@ -53,8 +53,8 @@ from ferry.plan.hlo_stats import (
     shape_bytes,
     tuple_elements,
 )
-from ferry.plan.profile_handoff import leases_supported, written_when_opened
-from ferry.plan.targets import TARGETS, GpuTarget
+from ferry.xla.profile_handoff import leases_supported, written_when_opened
+from ferry.xla.targets import TARGETS, GpuTarget
 from ferry.platform import PlatformConfig
 
 KERNEL_LAUNCH_US = 2.0  # a kernel's fixed cost on top of its FLOPs or bytes
@@ -205,7 +205,7 @@ def scheduler_target(platform: PlatformConfig, device_kind: str) -> GpuTarget | 
         raise SchedulerCostsError(
             f"platform.scheduler_costs=ferry prices the step with the device's peak and bandwidths, and ferry has "
             f"none for {device_kind!r} (it knows {known}): set platform.scheduler_costs=xla, or add the device "
-            "to ferry/plan/targets.py"
+            "to ferry/xla/targets.py"
         )
     return target
 
@@ -326,7 +326,7 @@ def _compile_priced_on_read(
     lowered: Any, options: Mapping[str, object], target: GpuTarget, directory: Path
 ) -> _HandedCompile | None:
     """One compile whose scheduler reads the profile priced from its own module: the profile is
-    made when XLA opens its file (`ferry.plan.profile_handoff`), by when XLA has dumped its last
+    made when XLA opens its file (`ferry.xla.profile_handoff`), by when XLA has dumped its last
     pass before scheduling. Should the module it then schedules not be that one (a pass after it
     changed the module), the compile has no profile and is done again with the right one.
 

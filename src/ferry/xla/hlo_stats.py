@@ -492,7 +492,7 @@ def computation_flops(hlo_text: str, names: set[str]) -> dict[str, float]:
 
 # --------------------------------------------------------------------------------------------
 # The instructions XLA's latency-hiding scheduler orders, for the cost profile ferry gives it
-# (`ferry.plan.scheduler_costs`). Read from the module as the scheduler receives it (XLA's dump
+# (`ferry.xla.scheduler_costs`). Read from the module as the scheduler receives it (XLA's dump
 # before `latency-hiding-scheduler`), whose text differs from a final program's in two ways: a
 # tuple's element is an operand written `%name#index` (no get-tuple-element), and every
 # asynchronous op is a generic `async-start` / `async-done` calling the computation it wraps.

@@ -1,5 +1,5 @@
 """Facts of the accelerators ferry knows, written once: each one's dense bf16 peak, and how JAX's
-`device.device_kind` names it. A leaf module: the planner's targets (`ferry.plan.targets`) and a
+`device.device_kind` names it. A leaf module: the planner's targets (`ferry.xla.targets`) and a
 run's MFU (`ferry.train.peak`) both read it, and it imports nothing of ferry."""
 
 # Dense bf16 peak FLOP/s per device, by accelerator name (the planner's target names). Sources:
