@@ -145,8 +145,8 @@ def compile_configuration(configuration: Configuration, args: argparse.Namespace
     """The configuration's step compiled on this machine's first device and the planner's reading of it."""
     from ferry.models.registry import abstract_model
     from ferry.plan.planner import compile_train_step, read_plan
-    from ferry.xla.targets import TARGETS
     from ferry.sharding import make_mesh
+    from ferry.xla.targets import TARGETS
 
     model = [f"model={args.model}"] + ([f"model.num_layers={args.layers}"] if args.layers else [])
     config = compose_run(

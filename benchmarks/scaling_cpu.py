@@ -38,12 +38,12 @@ class Layout:
         from rich.console import Console
 
         from ferry.data.placement import device_batch
-        from ferry.xla.hlo_stats import collective_bytes
         from ferry.train.config import load_config
         from ferry.train.optimizer import learning_rate_schedule, make_optimizer
         from ferry.train.prepare import prepare
         from ferry.train.state import initial_state
         from ferry.train.step import LossSettings, make_train_step
+        from ferry.xla.hlo_collectives import collective_bytes
 
         overrides = [f"model={model}", f"train.global_batch_size={batch}", f"train.seq_len={seq_len}"]
         overrides += [f"mesh.{axis}" for axis in layout.split()]

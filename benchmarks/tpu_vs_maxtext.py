@@ -95,9 +95,9 @@ def plan_here(preset: str, moe_matmul: str, out: Path, mesh: str) -> None:
     from ferry.config import from_dict
     from ferry.models.registry import abstract_model
     from ferry.plan.planner import plan_memory
-    from ferry.xla.targets import TARGETS
     from ferry.platform import PlatformConfig
     from ferry.train.config import OffloadConfig, load_config
+    from ferry.xla.targets import TARGETS
 
     configs = ROOT / "configs"
     offload = MAXTEXT_BEST if preset == "maxtext_best" else (f"offload={preset}",)

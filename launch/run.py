@@ -38,7 +38,6 @@ from ferry import distributed  # noqa: E402
 from ferry.config import ConfigError, from_dict  # noqa: E402
 from ferry.errors import FerryError  # noqa: E402
 from ferry.overrides import compose_node  # noqa: E402
-from ferry.xla.scheduler_costs import scheduler_target  # noqa: E402
 from ferry.platform import PlatformConfig, apply_platform, check_gpu_jax, check_platform  # noqa: E402
 from ferry.train.checkpoint import checkpoint_steps  # noqa: E402
 from ferry.train.config import FerryConfig, OffloadConfig, load_config  # noqa: E402
@@ -47,6 +46,7 @@ from ferry.train.nonfinite import NonFiniteLossError  # noqa: E402
 from ferry.train.prepare import PreparedRun, prepare  # noqa: E402
 from ferry.train.run import train  # noqa: E402
 from ferry.train.run_dir import resolve_run_dir  # noqa: E402
+from ferry.xla.scheduler_costs import scheduler_target  # noqa: E402
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 # the console width when output goes to a file (SLURM, a redirect): wide enough that no table is cut

@@ -33,8 +33,8 @@ from ferry.nn.kernels.splash import SplashAttention, block_size
 from ferry.nn.kernels.xla import XlaAttention
 from ferry.offload import record_tags
 from ferry.plan.planner import compile_only_mesh, compile_train_step
-from ferry.xla.targets import TARGETS
 from ferry.train.step import LossSettings, batch_loss
+from ferry.xla.targets import TARGETS
 from tests.conftest import (
     GPU_FLAGS,
     MOE_ONLY_PRESETS,

@@ -15,8 +15,8 @@ from ferry.plan.extrapolate import (
     with_depths,
 )
 from ferry.plan.planner import MemoryPlan, model_flops_per_device, plan_memory
-from ferry.xla.targets import TARGETS
 from ferry.plan.transfers import Transfer, TransferSummary
+from ferry.xla.targets import TARGETS
 from tests.conftest import GPU_FLAGS, compose_config, load_model_config, load_preset, needs_cuda_plugin
 
 H200 = TARGETS["h200"]

@@ -338,7 +338,7 @@ def test_a_deepseek_v3_width_moe_layer_costs_its_routed_rows(target, matmul):
     shapes only; nothing is allocated."""
     from jax.sharding import SingleDeviceSharding
 
-    from ferry.xla.hlo_stats import matmul_flops
+    from ferry.xla.hlo_flops import matmul_flops
     from ferry.xla.targets import TARGETS
 
     experts, dim, hidden, k, tokens = 256, 7168, 2048, 8, 2048

@@ -12,9 +12,9 @@ import pytest
 import ferry.train.compiled_step as compiled_step
 import ferry.train.out_of_memory as out_of_memory
 import ferry.train.run as train_run
-from ferry.xla.compile_oom import CompileTimeOom, StepOverHbm, parse_size
 from ferry.plan.planner import out_of_memory_plan
 from ferry.plan.report import refused_lines, write_plan
+from ferry.xla.compile_oom import CompileTimeOom, StepOverHbm, parse_size
 from ferry.xla.targets import TARGETS
 from tests.conftest import SMALL_RUN, compose_config, needs_libtpu, run_launcher
 from tests.launcher_cases import load_launcher, run_case

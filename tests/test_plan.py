@@ -34,14 +34,14 @@ from ferry.plan.auto import (
     tensor_decisions,
 )
 from ferry.plan.estimate import StepEstimate
-from ferry.xla.hlo_stats import matmul_flops, xla_rematerialised
 from ferry.plan.planner import PlanError, compile_only_mesh, for_target, plan_memory
 from ferry.plan.replay import LayerGroupTrace, recompute_flops
-from ferry.xla.targets import TARGETS
 from ferry.plan.verify import DEAD
 from ferry.schedule import model_schedule
 from ferry.sharding import MeshConfig
 from ferry.train.step import LossSettings, batch_loss
+from ferry.xla.hlo_flops import matmul_flops, xla_rematerialised
+from ferry.xla.targets import TARGETS
 from tests.conftest import (
     GPU_FLAGS,
     compose_config,

@@ -6,7 +6,7 @@ import re
 import equinox as eqx
 
 from ferry.offload import Policy
-from ferry.xla.hlo_stats import matmul_flops
+from ferry.xla.hlo_flops import matmul_flops
 from tests.conftest import ROOT
 
 

@@ -12,8 +12,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import ferry.xla.scheduler_costs as scheduler_costs
 from ferry.models.registry import abstract_model
-from ferry.xla.hlo_stats import collectives, host_copies, scheduled_instructions
 from ferry.plan.planner import compile_only_mesh, compile_train_step, plan_memory
+from ferry.plan.verify import DEAD
+from ferry.platform import PlatformConfig
+from ferry.xla.hlo_collectives import collectives
+from ferry.xla.hlo_host_copies import host_copies
+from ferry.xla.hlo_schedule import scheduled_instructions
 from ferry.xla.scheduler_costs import (
     COLLECTIVE_LATENCY_US,
     CostProfile,
@@ -24,8 +28,6 @@ from ferry.xla.scheduler_costs import (
     scheduler_target,
 )
 from ferry.xla.targets import TARGETS
-from ferry.plan.verify import DEAD
-from ferry.platform import PlatformConfig
 from tests.conftest import GPU_FLAGS, compose_config, needs_cuda_plugin
 
 H200 = TARGETS["h200"]

@@ -104,8 +104,8 @@ def compiled_state_step(
     its inputs and outputs live in pinned host (S(5) in the entry layout), and per device the
     moved bytes, the compute copies' bytes and the largest unit's host-resident state."""
     from ferry.plan.planner import compile_only_mesh
-    from ferry.xla.targets import TARGETS
     from ferry.sharding import MeshConfig, tree_shardings
+    from ferry.xla.targets import TARGETS
 
     target = TARGETS[target_name]
     config = load_model_config(model_name, **model_overrides)

@@ -21,7 +21,6 @@ from ferry.models.registry import abstract_model
 from ferry.nn.stack import LayerStack
 from ferry.offload import Policy, tag
 from ferry.plan import verify
-from ferry.xla.hlo_stats import host_copies, matmul_count, matmul_flops
 from ferry.plan.planner import (
     BackwardReads,
     MemoryPlan,
@@ -33,7 +32,6 @@ from ferry.plan.planner import (
 )
 from ferry.plan.replay import LayerGroupTrace
 from ferry.plan.report import transfer_table, verification_table
-from ferry.xla.targets import TARGETS
 from ferry.plan.transfers import engine
 from ferry.plan.verify import (
     DEAD,
@@ -48,6 +46,9 @@ from ferry.plan.verify import (
 from ferry.schedule import format_bytes
 from ferry.sharding import MeshConfig
 from ferry.train.config import FerryConfig
+from ferry.xla.hlo_flops import matmul_count, matmul_flops
+from ferry.xla.hlo_host_copies import host_copies
+from ferry.xla.targets import TARGETS
 from tests.conftest import GPU_FLAGS, compose_config, load_preset, needs_cuda_plugin, needs_libtpu, run_launcher
 
 pytestmark = needs_cuda_plugin

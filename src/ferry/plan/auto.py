@@ -31,7 +31,6 @@ from ferry.offload import LAYER_INPUT, Policy
 from ferry.plan.estimate import StepEstimate
 from ferry.plan.planner import MemoryPlan, for_target
 from ferry.plan.replay import LayerGroupTrace, read_by_backward, recompute_flops, record_names, total_dot_flops
-from ferry.xla.targets import Target
 from ferry.precision import cast_floating
 from ferry.schedule import model_schedule
 from ferry.train.config import FerryConfig
@@ -45,6 +44,7 @@ from ferry.train.state_memory import (
     float_params,
     state_copies,
 )
+from ferry.xla.targets import Target
 
 MAX_CHECKS = 6  # candidates compiled after the all-on-device one, at most
 # step estimates this close are a tie: the estimate cannot resolve them (at the DeepSeek-V3 seed two

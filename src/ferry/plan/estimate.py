@@ -9,7 +9,7 @@ import dataclasses
 from collections import Counter
 from typing import Any
 
-from ferry.xla.hlo_stats import collectives
+from ferry.xla.hlo_collectives import collectives
 from ferry.xla.targets import Target
 
 REFERENCE = "full_remat"  # the preset every estimate is compared with

@@ -131,13 +131,13 @@ def measure_train_step(
     from ferry.data.placement import BatchPlacement
     from ferry.memory import CompiledMemory
     from ferry.models.registry import abstract_model
-    from ferry.xla.scheduler_costs import ProfileCache, scheduler_target
     from ferry.schedule import format_bytes
     from ferry.sharding import make_mesh
     from ferry.train.compiled_step import compile_step
     from ferry.train.optimizer import learning_rate_schedule, make_optimizer
     from ferry.train.state import initial_state, run_state_layout
     from ferry.train.step import LossSettings, train_step_body
+    from ferry.xla.scheduler_costs import ProfileCache, scheduler_target
 
     config = dataclasses.replace(config, init=dataclasses.replace(config.init, from_hf=None))  # a random init
     mesh = make_mesh(config.mesh) if mesh is None else mesh

@@ -17,16 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from ferry.xla.compile_oom import CompileTimeOom, StepOverHbm, argument_bytes
 from ferry.errors import FerryError
 from ferry.models.registry import abstract_model
 from ferry.nn.kernels.choice import attention_platform
 from ferry.offload import Policy
 from ferry.plan.estimate import CollectiveTraffic, StepEstimate, collective_traffic
-from ferry.xla.hlo_stats import matmul_count, matmul_flops, xla_rematerialised
 from ferry.plan.replay import LayerGroupTrace, read_by_backward
-from ferry.xla.scheduler_costs import ProfileCache, compile_with_costs
-from ferry.xla.targets import GpuTarget, Target
 from ferry.plan.transfers import Transfer, TransferSummary, time_transfers, transfers_json
 from ferry.schedule import TransferSchedule, model_schedule
 from ferry.sharding import MESH_AXES, MeshConfig, batch_sharded
@@ -36,6 +32,10 @@ from ferry.train.optimizer import learning_rate_schedule, make_optimizer
 from ferry.train.state import StateLayout, run_state_layout
 from ferry.train.state_memory import state_writes
 from ferry.train.step import LossSettings, train_step_body
+from ferry.xla.compile_oom import CompileTimeOom, StepOverHbm, argument_bytes
+from ferry.xla.hlo_flops import matmul_count, matmul_flops, xla_rematerialised
+from ferry.xla.scheduler_costs import ProfileCache, compile_with_costs
+from ferry.xla.targets import GpuTarget, Target
 
 
 class PlanError(FerryError, RuntimeError):
@@ -72,7 +72,7 @@ class MemoryPlan:
     # the program's static count of them, an upper bound: a MoE's tiles as if every slot of a device
     # routed to one device's experts (`ferry.expected_work`); None: no work is marked, `flops`
     flops_bound: float | None = None
-    xla_rematerialised: int = 0  # instructions XLA's own rematerialisation added (`hlo_stats.xla_rematerialised`)
+    xla_rematerialised: int = 0  # instructions XLA's own rematerialisation added (`hlo_flops.xla_rematerialised`)
     profile_cached: bool = False  # ferry's cost profile came from its cache: one compile, not two
     # XLA refused to compile the program over HBM (`ferry.xla.compile_oom`): what it said, in words. Then
     # `temp_bytes` is what it said the program needs, the arguments are the state's and the batch's

@@ -8,7 +8,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import jax
 import yaml
 from rich.console import Console
 from rich.table import Table
@@ -47,13 +46,13 @@ from ferry.plan.planner import (
     model_flops_per_device,
     plan_memory,
 )
-from ferry.xla.scheduler_costs import ProfileCache
-from ferry.xla.targets import TARGETS, Target
 from ferry.plan.verify import DEAD, RecomputeNotChecked, explain_recompute, recompute_checked
 from ferry.platform import PlatformConfig
 from ferry.schedule import format_bytes
 from ferry.train.config import FerryConfig, OffloadConfig, check_mesh_shape
 from ferry.train.state_memory import StatePlacement
+from ferry.xla.scheduler_costs import ProfileCache
+from ferry.xla.targets import TARGETS, Target
 
 HOST_POOL_VARIABLE = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"  # GiB of pinned host XLA's GPU client sets up
 # the share of a GPU's HBM JAX's allocator takes, and its default where a platform leaves it unset: a

@@ -34,11 +34,13 @@ from types import MappingProxyType
 from typing import Any
 
 from ferry.offload import Policy
-from ferry.xla.hlo_stats import host_copies, host_slice_walks, op_names
 from ferry.plan.planner import MemoryPlan, PlanError
 from ferry.plan.replay import LayerGroupTrace, all_saved, recomputed_producers, record_names, untagged_matmuls
 from ferry.schedule import TransferSchedule, format_bytes
 from ferry.train.state_memory import StateWrite
+from ferry.xla.hlo_host_copies import host_copies
+from ferry.xla.hlo_parse import op_names
+from ferry.xla.hlo_slice_walks import host_slice_walks
 
 DEAD = "dead: never read by the backward pass"
 PARTLY = "fewer copies than the update writes"  # the train state's: not an error, its host bytes are the check
@@ -273,7 +275,7 @@ def check_copies(
 
 
 def check_walks(hlo_text: str, moved: dict[tuple[str, str], tuple[str, str]]) -> tuple[WalkCheck, ...]:
-    """Every host-memory slice in a loop body (`ferry.xla.hlo_stats.host_slice_walks`), named by the copy
+    """Every host-memory slice in a loop body (`ferry.xla.hlo_slice_walks.host_slice_walks`), named by the copy
     it runs (`check_copies`) or its copy scope."""
     checks = []
     for walk in host_slice_walks(hlo_text):

@@ -9,11 +9,11 @@ from typing import Any
 import equinox as eqx
 import jax
 
+from ferry.train.state import StateLayout
+from ferry.train.step import TrainState
 from ferry.xla.compile_oom import CompileTimeOom, StepOverHbm, argument_bytes
 from ferry.xla.scheduler_costs import ProfileCache, compile_with_costs
 from ferry.xla.targets import GpuTarget
-from ferry.train.state import StateLayout
-from ferry.train.step import TrainState
 
 
 def compile_step(

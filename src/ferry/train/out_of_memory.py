@@ -5,11 +5,11 @@ from pathlib import Path
 
 import jax
 
-from ferry.xla.compile_oom import StepOverHbm
-from ferry.xla.hardware import accelerator_name
 from ferry.memory import InsufficientMemoryError
 from ferry.plan.advice import plan_advice
 from ferry.train.config import FerryConfig
+from ferry.xla.compile_oom import StepOverHbm
+from ferry.xla.hardware import accelerator_name
 
 
 def over_hbm_refusal(over: StepOverHbm, config: FerryConfig) -> InsufficientMemoryError:

@@ -12,12 +12,10 @@ import jax
 import optax
 from rich.console import Console
 
-from ferry.xla.compile_oom import StepOverHbm
 from ferry.data.pipeline import PackedWindows, local_batches
 from ferry.data.placement import BatchPlacement
 from ferry.distributed import is_main_process
 from ferry.memory import CompiledMemory, check_step_fits
-from ferry.xla.scheduler_costs import ProfileCache, scheduler_target
 from ferry.schedule import schedule_table
 from ferry.train.checkpoint import Checkpoints
 from ferry.train.compiled_step import compile_step
@@ -35,6 +33,8 @@ from ferry.train.profiling import StepProfiler
 from ferry.train.run_dir import write_start_files
 from ferry.train.state import initial_state
 from ferry.train.step import LossSettings, TrainState, make_eval_step, train_step_body
+from ferry.xla.compile_oom import StepOverHbm
+from ferry.xla.scheduler_costs import ProfileCache, scheduler_target
 
 
 def train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:

@@ -42,20 +42,14 @@ from typing import Any, NamedTuple
 import jax
 
 from ferry.errors import FerryError
+from ferry.platform import PlatformConfig
 from ferry.xla.hardware import accelerator_name
-from ferry.xla.hlo_stats import (
-    HOST_MEMORY_SPACE,
-    ScheduledInstruction,
-    collective_of,
-    num_partitions,
-    same_module,
-    scheduled_instructions,
-    shape_bytes,
-    tuple_elements,
-)
+from ferry.xla.hlo_collectives import collective_of, num_partitions
+from ferry.xla.hlo_host_copies import HOST_MEMORY_SPACE
+from ferry.xla.hlo_parse import same_module, shape_bytes, tuple_elements
+from ferry.xla.hlo_schedule import ScheduledInstruction, scheduled_instructions
 from ferry.xla.profile_handoff import leases_supported, written_when_opened
 from ferry.xla.targets import TARGETS, GpuTarget
-from ferry.platform import PlatformConfig
 
 KERNEL_LAUNCH_US = 2.0  # a kernel's fixed cost on top of its FLOPs or bytes
 COLLECTIVE_LATENCY_US = 10.0  # a collective's fixed cost on top of its bytes (NCCL's setup and hops)
@@ -68,7 +62,15 @@ _LATENCY_LINE = re.compile(
     r'^latencies \{ source: "([^"]+)" target: "([^"]+)" latency_us: ([-+.0-9e]+) \}$', re.MULTILINE
 )
 # what a profile is computed by, besides the module: its key changes when any of them does
-_COST_MODEL_SOURCES = ("scheduler_costs.py", "hlo_stats.py", "targets.py")
+_COST_MODEL_SOURCES = (
+    "scheduler_costs.py",
+    "targets.py",
+    "hlo_parse.py",
+    "hlo_flops.py",
+    "hlo_collectives.py",
+    "hlo_schedule.py",
+    "hlo_host_copies.py",
+)
 _COMPILERS = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin", "jax-cuda13-pjrt")
 
 
