@@ -34,7 +34,8 @@ from ferry.plan.auto import (
     tensor_decisions,
 )
 from ferry.plan.estimate import StepEstimate
-from ferry.plan.planner import PlanError, compile_only_mesh, for_target, plan_memory
+from ferry.plan.memory_plan import PlanError
+from ferry.plan.planner import compile_only_mesh, for_target, plan_memory
 from ferry.plan.replay import LayerGroupTrace, recompute_flops
 from ferry.plan.verify import DEAD
 from ferry.schedule import model_schedule

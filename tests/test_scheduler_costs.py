@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import ferry.xla.scheduler_costs as scheduler_costs
 from ferry.models.registry import abstract_model
-from ferry.plan.planner import compile_only_mesh, compile_train_step, plan_memory
+from ferry.plan.planner import compile_only_mesh, compile_config_step, plan_memory
 from ferry.plan.verify import DEAD
 from ferry.platform import PlatformConfig
 from ferry.xla.hlo_collectives import collectives
@@ -186,7 +186,7 @@ def tiny_offloading_program(costs: bool = True) -> str:
     )
     policy = config.offload.policy(abstract_model(config.model).tagged_names())
     mesh, options = compile_only_mesh(H200, config.mesh), H200.compile_options(GPU_FLAGS)
-    return compile_train_step(config, H200, policy, mesh, options, costs).compiled.as_text()
+    return compile_config_step(config, H200, policy, mesh, options, costs).compiled.as_text()
 
 
 @needs_cuda_plugin

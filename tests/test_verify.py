@@ -21,9 +21,9 @@ from ferry.models.registry import abstract_model
 from ferry.nn.stack import LayerStack
 from ferry.offload import Policy, tag
 from ferry.plan import verify
+from ferry.plan.memory_plan import MemoryPlan
 from ferry.plan.planner import (
     BackwardReads,
-    MemoryPlan,
     _schedule,
     compile_only_mesh,
     for_target,

@@ -29,7 +29,8 @@ from ferry.models.registry import abstract_model
 from ferry.nn.kernels.choice import attention_platform
 from ferry.offload import LAYER_INPUT, Policy
 from ferry.plan.estimate import StepEstimate
-from ferry.plan.planner import MemoryPlan, for_target
+from ferry.plan.memory_plan import MemoryPlan
+from ferry.plan.planner import for_target
 from ferry.plan.replay import LayerGroupTrace, read_by_backward, recompute_flops, record_names, total_dot_flops
 from ferry.precision import cast_floating
 from ferry.schedule import model_schedule

@@ -33,7 +33,7 @@ from typing import Any
 
 from ferry.models.base import AbstractModelConfig
 from ferry.plan.estimate import CollectiveTraffic
-from ferry.plan.planner import MemoryPlan
+from ferry.plan.memory_plan import MemoryPlan
 from ferry.plan.transfers import Transfer, TransferSummary
 
 BASE_DEPTH = 6

@@ -38,8 +38,8 @@ from ferry.plan.extrapolate import (
     with_depths,
 )
 from ferry.plan.measure import Measurement
+from ferry.plan.memory_plan import MemoryPlan
 from ferry.plan.planner import (
-    MemoryPlan,
     compile_only_mesh,
     for_target,
     layer_group_traces,

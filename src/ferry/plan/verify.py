@@ -34,7 +34,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ferry.offload import Policy
-from ferry.plan.planner import MemoryPlan, PlanError
+from ferry.plan.memory_plan import MemoryPlan, PlanError
 from ferry.plan.replay import LayerGroupTrace, all_saved, recomputed_producers, record_names, untagged_matmuls
 from ferry.schedule import TransferSchedule, format_bytes
 from ferry.train.state_memory import StateWrite

@@ -25,7 +25,7 @@ from ferry.train.meter import StepMeter
 from ferry.train.nonfinite import NonFiniteWatch
 from ferry.train.preemption import SigtermStop
 from ferry.train.profiling import StepProfiler
-from ferry.train.step import TrainState
+from ferry.train.train_state import TrainState
 
 
 @dataclasses.dataclass

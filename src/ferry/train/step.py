@@ -1,4 +1,5 @@
-"""The train state and the one jitted train step (forward, loss, gradients, AdamW update)."""
+"""The train step before jit (forward, loss, gradients, AdamW update), which
+`ferry.train.compiled_step` compiles, and the eval step."""
 
 import dataclasses
 from collections.abc import Callable
@@ -14,50 +15,8 @@ from ferry.data.segments import DocumentMask
 from ferry.loss import DEFAULT_HEAD, LossHead
 from ferry.offload import SAVE_ALL, Policy
 from ferry.precision import cast_floating
-from ferry.train.state_memory import (
-    DEVICE_STATE,
-    HOST,
-    StatePlacement,
-    StreamedUpdate,
-    float_params,
-    on_host,
-    state_map,
-)
-
-
-class TrainState(eqx.Module):
-    """Float32 master parameters, their optimizer state, the step counter and how many steps had
-    a non-finite loss or gradient (their updates were not applied)."""
-
-    model: eqx.Module
-    opt_state: optax.OptState
-    step: Int[Array, ""]
-    nonfinite_steps: Int[Array, ""]
-    compute: Any = None  # compute-dtype copies of the master weights that live on host (else None)
-
-    @property
-    def forward_model(self) -> eqx.Module:
-        """The model the forward pass reads: the master weights, or for those on host their
-        compute-dtype copies in HBM."""
-        return self.model if self.compute is None else eqx.combine(self.compute, self.model)
-
-
-def init_state(
-    model: eqx.Module,
-    optimizer: optax.GradientTransformation,
-    placement: StatePlacement = DEVICE_STATE,
-    compute_dtype: str = "bfloat16",
-) -> TrainState:
-    """A fresh state; with the master weights on host (`placement.params`) also their
-    compute-dtype copies, which the forward pass reads."""
-    opt_state = optimizer.init(float_params(model))
-    compute = None
-    if placement.params == HOST:
-        host = state_map(model, placement).host_params
-        leaves, treedef = jax.tree.flatten(float_params(model))
-        copies = [x.astype(compute_dtype) if h else None for x, h in zip(leaves, host, strict=True)]
-        compute = jax.tree.unflatten(treedef, copies)
-    return TrainState(model, opt_state, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32), compute)
+from ferry.train.state_memory import StreamedUpdate, float_params, on_host
+from ferry.train.train_state import TrainState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,23 +104,6 @@ def _after_step(model: eqx.Module, stats: dict[str, Array]) -> eqx.Module:
     return after
 
 
-def make_train_step(
-    optimizer: optax.GradientTransformation,
-    settings: LossSettings,
-    learning_rate: optax.Schedule,
-    micro_steps: int = 1,
-    state_sharding: Any = None,
-    on_nonfinite: str = "stop",
-    stream: StreamedUpdate | None = None,
-) -> Callable[[TrainState, Int[Array, "batch seq_plus_one"]], tuple[TrainState, dict[str, Array]]]:
-    """The one jitted step, accumulating gradients over `micro_steps` micro batches. Its arguments
-    are donated: parameters and optimizer moments are updated in place, and the batch buffer is
-    consumed (place a fresh batch every step). `state_sharding` (the shardings of the state's
-    arrays) pins the new state to the old one's layout, so the step compiles once."""
-    body = train_step_body(optimizer, settings, learning_rate, micro_steps, state_sharding, on_nonfinite, stream)
-    return eqx.filter_jit(donate="all")(body)
-
-
 def train_step_body(
     optimizer: optax.GradientTransformation,
     settings: LossSettings,
@@ -171,8 +113,8 @@ def train_step_body(
     on_nonfinite: str = "stop",
     stream: StreamedUpdate | None = None,
 ) -> Callable[[TrainState, Int[Array, "batch seq_plus_one"]], tuple[TrainState, dict[str, Array]]]:
-    """The train step before jit: what `make_train_step` compiles, and what the planner lowers
-    with abstract inputs.
+    """The train step before jit: what `ferry.train.compiled_step` compiles, for runs, plans,
+    benchmarks and tests alike (from the state's layout, its inputs donated).
 
     A step whose loss or gradient norm is not finite applies no update (the new state is the old
     one, selected on device: no host sync). With `on_nonfinite="stop"` every later step applies
