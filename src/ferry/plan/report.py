@@ -15,7 +15,6 @@ from rich.table import Table
 from ferry.config import ConfigError
 from ferry.models.registry import abstract_model
 from ferry.offload import Policy
-from ferry.plan.advice import step_identity
 from ferry.plan.auto import (
     HEADROOM,
     MIN_GAIN,
@@ -50,6 +49,7 @@ from ferry.plan.verify import DEAD, RecomputeNotChecked, explain_recompute, reco
 from ferry.platform import PlatformConfig
 from ferry.schedule import format_bytes
 from ferry.train.config import FerryConfig, OffloadConfig, check_mesh_shape
+from ferry.train.plan_advice import step_identity
 from ferry.train.state_memory import StatePlacement
 from ferry.xla.scheduler_costs import ProfileCache
 from ferry.xla.targets import TARGETS, Target
@@ -529,7 +529,7 @@ def write_plan(
     measured: MeasuredPick | None = None,
 ) -> list[Path]:
     """`plan.json` (with the step planned, `step_identity`, where `config` is given: a run of that
-    step over HBM reads what fitted: `ferry.plan.advice`), and for offload=auto the chosen
+    step over HBM reads what fitted: `ferry.train.plan_advice`), and for offload=auto the chosen
     placement as a preset to train with; where auto measured its candidates, the record of them in
     both (`measured`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
