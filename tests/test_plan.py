@@ -33,11 +33,11 @@ from ferry.plan.auto import (
     tensor_costs,
     tensor_decisions,
 )
+from ferry.plan.copy_match import DEAD
 from ferry.plan.estimate import StepEstimate
 from ferry.plan.memory_plan import PlanError
 from ferry.plan.planner import compile_only_mesh, for_target, plan_memory
 from ferry.plan.replay import LayerGroupTrace, recompute_flops
-from ferry.plan.verify import DEAD
 from ferry.schedule import model_schedule
 from ferry.sharding import MeshConfig
 from ferry.train.step import LossSettings, batch_loss

@@ -12,8 +12,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import ferry.xla.scheduler_costs as scheduler_costs
 from ferry.models.registry import abstract_model
-from ferry.plan.planner import compile_only_mesh, compile_config_step, plan_memory
-from ferry.plan.verify import DEAD
+from ferry.plan.copy_match import DEAD
+from ferry.plan.planner import compile_config_step, compile_only_mesh, plan_memory
 from ferry.platform import PlatformConfig
 from ferry.xla.hlo_collectives import collectives
 from ferry.xla.hlo_host_copies import host_copies

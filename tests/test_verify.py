@@ -21,6 +21,7 @@ from ferry.models.registry import abstract_model
 from ferry.nn.stack import LayerStack
 from ferry.offload import Policy, tag
 from ferry.plan import verify
+from ferry.plan.copy_match import DEAD, STATE_GROUP
 from ferry.plan.memory_plan import MemoryPlan
 from ferry.plan.planner import (
     BackwardReads,
@@ -34,7 +35,6 @@ from ferry.plan.replay import LayerGroupTrace
 from ferry.plan.report import transfer_table, verification_table
 from ferry.plan.transfers import engine
 from ferry.plan.verify import (
-    DEAD,
     MissingCopyError,
     RecomputeCheck,
     RecomputedProducerError,
@@ -369,7 +369,7 @@ def test_the_train_states_write_backs_are_not_taken_for_residuals_of_their_size(
     )
     copies = compiled.plan.verification.copies
     residuals = [c for c in copies if c.group == "decoder"]
-    state = [c for c in copies if c.group == verify.STATE_GROUP]
+    state = [c for c in copies if c.group == STATE_GROUP]
     assert {c.tensor for c in residuals} == {"query_proj", "key_proj", "value_proj"}
     assert all(c.status == "copied" and c.found == c.expected == 2 * 2 for c in residuals)
     same_size = [c for c in state if c.bytes == 8 * 2**20]

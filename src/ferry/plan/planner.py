@@ -222,32 +222,26 @@ def _read_plan(
     capacity_bytes: int | None,
     host_capacity_bytes: int | None,
 ) -> MemoryPlan:
-    compiled, layout, model_config, mesh = step.compiled, step.layout, step.model_config, step.mesh
-    data_parallel = config.mesh.data_parallel
-    memory = compiled.memory_analysis()
-    host = (  # a host-resident state is an argument aliased to its output: counted once
-        memory.host_temp_size_in_bytes
-        + memory.host_argument_size_in_bytes
-        + memory.host_output_size_in_bytes
-        - memory.host_alias_size_in_bytes
-    )
+    memory = step.compiled.memory_analysis()
+    host = _host_bytes(memory)
     offloads = any(placement == "offload" for _, placement in policy.placements)
     if offloads and host == 0:
         raise PlanError(
             f"policy {policy_name} offloads tensors but the program compiled for {target.name} keeps no bytes "
             "in pinned host memory: the offload was dropped"
         )
-    hlo = compiled.as_text()
+    hlo = step.compiled.as_text()
     flops, bound = matmul_flops(hlo), matmul_flops(hlo, bound=True)
-    schedule = _schedule(config, model_config, policy, mesh)
+    schedule = _schedule(config, step.model_config, policy, step.mesh)
+    layout = step.layout
     writes = state_writes(layout.model, layout.placement, layout.sharding.model)
     copy_names = _offloaded_bytes(schedule) | {name: write.bytes for name, write in writes.items()}
     transfers, summary = time_transfers(hlo, target, copy_names)
     verification = verify_program(
         hlo,
         schedule,
-        config.train.micro_steps(data_parallel),
-        BackwardReads(config, model_config, policy),
+        config.train.micro_steps(config.mesh.data_parallel),
+        BackwardReads(config, step.model_config, policy),
         f"policy {policy_name} compiled for {target.name}",
         writes,
     )
@@ -277,6 +271,17 @@ def _read_plan(
         model_flops=model_flops_per_device(config, target),
         peak_flops=target.bf16_peak_flops,
         pipeline_bytes=schedule.pipeline_bytes,
+    )
+
+
+def _host_bytes(memory: Any) -> int:
+    """Pinned host bytes of a compiled program's memory analysis: a host-resident state is an
+    argument aliased to its output, counted once."""
+    return (
+        memory.host_temp_size_in_bytes
+        + memory.host_argument_size_in_bytes
+        + memory.host_output_size_in_bytes
+        - memory.host_alias_size_in_bytes
     )
 
 

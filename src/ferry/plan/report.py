@@ -28,6 +28,7 @@ from ferry.plan.auto import (
     state_of,
 )
 from ferry.plan.auto_measure import MeasuredPick, measure_candidates
+from ferry.plan.copy_match import DEAD
 from ferry.plan.estimate import REFERENCE, ranked
 from ferry.plan.extrapolate import (
     ExtrapolationError,
@@ -45,7 +46,7 @@ from ferry.plan.planner import (
     model_flops_per_device,
     plan_memory,
 )
-from ferry.plan.verify import DEAD, RecomputeNotChecked, explain_recompute, recompute_checked
+from ferry.plan.verify import RecomputeNotChecked, explain_recompute, recompute_checked
 from ferry.platform import PlatformConfig
 from ferry.schedule import format_bytes
 from ferry.train.config import FerryConfig, OffloadConfig, check_mesh_shape
