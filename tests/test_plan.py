@@ -18,21 +18,15 @@ from ferry.models.registry import abstract_model
 from ferry.nn.attention import QUERY_CHUNK
 from ferry.plan.auto import (
     MAX_CHECKS,
-    MIN_GAIN,
-    Baseline,
-    anchored,
     auto_plan,
-    banded_rank,
-    faster,
     fastest,
-    fastest_fitting,
     fits_with_headroom,
-    predict,
     state_decisions,
     state_of,
     tensor_costs,
     tensor_decisions,
 )
+from ferry.plan.auto_search import MIN_GAIN, Baseline, anchored, banded_rank, faster, fastest_fitting, predict
 from ferry.plan.copy_match import DEAD
 from ferry.plan.estimate import StepEstimate
 from ferry.plan.memory_plan import PlanError

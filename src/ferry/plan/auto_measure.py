@@ -15,7 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ferry.config import ConfigError
-from ferry.plan.auto import STATE_DECISIONS, Tried, banded_rank, state_of
+from ferry.plan.auto import STATE_DECISIONS, Tried, state_of
+from ferry.plan.auto_search import banded_rank
 from ferry.plan.measure import MeasureError, Measurement, StepTimer, measure_in_subprocess
 from ferry.platform import PlatformConfig
 from ferry.train.config import AutoMeasureConfig, FerryConfig, OffloadConfig

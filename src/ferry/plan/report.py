@@ -17,7 +17,6 @@ from ferry.models.registry import abstract_model
 from ferry.offload import Policy
 from ferry.plan.auto import (
     HEADROOM,
-    MIN_GAIN,
     STATE_DECISIONS,
     Choice,
     Tried,
@@ -28,6 +27,7 @@ from ferry.plan.auto import (
     state_of,
 )
 from ferry.plan.auto_measure import MeasuredPick, measure_candidates
+from ferry.plan.auto_search import MIN_GAIN
 from ferry.plan.copy_match import DEAD
 from ferry.plan.estimate import REFERENCE, ranked
 from ferry.plan.extrapolate import (
