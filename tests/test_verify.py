@@ -32,7 +32,7 @@ from ferry.plan.planner import (
     plan_memory,
 )
 from ferry.plan.replay import LayerGroupTrace
-from ferry.plan.report import transfer_table, verification_table
+from ferry.plan.tables import transfer_table, verification_table
 from ferry.plan.transfers import engine
 from ferry.plan.verify import (
     MissingCopyError,
