@@ -122,7 +122,7 @@ def trace_exposure(xplane: Path, steps: int) -> dict[str, Any] | None:
                     matmuls.append(span)
             names[event.name[:60]] = names.get(event.name[:60], 0.0) + (span[1] - span[0]) / 1e6
     both = copies["H2D"] + copies["D2H"]
-    per_step = lambda ns: ns / steps / 1e9  # noqa: E731
+    per_step = lambda ns: ns / steps / 1e9
     return {
         "copy_seconds": per_step(busy_ns(both)),
         "to_host_seconds": per_step(busy_ns(copies["D2H"])),

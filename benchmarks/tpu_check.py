@@ -255,7 +255,7 @@ def read_trace(directory: Path, link: dict | None) -> dict:
     profiles = [p for p in profiles if p.step_ns > 0][-len(TRACED) :]
     if not profiles:
         return {"trace": "no steps in the trace"}
-    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    mean = lambda values: sum(values) / len(values)
     record = {
         "exposed_copy_s": mean([p.exposed_copy_ns for p in profiles]) / 1e9,
         "traced_step_s": mean([p.step_ns for p in profiles]) / 1e9,

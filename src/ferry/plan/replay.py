@@ -173,7 +173,7 @@ def read_by_backward(model: Any, group: LayerGroupTrace, policy: Policy, tensor:
 def record_names(model: Any, group: LayerGroupTrace) -> frozenset[str]:
     """The names a `group` layer tags (with the layer input), found abstractly, its weights cast to
     the group's dtype as training runs it (which attention kernel runs depends on the dtype)."""
-    run = lambda m, h: group.run(cast_floating(m, group.dtype), h)  # noqa: E731
+    run = lambda m, h: group.run(cast_floating(m, group.dtype), h)
     return tagged_names(run, model, jax.ShapeDtypeStruct(group.input_shape, group.dtype))
 
 

@@ -182,7 +182,7 @@ def _constrained(state: TrainState, state_sharding: Any) -> TrainState:
     if state_sharding is None:
         return state
     arrays, static = eqx.partition(state, eqx.is_array)
-    pin = lambda x, sh: x if on_host(x) else jax.lax.with_sharding_constraint(x, sh)  # noqa: E731
+    pin = lambda x, sh: x if on_host(x) else jax.lax.with_sharding_constraint(x, sh)
     return eqx.combine(jax.tree.map(pin, arrays, state_sharding), static)
 
 

@@ -3,7 +3,9 @@
 run's MFU (`ferry.train.peak`) both read it, and it imports nothing of ferry."""
 
 # Dense bf16 peak FLOP/s per device, by accelerator name (the planner's target names). Sources:
-# NVIDIA's data sheets (see ../shared/gpu_targets.md) and Google Cloud's TPU pages.
+# NVIDIA's data sheets (www.nvidia.com/en-us/data-center/h100/, /h200/, /dgx-b200/, /gb200-nvl72/;
+# H100 SXM 989 TFLOP/s, H200 989, B200 ~2,250, GB200 ~2,500) and Google Cloud's TPU pages
+# (docs.cloud.google.com/tpu/docs/v5p, /v5e, /v6e).
 BF16_PEAK_FLOPS: dict[str, float] = {
     "h100": 989e12,
     "h200": 989e12,

@@ -196,7 +196,8 @@ def _tpu(name, description, hbm, host_link, ici, generation, torus_dims, max_dev
 
 
 # Sources, bandwidths given each way (half a published bidirectional figure):
-# - HBM: NVIDIA's data sheets (see ../shared/gpu_targets.md), Google Cloud's TPU pages
+# - HBM: NVIDIA's data sheets (www.nvidia.com/en-us/data-center/h100/, /h200/, /dgx-b200/,
+#   /gb200-nvl72/; the per-device figures are in `TARGETS` below), Google Cloud's TPU pages
 #   (docs.cloud.google.com/tpu/docs/v5p, /v5e, /v6e). The dense bf16 peaks are in ferry/xla/hardware.py.
 # - Host link: H100, H200 and B200 reach the CPU over PCIe Gen5 x16, 128 GB/s bidirectional (their
 #   data sheets): 64 GB/s. GB200's GPUs reach Grace's LPDDR5X over NVLink-C2C, 900 GB/s
