@@ -80,7 +80,7 @@ class Choice:
     reason: str
 
 
-def forward_flops(model: Any, run: Callable[[Any, jax.Array], Any], x: jax.ShapeDtypeStruct) -> float:
+def forward_flops(model: Any, run: Callable[[Any, Any], Any], x: jax.ShapeDtypeStruct) -> float:
     """One layer's forward matmul FLOPs."""
     return total_dot_flops(eqx.filter_make_jaxpr(run)(model, x)[0].jaxpr)
 

@@ -224,7 +224,7 @@ def _read_plan(
 ) -> MemoryPlan:
     memory = step.compiled.memory_analysis()
     host = _host_bytes(memory)
-    offloads = any(placement == "offload" for _, placement in policy.placements)
+    offloads = any(placement == "offload" for placement in dict(policy.placements).values())
     if offloads and host == 0:
         raise PlanError(
             f"policy {policy_name} offloads tensors but the program compiled for {target.name} keeps no bytes "

@@ -7,11 +7,13 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, cast
 
 import yaml
 from rich.console import Console
 
 from ferry.config import ConfigError
+from ferry.models.base import AbstractModelConfig
 from ferry.models.registry import abstract_model
 from ferry.offload import Policy
 from ferry.plan.auto import (
@@ -63,6 +65,11 @@ from ferry.xla.scheduler_costs import ProfileCache
 from ferry.xla.targets import TARGETS, Target
 
 
+def model_config_of(config: FerryConfig) -> AbstractModelConfig:
+    """The run config's model config, typed (`FerryConfig.model` is declared as an object)."""
+    return cast(AbstractModelConfig, config.model)
+
+
 def plan_presets(config: FerryConfig) -> tuple[str, ...]:
     if config.plan.presets is not None:
         return config.plan.presets
@@ -105,7 +112,7 @@ def run_plan(
 
 def _checked(
     config: FerryConfig, load_preset: Callable[[str], OffloadConfig]
-) -> tuple[Target, set[str], dict[str, Policy]]:
+) -> tuple[Target, frozenset[str], dict[str, Policy]]:
     """The target, the model's tagged tensors and each preset's policy, every one checked before
     anything compiles."""
     if config.target not in TARGETS:
@@ -113,7 +120,7 @@ def _checked(
     target = TARGETS[config.target]
     target.topology(config.mesh.num_devices)  # whole hosts of GPUs, or a TPU slice
     check_mesh_shape(config)
-    tagged = abstract_model(config.model).tagged_names()
+    tagged = abstract_model(model_config_of(config)).tagged_names()
     policies = {}
     for name in plan_presets(config):
         preset = config.offload if name == config.offload.name else load_preset(name)
@@ -128,22 +135,22 @@ class PlanCompiler:
     say), extrapolated from shallow compiles where `plan.extrapolate` says so."""
 
     def __init__(
-        self, config: FerryConfig, target: Target, platform: PlatformConfig, tagged: set[str], console: Console
+        self, config: FerryConfig, target: Target, platform: PlatformConfig, tagged: frozenset[str], console: Console
     ):
         self.config, self.target, self.platform, self.tagged, self.console = config, target, platform, tagged, console
         pool = platform.env.get(HOST_POOL_VARIABLE) if target.platform == "gpu" else None
         capacity = None if config.plan.capacity_gib is None else int(config.plan.capacity_gib * 2**30)
         if capacity is None and target.platform == "gpu":
-            capacity = int(float(platform.env.get(HBM_POOL_VARIABLE, DEFAULT_HBM_POOL)) * target.hbm_bytes)
+            capacity = int(float(str(platform.env.get(HBM_POOL_VARIABLE, DEFAULT_HBM_POOL))) * target.hbm_bytes)
         self.capacity = capacity
-        self.host_capacity = None if pool is None else int(pool) * 2**30
+        self.host_capacity = None if pool is None else int(str(pool)) * 2**30
         self.compiled: dict[tuple, MemoryPlan] = {}
 
     def presets(self, policies: dict[str, Policy]) -> list[MemoryPlan]:
         """Each preset's plan. XLA compiles one program on one core: the presets compile side by
         side, a core per compile."""
         config = self.config
-        per_plan = 1 + len(probe_depths(group_depths(config.model))[1]) if config.plan.extrapolate else 1
+        per_plan = 1 + len(probe_depths(group_depths(model_config_of(config)))[1]) if config.plan.extrapolate else 1
         workers = max(1, min(len(policies), (os.cpu_count() or 1) // per_plan))
         with ThreadPoolExecutor(max_workers=workers) as pool:
             return list(pool.map(lambda item: self.compile_policy(item[1], item[0]), policies.items()))
@@ -162,7 +169,7 @@ class PlanCompiler:
         try:
             return extrapolated_plan(
                 lambda depths: self.compile_at(policy, name, state, depths),
-                group_depths(self.config.model),
+                group_depths(model_config_of(self.config)),
                 model_flops_per_device(self.config, self.target),
             )
         except ExtrapolationError as error:
@@ -173,7 +180,7 @@ class PlanCompiler:
         self, policy: Policy, name: str, state: StatePlacement, depths: dict[str, int] | None = None
     ) -> MemoryPlan:
         config, target, platform = self.config, self.target, self.platform
-        model = config.model if depths is None else with_depths(config.model, depths)
+        model = config.model if depths is None else with_depths(model_config_of(config), depths)
         offload = dataclasses.replace(config.offload, optimizer=state.optimizer, params=state.params)
         at = dataclasses.replace(config, model=model, offload=offload)
         shown = "" if depths is None else " (" + ", ".join(f"{g} {d} layers" for g, d in depths.items()) + ")"
@@ -315,7 +322,10 @@ def write_plan(
     both (`measured`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "plan.json"
-    record = {"plans": [plan.to_json() for plan in plans], "auto": [dataclasses.asdict(c) for c in choices]}
+    record: dict[str, Any] = {
+        "plans": [plan.to_json() for plan in plans],
+        "auto": [dataclasses.asdict(c) for c in choices],
+    }
     if config is not None:
         record["step"] = step_identity(config)
     if measured is not None:

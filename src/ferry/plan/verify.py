@@ -28,6 +28,7 @@ lists every tensor of its group with its size ("query_proj/attention_out/out_pro
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -69,8 +70,8 @@ class WalkCheck:
     instruction: str
     buffer_shape: str
     index: str  # the walked index at the first two iterations, "?" where not resolved
-    expected: tuple[int, int] | None  # (byte offset, byte stride) the index gives
-    descriptor: tuple[int, int] | None  # what XLA's dynamic_slice_config says
+    expected: tuple[int, int | None] | None  # (byte offset, byte stride) the index gives
+    descriptor: tuple[int, int | None] | None  # what XLA's dynamic_slice_config says
     status: str  # "right", "wrong", "no descriptor" (TPU: slices addressed by index) or "index unresolved"
 
 
@@ -304,7 +305,7 @@ def recompute_checked(
     checks = {}
     for plan, policy in saved:
         check = RecomputeCheck(plan.policy, plan.matmuls, plan.flops, reference.matmuls, reference.flops)
-        checks[plan.policy] = verify_recompute(check, lambda policy=policy: explain(policy), where)
+        checks[plan.policy] = verify_recompute(check, functools.partial(explain, policy), where)
     first_check = next(iter(checks.values()))
 
     def with_check(plan: MemoryPlan) -> MemoryPlan:

@@ -3,7 +3,7 @@
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import equinox as eqx
 import jax
@@ -13,6 +13,7 @@ from jaxtyping import Array, Float, Int
 
 from ferry.data.segments import DocumentMask
 from ferry.loss import DEFAULT_HEAD, LossHead
+from ferry.models.base import AbstractLanguageModel
 from ferry.offload import SAVE_ALL, Policy
 from ferry.precision import cast_floating
 from ferry.train.state_memory import StreamedUpdate, float_params, on_host
@@ -35,7 +36,7 @@ class LossSettings:
         return cls(policy, train.compute_dtype, train.z_loss_weight, documents, train.head)
 
 
-def compute_copy(model: eqx.Module, dtype: Any, head: LossHead) -> eqx.Module:
+def compute_copy(model: AbstractLanguageModel, dtype: Any, head: LossHead) -> AbstractLanguageModel:
     """The model in the compute dtype, but for the chunked head's own weight: kept as stored
     (float32), which the head casts a chunk at a time, so no compute-dtype copy of the whole head
     is held (`ferry.chunked_head`). A head tied to the embedding table is cast with the rest: the
@@ -47,7 +48,7 @@ def compute_copy(model: eqx.Module, dtype: Any, head: LossHead) -> eqx.Module:
 
 
 def batch_loss(
-    model: eqx.Module, batch: Int[Array, "batch seq_plus_one"], settings: LossSettings
+    model: AbstractLanguageModel, batch: Int[Array, "batch seq_plus_one"], settings: LossSettings
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """The loss to differentiate, and the model's statistics (`loss` is the main next-token
     cross-entropy), computed in the compute dtype."""
@@ -92,7 +93,7 @@ def _float32_gradients(value_and_grad: Callable[..., Any]) -> Callable[..., Any]
 def _after_step(model: eqx.Module, stats: dict[str, Array]) -> eqx.Module:
     """The model's update outside the gradient (router biases), which must leave host-resident
     weights alone: computing on them would need the GPU to compute in host memory."""
-    after = model.after_step(stats)
+    after = cast(AbstractLanguageModel, model).after_step(stats)
     before_leaves, after_leaves = jax.tree.leaves(float_params(model)), jax.tree.leaves(float_params(after))
     pairs = enumerate(zip(before_leaves, after_leaves, strict=True))
     changed = [i for i, (a, b) in pairs if a is not b and on_host(a)]
@@ -189,6 +190,7 @@ def _constrained(state: TrainState, state_sharding: Any) -> TrainState:
 def make_eval_step(settings: LossSettings) -> Callable[[eqx.Module, Int[Array, "batch seq_plus_one"]], Array]:
     @eqx.filter_jit
     def eval_step(model: eqx.Module, batch: Int[Array, "batch seq_plus_one"]) -> Array:
-        return batch_loss(model, batch, dataclasses.replace(settings, policy=SAVE_ALL))[1]["loss"]
+        eval_settings = dataclasses.replace(settings, policy=SAVE_ALL)
+        return batch_loss(cast(AbstractLanguageModel, model), batch, eval_settings)[1]["loss"]
 
     return eval_step

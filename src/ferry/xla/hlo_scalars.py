@@ -2,6 +2,7 @@
 slices evaluated for given values of the loop's counter (`ferry.xla.hlo_slice_walks`)."""
 
 import re
+from collections.abc import Callable
 
 from ferry.xla.hlo_parse import CALLEE, DEFINITION, HloModule, operand_names
 
@@ -14,14 +15,14 @@ class ScalarEvaluator:
     index expressions of dynamic slices (`i`, `n - 1 - i`, through fusions). None where a value
     is not an affine-enough scalar this evaluator knows (a loop-carried value, a load...)."""
 
-    _BINARY = {
+    _BINARY: dict[str, Callable[[int, int], int]] = {
         "add": lambda a, b: a + b,
         "subtract": lambda a, b: a - b,
         "multiply": lambda a, b: a * b,
         "maximum": max,
         "minimum": min,
     }
-    _COMPARE = {
+    _COMPARE: dict[str, Callable[[int, int], bool]] = {
         "LT": lambda a, b: a < b,
         "LE": lambda a, b: a <= b,
         "GT": lambda a, b: a > b,
@@ -85,7 +86,7 @@ class ScalarEvaluator:
             return None if predicate is None else arg(1 if predicate else 2)
         if op == "clamp":
             low, x, high = arg(0), arg(1), arg(2)
-            return None if None in (low, x, high) else min(max(x, low), high)
+            return None if low is None or x is None or high is None else min(max(x, low), high)
         if op == "fusion":
             callee = CALLEE.search(line)
             if callee is None:

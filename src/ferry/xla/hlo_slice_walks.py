@@ -3,6 +3,7 @@ the index its slices take at the loop's first two iterations against XLA's addre
 
 import dataclasses
 import re
+from typing import Any
 
 from ferry.xla.hlo_flops import FlopModule, parsed
 from ferry.xla.hlo_host_copies import HOST_MEMORY_SPACE
@@ -135,9 +136,10 @@ def _walk(
     first, second = indices(states[0]), indices(states[1])
     strides = byte_strides(buffer_shape)
     expected_offset = expected_stride = None
-    if None not in first and None not in second and len(first) == len(strides):
-        expected_offset = sum(i * s for i, s in zip(first, strides, strict=True))
-        expected_stride = sum((b - a) * s for a, b, s in zip(first, second, strides, strict=True))
+    known_first, known_second = [i for i in first if i is not None], [i for i in second if i is not None]
+    if len(known_first) == len(first) and len(known_second) == len(second) and len(first) == len(strides):
+        expected_offset = sum(i * s for i, s in zip(known_first, strides, strict=True))
+        expected_stride = sum((b - a) * s for a, b, s in zip(known_first, known_second, strides, strict=True))
     walked = next((d for d in range(len(first)) if first[d] != second[d]), 0)
     sliced = root["shape"] if not is_write else _shape_in(evaluator, callee or body, root_operands[1])
     return HostSliceWalk(
@@ -157,9 +159,9 @@ def _walk(
     )
 
 
-def _int(value: object) -> int | None:
+def _int(value: Any) -> int | None:
     try:
-        return int(value)  # type: ignore[arg-type]
+        return int(value)
     except (TypeError, ValueError):
         return None
 

@@ -291,12 +291,13 @@ def compile_with_costs(
     one with the profile `cache` has. The compile's module must be the one that was priced
     (`SchedulerCostsError` otherwise)."""
     key = None if cache is None else cache.key(lowered, options, target)
-    cached = None if key is None else cache.load(key)
+    cached = None if cache is None or key is None else cache.load(key)
     with tempfile.TemporaryDirectory(prefix="ferry-costs-") as scratch:
         if cached is not None:
             compiled, missing = _compile_priced(lowered, options, cached, Path(scratch) / "cached")
             if not missing:
                 return PricedCompile(compiled, cached, True)
+            assert cache is not None and key is not None  # a profile came from the cache
             cache.drop(key)
         handed = _compile_priced_on_read(lowered, options, target, Path(scratch) / "one")
         if handed is not None and handed.profile is not None:
@@ -313,7 +314,7 @@ def compile_with_costs(
             f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}): the module priced is not the one "
             "scheduled; set platform.scheduler_costs=xla to schedule with XLA's own estimates"
         )
-    if key is not None:
+    if cache is not None and key is not None:
         cache.store(key, profile)
     return PricedCompile(compiled, profile, False)
 

@@ -58,6 +58,10 @@ class Target:
         device needs."""
         return dict(xla_flags)
 
+    def topology(self, num_devices: int) -> str:
+        """The topology string of `num_devices` devices (each platform's target says how)."""
+        raise NotImplementedError(f"{type(self).__name__} has no topology")
+
 
 @dataclasses.dataclass(frozen=True)
 class GpuTarget(Target):
