@@ -32,7 +32,8 @@ from ferry.train.prepare import PreparedRun
 from ferry.train.profiling import StepProfiler
 from ferry.train.run_dir import write_start_files
 from ferry.train.state import initial_state
-from ferry.train.step import LossSettings, TrainState, make_eval_step, train_step_body
+from ferry.train.step import LossSettings, make_eval_step, train_step_body
+from ferry.train.train_state import TrainState
 from ferry.xla.compile_oom import StepOverHbm
 from ferry.xla.scheduler_costs import ProfileCache, scheduler_target
 
