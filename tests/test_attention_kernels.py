@@ -32,7 +32,7 @@ from ferry.nn.kernels.flash import ATTENTION_LSE, ATTENTION_OUT
 from ferry.nn.kernels.splash import SplashAttention, block_size
 from ferry.nn.kernels.xla import XlaAttention
 from ferry.offload import record_tags
-from ferry.plan.planner import compile_only_mesh, compile_config_step
+from ferry.plan.planner import compile_config_step, compile_only_mesh
 from ferry.train.step import LossSettings, batch_loss
 from ferry.xla.targets import TARGETS
 from tests.conftest import (
