@@ -146,8 +146,9 @@ def plan_slice_deviceless(
     """Part 2 without a GPU: the largest micro batch of the slice per preset for `target_name`,
     from the planner's deviceless compile of the real train step (`plan_memory`), and its HBM
     bytes, by preset (presets the planner refuses are printed with the reason and left out)."""
-    from ferry.plan.planner import PlanError, plan_memory
-    from ferry.plan.targets import TARGETS
+    from ferry.plan.memory_plan import PlanError
+    from ferry.plan.planner import plan_memory
+    from ferry.xla.targets import TARGETS
 
     target = TARGETS[target_name]
     gpu = compose_run("platform=gpu").platform
@@ -204,8 +205,8 @@ def measure_slice(
     compiled step's memory analysis (fitting `capacity`, default the device's `bytes_limit`), run
     `steps` timed steps after two warm-up steps, and report the predicted bytes, the device's
     peak (None where the backend reports none: the CPU) and tokens/s."""
-    from ferry.plan.planner import compile_train_step
-    from ferry.plan.scheduler_costs import scheduler_target
+    from ferry.plan.planner import compile_config_step
+    from ferry.xla.scheduler_costs import scheduler_target
 
     device = jax.devices()[0]
     stats = device.memory_stats() or {}
@@ -219,7 +220,7 @@ def measure_slice(
             policy = config.offload.policy(abstract_model(config.model).tagged_names())
             # on a GPU, XLA's scheduler times the ops with ferry's costs, as training's compile does
             scheduler = scheduler_target(config.platform, device.device_kind) if device.platform == "gpu" else None
-            step = compile_train_step(config, scheduler, policy, mesh, {}, scheduler_costs=scheduler is not None)
+            step = compile_config_step(config, scheduler, policy, mesh, {}, scheduler_costs=scheduler is not None)
             memory = step.compiled.memory_analysis()
             used = memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
             compiled[batch] = (step, config, used + memory.temp_size_in_bytes)

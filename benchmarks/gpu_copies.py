@@ -1,7 +1,7 @@
 """Host copies on a real GPU, beside the planner's reading of the same compiled program.
 
 Each configuration (an offload preset, its copy schedule, where the train state lives) is compiled
-on the device's mesh with the planner's own code (`ferry.plan.planner.compile_train_step`, XLA's
+on the device's mesh with the planner's own code (`ferry.plan.planner.compile_config_step`, XLA's
 scheduler timed by ferry's costs, the planner's per-compile options: no autotuning, so the program
 is the one a deviceless plan reads) and read by it (`read_plan`: HBM, pinned host, link time,
 exposed copy time and its floor, matmul time at the target's peak; the compiled-program
@@ -41,7 +41,7 @@ if __package__ in (None, ""):  # run as a script: benchmarks.* from the reposito
 
 from benchmarks.gpu_check import compose_run, has_gpu, initial_arrays, random_batches, run_steps  # noqa: E402
 from ferry.platform import apply_platform  # noqa: E402
-from ferry.profile_trace import busy_ns, uncovered_ns  # noqa: E402
+from ferry.xla.profile_trace import busy_ns, uncovered_ns  # noqa: E402
 
 SCHEDULES = {  # name: (offload.pipelined, xla_gpu_enable_pipelined_host_offloading)
     "ferry": (True, False),
@@ -144,9 +144,9 @@ def file_name(configuration: str) -> str:
 def compile_configuration(configuration: Configuration, args: argparse.Namespace) -> tuple[Any, Any, dict]:
     """The configuration's step compiled on this machine's first device and the planner's reading of it."""
     from ferry.models.registry import abstract_model
-    from ferry.plan.planner import compile_train_step, read_plan
-    from ferry.plan.targets import TARGETS
+    from ferry.plan.planner import compile_config_step, read_plan
     from ferry.sharding import make_mesh
+    from ferry.xla.targets import TARGETS
 
     model = [f"model={args.model}"] + ([f"model.num_layers={args.layers}"] if args.layers else [])
     config = compose_run(
@@ -163,7 +163,7 @@ def compile_configuration(configuration: Configuration, args: argparse.Namespace
     costs = config.platform.scheduler_costs == "ferry"
     # the planner's per-compile options (no autotuning): the program the deviceless plan reads
     options = target.compile_options(configuration.xla_options()) if has_gpu() else {}
-    step = compile_train_step(config, target, policy, mesh, options, costs)
+    step = compile_config_step(config, target, policy, mesh, options, costs)
     plan = read_plan(step, config, target, policy, configuration.name)
     summary = plan.transfer_summary
     matmul = plan.flops / plan.peak_flops

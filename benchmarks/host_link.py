@@ -13,7 +13,7 @@ temporaries, as an offloaded step's are:
 
 Two readings: the probe's wall time beside two shorter programs (phase 1 + 3 alone, phase 3
 from a host argument alone), and, where a profiler trace is readable (TPU), each copy's start
-and done from the trace (`ferry.profile_trace`). The trace is the finer one; both are reported.
+and done from the trace (`ferry.xla.profile_trace`). The trace is the finer one; both are reported.
 """
 
 import dataclasses
@@ -119,7 +119,7 @@ def measure_wall_clock(chunks: int = 8, chunk_bytes: int = 256 * 2**20, repeats:
 def measure_traced(chunks: int = 8, chunk_bytes: int = 256 * 2**20, directory: Path | None = None) -> LinkBandwidth:
     """The link from a profiler trace of the probe: per direction, the bytes its copies moved over
     the time any of them was in flight, in each phase."""
-    from ferry.profile_trace import newest_xplane, step_profiles
+    from ferry.xla.profile_trace import newest_xplane, step_profiles
 
     x = _chunks(chunks, chunk_bytes)
     probe = jax.jit(round_trip)
@@ -144,7 +144,7 @@ def measure_traced(chunks: int = 8, chunk_bytes: int = 256 * 2**20, directory: P
 
 def _rate(copies) -> float:
     """Bytes over the time any of `copies` was in flight, in GB/s."""
-    from ferry.profile_trace import busy_ns
+    from ferry.xla.profile_trace import busy_ns
 
     busy = busy_ns((c.start_ns, c.end_ns) for c in copies)
     return sum(c.bytes for c in copies) / busy if busy else float("nan")  # bytes per ns = GB/s

@@ -22,9 +22,11 @@ from rich.table import Table
 from ferry.config_schema import from_dict
 from ferry.models.registry import abstract_model, build_model, model_config
 from ferry.sharding import batch_sharded, make_mesh, replicated
+from ferry.train.compiled_step import batch_spec_of, compile_from_layout, layout_of
 from ferry.train.config import OffloadConfig, TrainConfig
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer
-from ferry.train.step import LossSettings, init_state, make_train_step
+from ferry.train.step import LossSettings, train_step_body
+from ferry.train.train_state import init_state
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -46,10 +48,12 @@ def compare_presets(model: str, presets: list[str], steps: int, batch_size: int,
         states, step_fns, flops = {}, {}, {}
         for name in presets:
             policy = from_dict(OffloadConfig, load("offload", name)).policy(abstract.tagged_names())
-            step = make_train_step(optimizer, LossSettings(policy, dtype), learning_rate_schedule(train_config))
+            body = train_step_body(optimizer, LossSettings(policy, dtype), learning_rate_schedule(train_config))
             state = jax.device_put(init_state(build_model(config, jax.random.key(0)), optimizer), replicated(mesh))
             device_batch = jax.device_put(batch, batch_sharded(mesh))
-            flops[name] = step.lower(state, device_batch).compile().compiled.cost_analysis()["flops"]
+            compiled = compile_from_layout(body, layout_of(state), batch_spec_of(device_batch))
+            flops[name] = compiled.compiled.cost_analysis()["flops"]
+            step = compiled.run
             state, metrics = step(state, device_batch)  # compile and warm up
             jax.block_until_ready(metrics)
             states[name], step_fns[name] = state, step

@@ -10,7 +10,7 @@
 
 each ordered by XLA's latency-hiding scheduler twice: with its own fixed estimates
 (`platform.scheduler_costs=xla`) and timing every op with ferry's cost model
-(`platform.scheduler_costs=ferry`, the default on GPU; `ferry.plan.scheduler_costs`).
+(`platform.scheduler_costs=ferry`, the default on GPU; `ferry.xla.scheduler_costs`).
 
 For each preset and schedule it prints the planner's reading of the compiled program: link time,
 exposed copy time, the least any order of its computations could expose (floor: a copy cannot

@@ -38,12 +38,13 @@ class Layout:
         from rich.console import Console
 
         from ferry.data.placement import device_batch
-        from ferry.plan.hlo_stats import collective_bytes
         from ferry.run.config import load_config
         from ferry.run.preflight import prepare
+        from ferry.train.compiled_step import batch_spec_of, compile_from_layout, layout_of
         from ferry.train.optimizer import learning_rate_schedule, make_optimizer
         from ferry.train.state import initial_state
-        from ferry.train.step import LossSettings, make_train_step
+        from ferry.train.step import LossSettings, train_step_body
+        from ferry.xla.hlo_collectives import collective_bytes
 
         overrides = [f"model={model}", f"train.global_batch_size={batch}", f"train.seq_len={seq_len}"]
         overrides += [f"mesh.{axis}" for axis in layout.split()]
@@ -58,8 +59,9 @@ class Layout:
         self.batch = lambda: device_batch(lambda rows: tokens[rows], tokens.shape, self.mesh)
         with jax.set_mesh(self.mesh):
             self.state, sharding = initial_state(config, optimizer, self.mesh)
-            self.step = make_train_step(optimizer, settings, learning_rate_schedule(config.train), 1, sharding)
-            compiled = self.step.lower(self.state, self.batch()).compile().compiled
+            body = train_step_body(optimizer, settings, learning_rate_schedule(config.train), 1, sharding)
+            step = compile_from_layout(body, layout_of(self.state), batch_spec_of(self.batch()))
+            self.step, compiled = step.run, step.compiled
         self.collectives = collective_bytes(compiled.as_text())
         self.flops = compiled.cost_analysis()["flops"]
         self.times: list[float] = []

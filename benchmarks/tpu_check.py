@@ -8,7 +8,7 @@
    `preset: "jax_offload"`), each case `python launch/run.py ...` in a process of its own:
    tokens/s and MFU (median of the steps after the first), the measured HBM peak against the
    compiled arguments + temporaries, the host bytes, and the host copies' exposed time from a
-   `jax.profiler` trace of two steps, which ferry reads itself (`ferry.profile_trace`), beside
+   `jax.profiler` trace of two steps, which ferry reads itself (`ferry.xla.profile_trace`), beside
    the floor the measured link sets: max(0, link time - compute time).
 
     python benchmarks/tpu_check.py                               # writes benchmarks/results/tpu_v5e.json
@@ -246,7 +246,7 @@ def read_metrics(path: Path) -> dict:
 
 def read_trace(directory: Path, link: dict | None) -> dict:
     """Exposed copy time and compute per traced step, and the floor the link sets."""
-    from ferry.profile_trace import newest_xplane, step_profiles
+    from ferry.xla.profile_trace import newest_xplane, step_profiles
 
     try:
         profiles = step_profiles(newest_xplane(directory))

@@ -95,10 +95,10 @@ def plan_here(preset: str, moe_matmul: str, out: Path, mesh: str) -> None:
     from ferry.config_schema import from_dict
     from ferry.models.registry import abstract_model
     from ferry.plan.planner import plan_memory
-    from ferry.plan.targets import TARGETS
     from ferry.platform import PlatformConfig
     from ferry.run.config import load_config
     from ferry.train.config import OffloadConfig
+    from ferry.xla.targets import TARGETS
 
     configs = ROOT / "configs"
     offload = MAXTEXT_BEST if preset == "maxtext_best" else (f"offload={preset}",)

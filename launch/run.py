@@ -44,10 +44,8 @@ from ferry import distributed  # noqa: E402
 from ferry.config_schema import ConfigError, from_dict  # noqa: E402
 from ferry.default_policy import DefaultChoice, choose_default, names_preset, sets_offload_keys  # noqa: E402
 from ferry.errors import FerryError  # noqa: E402
-from ferry.hardware import accelerator_name  # noqa: E402
 from ferry.memory import InsufficientMemoryError  # noqa: E402
 from ferry.overrides import compose_node  # noqa: E402
-from ferry.plan.scheduler_costs import scheduler_target  # noqa: E402
 from ferry.platform import PlatformConfig, apply_platform, check_gpu_jax, check_platform  # noqa: E402
 from ferry.run.checkpoint import checkpoint_steps  # noqa: E402
 from ferry.run.config import FerryConfig, load_config  # noqa: E402
@@ -57,6 +55,8 @@ from ferry.run.nonfinite import NonFiniteLossError  # noqa: E402
 from ferry.run.preflight import PreparedRun, prepare  # noqa: E402
 from ferry.run.training import train  # noqa: E402
 from ferry.train.config import OffloadConfig  # noqa: E402
+from ferry.xla.hardware import accelerator_name  # noqa: E402
+from ferry.xla.scheduler_costs import scheduler_target  # noqa: E402
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 # the console width when output goes to a file (SLURM, a redirect): wide enough that no table is cut
@@ -209,7 +209,7 @@ def check_plan_extra(target: str, find_spec: Callable[[str], object] | None = No
     unknown target, and at once when the one the target needs is not installed."""
     import importlib.util
 
-    from ferry.plan.targets import TARGETS
+    from ferry.xla.targets import TARGETS
 
     find = find_spec or importlib.util.find_spec
     spec = TARGETS.get(target)
@@ -238,7 +238,7 @@ def plan(config: FerryConfig, console: Console, node: dict) -> int:
     from ferry.plan.auto_measure import resolve_measure, subprocess_measurer
     from ferry.plan.measure import accelerator_present
     from ferry.plan.report import plan_presets, run_plan, target_platform, write_plan
-    from ferry.plan.targets import TARGETS
+    from ferry.xla.targets import TARGETS
 
     if config.target is None:  # FerryConfig refuses mode=plan without one; said again for the type checker
         raise ConfigError("mode=plan needs target=<target>")

@@ -1,13 +1,16 @@
 """Gradient accumulation: 4 micro batches of 2 give the same training as 1 batch of 8."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from ferry.models.registry import build_model
+from ferry.train.compiled_step import compile_from_layout, layout_of
 from ferry.train.config import TrainConfig
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer
-from ferry.train.step import LossSettings, init_state, make_train_step
+from ferry.train.step import LossSettings, train_step_body
+from ferry.train.train_state import init_state
 from tests.conftest import load_model_config, preset_policy
 
 
@@ -17,8 +20,9 @@ def losses(model_name: str, micro_batch_size: int | None, steps: int) -> list[fl
     optimizer = make_optimizer(train)
     model = build_model(config, jax.random.key(0))
     settings = LossSettings(preset_policy("minimal_offloaded", model), "float32")
-    step = make_train_step(optimizer, settings, learning_rate_schedule(train), train.micro_steps())
+    body = train_step_body(optimizer, settings, learning_rate_schedule(train), train.micro_steps())
     state = init_state(model, optimizer)
+    step = compile_from_layout(body, layout_of(state), jax.ShapeDtypeStruct((8, 17), jnp.int32)).run
     rng = np.random.default_rng(0)
     out = []
     for _ in range(steps):

@@ -32,9 +32,9 @@ from ferry.nn.kernels.flash import ATTENTION_LSE, ATTENTION_OUT
 from ferry.nn.kernels.splash import SplashAttention, block_size
 from ferry.nn.kernels.xla import XlaAttention
 from ferry.offload import record_tags
-from ferry.plan.planner import compile_only_mesh, compile_train_step
-from ferry.plan.targets import TARGETS
+from ferry.plan.planner import compile_config_step, compile_only_mesh
 from ferry.train.step import LossSettings, batch_loss
+from ferry.xla.targets import TARGETS
 from tests.conftest import (
     GPU_FLAGS,
     MOE_ONLY_PRESETS,
@@ -295,7 +295,7 @@ def compiled_step(target_name: str, preset: str, *overrides: str):
     policy = config.offload.policy(abstract_model(config.model).tagged_names())
     mesh = compile_only_mesh(target, config.mesh)
     options = GPU_FLAGS if target.platform == "gpu" else target.compile_options({})
-    return compile_train_step(config, target, policy, mesh, options).compiled
+    return compile_config_step(config, target, policy, mesh, options).compiled
 
 
 V5E = ("mesh.data=4", "train.global_batch_size=8")  # the smallest v5e slice

@@ -16,8 +16,8 @@ from rich.console import Console
 
 from ferry.config_schema import ConfigError, from_dict
 from ferry.plan import auto_measure
-from ferry.plan.auto import MIN_GAIN
 from ferry.plan.auto_measure import resolve_measure, subprocess_measurer
+from ferry.plan.auto_search import MIN_GAIN
 from ferry.plan.measure import (
     MeasureError,
     StepTimer,

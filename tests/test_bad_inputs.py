@@ -343,7 +343,7 @@ def test_open_mappings_take_new_entries_and_deletions():
 
 
 def test_xla_flags_are_looked_up_in_xla_and_unknown_ones_confirmed_by_xla(tmp_path):
-    from ferry.xla_flags import XlaFlagError, check_xla_flags, flag_libraries, flag_names, unmentioned
+    from ferry.xla.flags import XlaFlagError, check_xla_flags, flag_libraries, flag_names, unmentioned
 
     assert flag_names("--a=1  --b --c=x=y") == ["a", "b", "c"]
     libraries = flag_libraries()
@@ -365,7 +365,7 @@ def test_xla_flags_are_looked_up_in_xla_and_unknown_ones_confirmed_by_xla(tmp_pa
 
 
 def test_xla_itself_refuses_an_unknown_flag_in_a_child_process():
-    from ferry.xla_flags import xla_refusal
+    from ferry.xla.flags import xla_refusal
 
     reason = xla_refusal("--xla_bogus_ferry_flag=1")
     assert reason is not None and "xla_bogus_ferry_flag" in reason, reason

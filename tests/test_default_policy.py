@@ -10,7 +10,7 @@ import pytest
 
 from ferry.default_policy import FASTEST, SMALLER, choose_default, names_preset, sets_offload_keys
 from ferry.memory import InsufficientMemoryError
-from ferry.plan.advice import step_identity
+from ferry.run.plan_advice import step_identity
 from tests.conftest import SMALL_RUN, compose_config, run_launcher
 from tests.launcher_cases import load_launcher
 

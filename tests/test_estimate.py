@@ -5,7 +5,7 @@ the two."""
 import pytest
 
 from ferry.plan.estimate import StepEstimate, collective_traffic, ranked
-from ferry.plan.targets import TARGETS
+from ferry.xla.targets import TARGETS
 from tests.test_hlo_stats import GROUPS_MODULE
 
 

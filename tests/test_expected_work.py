@@ -10,11 +10,11 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ferry.expected_work import expected_fraction, expected_work
-from ferry.plan.hlo_stats import matmul_count, matmul_flops
 from ferry.plan.planner import compile_only_mesh
 from ferry.plan.replay import total_dot_flops
-from ferry.plan.targets import TARGETS
 from ferry.sharding import MeshConfig
+from ferry.xla.hlo_flops import matmul_count, matmul_flops
+from ferry.xla.targets import TARGETS
 from tests.conftest import GPU_FLAGS, needs_cuda_plugin
 from tests.test_scheduler_costs import planned
 

@@ -14,9 +14,10 @@ from ferry.plan.extrapolate import (
     probe_depths,
     with_depths,
 )
-from ferry.plan.planner import MemoryPlan, model_flops_per_device, plan_memory
-from ferry.plan.targets import TARGETS
+from ferry.plan.memory_plan import MemoryPlan
+from ferry.plan.planner import model_flops_per_device, plan_memory
 from ferry.plan.transfers import Transfer, TransferSummary
+from ferry.xla.targets import TARGETS
 from tests.conftest import GPU_FLAGS, compose_config, load_model_config, load_preset, needs_cuda_plugin
 
 H200 = TARGETS["h200"]

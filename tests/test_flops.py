@@ -8,9 +8,9 @@ import jax
 import pytest
 
 from ferry.models.registry import abstract_model
-from ferry.plan.targets import TARGETS
 from ferry.run.peak import device_peak, table_peak
 from ferry.train.step_flops import training_flops
+from ferry.xla.targets import TARGETS
 from tests.conftest import load_model_config
 
 

@@ -6,17 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ferry.plan.hlo_stats import (
-    byte_strides,
-    collective_bytes,
-    collectives,
-    execution_counts,
-    host_copies,
-    host_slice_walks,
-    matmul_flops,
-    overlapped_flops,
-    shape_bytes,
-)
+from ferry.xla.hlo_collectives import collective_bytes, collectives
+from ferry.xla.hlo_flops import matmul_flops
+from ferry.xla.hlo_host_copies import host_copies, overlapped_flops
+from ferry.xla.hlo_parse import byte_strides, execution_counts, shape_bytes
+from ferry.xla.hlo_slice_walks import host_slice_walks
 
 MODULE = """HloModule jit_step, entry_computation_layout={(f32[3,4,16]{2,1,0})->f32[]}
 
@@ -143,7 +137,7 @@ def test_host_copies_carry_their_bytes_and_the_compute_scheduled_under_them():
 def compiled_text(target: str, fn, *shapes: tuple[tuple[int, ...], str]) -> str:
     from jax.sharding import SingleDeviceSharding
 
-    from ferry.plan.targets import TARGETS
+    from ferry.xla.targets import TARGETS
 
     device = TARGETS[target]
     sharding = SingleDeviceSharding(device.devices(4 if device.platform == "tpu" else 1)[0])
@@ -307,7 +301,7 @@ def test_an_fsdp_step_compiled_for_h200s_gathers_and_scatters_its_weight_shards(
     scattered back to the shards (each device sends 7 shards of 64 x 256)."""
     from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-    from ferry.plan.targets import TARGETS
+    from ferry.xla.targets import TARGETS
 
     mesh = Mesh(np.array(TARGETS["h200"].devices(8)), ("fsdp",), axis_types=(AxisType.Explicit,))
     weight = jax.ShapeDtypeStruct((512, 256), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("fsdp", None)))
@@ -334,7 +328,7 @@ def test_an_fsdp_step_compiled_for_h200s_gathers_and_scatters_its_weight_shards(
 def test_a_one_trip_loop_walk_is_judged_by_its_offset_alone():
     """XLA's pipelined host offloading peels a two-layer loop to one trip, whose descriptor says
     stride 0: there is no second address to get wrong."""
-    from ferry.plan.hlo_stats import HostSliceWalk
+    from ferry.xla.hlo_slice_walks import HostSliceWalk
 
     walk = HostSliceWalk("body", "ds", "host read", "bf16[2,8]", 16, "", 1, 0, -1, 0, -16, 0, 0)
     assert walk.checked and walk.agrees

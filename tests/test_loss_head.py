@@ -231,7 +231,7 @@ def test_h200_plan_of_llama_8b_drops_the_logits():
     attention, its float32 score buffers (the attention kernels' part of issue 46)."""
     from ferry.models.registry import abstract_model
     from ferry.plan.planner import plan_memory
-    from ferry.plan.targets import TARGETS
+    from ferry.xla.targets import TARGETS
     from tests.conftest import GPU_FLAGS
 
     overrides = ("model=llama3_1_8b", "model.num_layers=2", "train.seq_len=8192", "train.global_batch_size=1")

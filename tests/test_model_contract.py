@@ -14,8 +14,8 @@ from ferry.models.family import HFMapping
 from ferry.models.registry import FAMILIES, abstract_model, family_of, hf_family
 from ferry.nn.linear import Linear
 from ferry.sharding import MESH_AXES, MeshError, tree_shardings
-from ferry.train.step import init_state
 from ferry.train.step_flops import training_flops
+from ferry.train.train_state import init_state
 from tests.conftest import CONFIGS, load_model_config
 
 MESH = AbstractMesh((1, 2, 2, 2), MESH_AXES, axis_types=(AxisType.Auto,) * 4)

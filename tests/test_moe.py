@@ -338,8 +338,8 @@ def test_a_deepseek_v3_width_moe_layer_costs_its_routed_rows(target, matmul):
     shapes only; nothing is allocated."""
     from jax.sharding import SingleDeviceSharding
 
-    from ferry.plan.hlo_stats import matmul_flops
-    from ferry.plan.targets import TARGETS
+    from ferry.xla.hlo_flops import matmul_flops
+    from ferry.xla.targets import TARGETS
 
     experts, dim, hidden, k, tokens = 256, 7168, 2048, 8, 2048
     device = TARGETS[target]

@@ -9,13 +9,13 @@ import shutil
 import jax
 import pytest
 
+import ferry.run.out_of_memory as out_of_memory
 import ferry.run.training as train_run
 import ferry.train.compiled_step as compiled_step
-import ferry.train.out_of_memory as out_of_memory
-from ferry.compile_oom import CompileTimeOom, StepOverHbm, parse_size
 from ferry.plan.planner import out_of_memory_plan
 from ferry.plan.report import refused_lines, write_plan
-from ferry.plan.targets import TARGETS
+from ferry.xla.compile_oom import CompileTimeOom, StepOverHbm, parse_size
+from ferry.xla.targets import TARGETS
 from tests.conftest import SMALL_RUN, compose_config, needs_libtpu, run_launcher
 from tests.launcher_cases import load_launcher, run_case
 from tests.test_bad_inputs import tree_digest

@@ -18,30 +18,25 @@ from ferry.models.registry import abstract_model
 from ferry.nn.attention import QUERY_CHUNK
 from ferry.plan.auto import (
     MAX_CHECKS,
-    MIN_GAIN,
-    Baseline,
-    anchored,
     auto_plan,
-    banded_rank,
-    faster,
     fastest,
-    fastest_fitting,
     fits_with_headroom,
-    predict,
     state_decisions,
     state_of,
     tensor_costs,
     tensor_decisions,
 )
+from ferry.plan.auto_search import MIN_GAIN, Baseline, anchored, banded_rank, faster, fastest_fitting, predict
+from ferry.plan.copy_match import DEAD
 from ferry.plan.estimate import StepEstimate
-from ferry.plan.hlo_stats import matmul_flops, xla_rematerialised
-from ferry.plan.planner import PlanError, compile_only_mesh, for_target, plan_memory
+from ferry.plan.memory_plan import PlanError
+from ferry.plan.planner import compile_only_mesh, for_target, plan_memory
 from ferry.plan.replay import LayerGroupTrace, recompute_flops
-from ferry.plan.targets import TARGETS
-from ferry.plan.verify import DEAD
 from ferry.schedule import model_schedule
 from ferry.sharding import MeshConfig
 from ferry.train.step import LossSettings, batch_loss
+from ferry.xla.hlo_flops import matmul_flops, xla_rematerialised
+from ferry.xla.targets import TARGETS
 from tests.conftest import (
     GPU_FLAGS,
     compose_config,

@@ -1,4 +1,4 @@
-"""A leased file whose content is made when it is first opened (`ferry.plan.profile_handoff`):
+"""A leased file whose content is made when it is first opened (`ferry.xla.profile_handoff`):
 the mechanism that lets one compile hand XLA's scheduler a profile priced from its own module."""
 
 import tempfile
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ferry.plan.profile_handoff import leases_supported, written_when_opened
+from ferry.xla.profile_handoff import leases_supported, written_when_opened
 
 pytestmark = pytest.mark.skipif(
     not leases_supported(Path(tempfile.gettempdir())),

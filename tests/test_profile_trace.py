@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ferry.profile_trace import busy_ns, host_copy_direction, profiles_of_lines, uncovered_ns
+from ferry.xla.profile_trace import busy_ns, host_copy_direction, profiles_of_lines, uncovered_ns
 
 # instruction texts as the trace's `XLA Ops` / `Async XLA Ops` lines name them (jax 0.10.2, v5e)
 TO_HOST = (

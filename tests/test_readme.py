@@ -13,8 +13,8 @@ import pytest
 
 from ferry.offload import Policy
 from ferry.overrides import compose_node
-from ferry.plan.hlo_stats import matmul_flops
 from ferry.run.config import load_config
+from ferry.xla.hlo_flops import matmul_flops
 from tests.conftest import CONFIGS, ROOT
 
 README = ROOT / "README.md"

@@ -1,4 +1,4 @@
-"""ferry's cost model handed to XLA:GPU's latency-hiding scheduler (`ferry.plan.scheduler_costs`):
+"""ferry's cost model handed to XLA:GPU's latency-hiding scheduler (`ferry.xla.scheduler_costs`):
 every instruction the scheduler orders gets a time from the compiled program and the target, and
 with them the scheduler hides the reloads its own fixed estimates leave exposed on an FSDP mesh."""
 
@@ -10,11 +10,15 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-import ferry.plan.scheduler_costs as scheduler_costs
+import ferry.xla.scheduler_costs as scheduler_costs
 from ferry.models.registry import abstract_model
-from ferry.plan.hlo_stats import collectives, host_copies, scheduled_instructions
-from ferry.plan.planner import compile_only_mesh, compile_train_step, plan_memory
-from ferry.plan.scheduler_costs import (
+from ferry.plan.copy_match import DEAD
+from ferry.plan.planner import compile_config_step, compile_only_mesh, plan_memory
+from ferry.platform import PlatformConfig
+from ferry.xla.hlo_collectives import collectives
+from ferry.xla.hlo_host_copies import host_copies
+from ferry.xla.hlo_schedule import scheduled_instructions
+from ferry.xla.scheduler_costs import (
     COLLECTIVE_LATENCY_US,
     CostProfile,
     ProfileCache,
@@ -23,9 +27,7 @@ from ferry.plan.scheduler_costs import (
     cost_profile,
     scheduler_target,
 )
-from ferry.plan.targets import TARGETS
-from ferry.plan.verify import DEAD
-from ferry.platform import PlatformConfig
+from ferry.xla.targets import TARGETS
 from tests.conftest import GPU_FLAGS, compose_config, needs_cuda_plugin
 
 H200 = TARGETS["h200"]
@@ -184,7 +186,7 @@ def tiny_offloading_program(costs: bool = True) -> str:
     )
     policy = config.offload.policy(abstract_model(config.model).tagged_names())
     mesh, options = compile_only_mesh(H200, config.mesh), H200.compile_options(GPU_FLAGS)
-    return compile_train_step(config, H200, policy, mesh, options, costs).compiled.as_text()
+    return compile_config_step(config, H200, policy, mesh, options, costs).compiled.as_text()
 
 
 @needs_cuda_plugin

@@ -16,8 +16,10 @@ from rich.console import Console
 from ferry.models.registry import build_model
 from ferry.run.preflight import prepare
 from ferry.run.training import train as train_run
+from ferry.train.compiled_step import compile_from_layout, layout_of
 from ferry.train.config import TrainConfig
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer, streamed_update
+from ferry.train.state import StateLayout
 from ferry.train.state_memory import (
     StatePlacement,
     StreamedUpdate,
@@ -25,7 +27,8 @@ from ferry.train.state_memory import (
     state_on_host,
     with_memory_kinds,
 )
-from ferry.train.step import LossSettings, init_state, make_train_step, train_step_body
+from ferry.train.step import LossSettings, train_step_body
+from ferry.train.train_state import init_state
 from tests.conftest import (
     compilation_cache,
     compose_config,
@@ -65,7 +68,9 @@ def train(model_name: str, placement: StatePlacement, steps: int, reference: boo
         shardings = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), arrays)
         state = eqx.combine(jax.device_put(arrays, shardings), static)
     schedule = learning_rate_schedule(train)
-    step = make_train_step(optimizer, settings, schedule, train.micro_steps(), shardings, stream=stream)
+    body = train_step_body(optimizer, settings, schedule, train.micro_steps(), shardings, stream=stream)
+    with jax.set_mesh(mesh):
+        step = compile_from_layout(body, layout_of(state), jax.ShapeDtypeStruct((4, 17), np.int32)).run
     rng = np.random.default_rng(0)
     losses = []
     for _ in range(steps):
@@ -104,8 +109,8 @@ def compiled_state_step(
     its inputs and outputs live in pinned host (S(5) in the entry layout), and per device the
     moved bytes, the compute copies' bytes and the largest unit's host-resident state."""
     from ferry.plan.planner import compile_only_mesh
-    from ferry.plan.targets import TARGETS
     from ferry.sharding import MeshConfig, tree_shardings
+    from ferry.xla.targets import TARGETS
 
     target = TARGETS[target_name]
     config = load_model_config(model_name, **model_overrides)
@@ -126,11 +131,10 @@ def compiled_state_step(
     settings = LossSettings(preset_policy("save_all", model), train.compute_dtype)
     stream = streamed_update(train, model, placement, shardings.model)
     body = train_step_body(optimizer, settings, learning_rate_schedule(train), 1, shardings, stream=stream)
-    args = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
     batch = jax.ShapeDtypeStruct((4, 33), np.int32, sharding=NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
-    step = lambda arrays, tokens: body(eqx.combine(arrays, static), tokens)
+    state_layout = StateLayout(lambda: None, shapes, static, shardings, model, placement)
     with jax.set_mesh(mesh):
-        compiled = jax.jit(step, donate_argnums=0).lower(args, batch).compile(target.compile_options({}))
+        compiled = compile_from_layout(body, state_layout, batch, options=target.compile_options({})).compiled
     layout = compiled.as_text().split("entry_computation_layout={")[1].split("}, allow_spmd")[0]
     inputs, outputs = layout.split(")->(")
 
@@ -241,7 +245,7 @@ def test_a_deviceless_h200_plan_finds_the_embeddings_write_backs_block_by_block(
     walking the way its index goes."""
     from ferry.models.registry import abstract_model
     from ferry.plan.planner import plan_memory
-    from ferry.plan.targets import TARGETS
+    from ferry.xla.targets import TARGETS
     from tests.conftest import GPU_FLAGS
 
     config = compose_config(

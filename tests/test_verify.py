@@ -21,10 +21,10 @@ from ferry.models.registry import abstract_model
 from ferry.nn.stack import LayerStack
 from ferry.offload import Policy, tag
 from ferry.plan import verify
-from ferry.plan.hlo_stats import host_copies, matmul_count, matmul_flops
+from ferry.plan.copy_match import DEAD, STATE_GROUP
+from ferry.plan.memory_plan import MemoryPlan
 from ferry.plan.planner import (
     BackwardReads,
-    MemoryPlan,
     _schedule,
     compile_only_mesh,
     for_target,
@@ -32,11 +32,9 @@ from ferry.plan.planner import (
     plan_memory,
 )
 from ferry.plan.replay import LayerGroupTrace
-from ferry.plan.report import transfer_table, verification_table
-from ferry.plan.targets import TARGETS
+from ferry.plan.tables import transfer_table, verification_table
 from ferry.plan.transfers import engine
 from ferry.plan.verify import (
-    DEAD,
     MissingCopyError,
     RecomputeCheck,
     RecomputedProducerError,
@@ -48,6 +46,9 @@ from ferry.plan.verify import (
 from ferry.run.config import FerryConfig
 from ferry.schedule import format_bytes
 from ferry.sharding import MeshConfig
+from ferry.xla.hlo_flops import matmul_count, matmul_flops
+from ferry.xla.hlo_host_copies import host_copies
+from ferry.xla.targets import TARGETS
 from tests.conftest import GPU_FLAGS, compose_config, load_preset, needs_cuda_plugin, needs_libtpu, run_launcher
 
 pytestmark = needs_cuda_plugin
@@ -368,7 +369,7 @@ def test_the_train_states_write_backs_are_not_taken_for_residuals_of_their_size(
     )
     copies = compiled.plan.verification.copies
     residuals = [c for c in copies if c.group == "decoder"]
-    state = [c for c in copies if c.group == verify.STATE_GROUP]
+    state = [c for c in copies if c.group == STATE_GROUP]
     assert {c.tensor for c in residuals} == {"query_proj", "key_proj", "value_proj"}
     assert all(c.status == "copied" and c.found == c.expected == 2 * 2 for c in residuals)
     same_size = [c for c in state if c.bytes == 8 * 2**20]

@@ -8,7 +8,7 @@ routing. The model marks such an op with a name scope, `expected_work(runs, of)`
 executions (tiles) or rows its static shape stands for, `runs` run when the router spreads the
 slots evenly over the experts (the balance DeepSeek-V3's bias update and balance loss steer to).
 The scope survives into the compiled program's op names and the jaxpr's name stacks, where the
-planner (`ferry.plan.hlo_stats`, `ferry.plan.replay`) counts that share of the op's matmul FLOPs
+planner (`ferry.xla.hlo_flops`, `ferry.plan.replay`) counts that share of the op's matmul FLOPs
 and keeps the static count as an upper bound.
 """
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 
 from ferry.config_schema import ConfigError
 from ferry.errors import FerryError
-from ferry.xla_flags import check_xla_flags
+from ferry.xla.flags import check_xla_flags
 
 _FLAG_VARIABLE = {"cpu": "XLA_FLAGS", "gpu": "XLA_FLAGS", "tpu": "LIBTPU_INIT_ARGS"}
 # JAX's name of each platform's backend: the only one a run starts, so a CPU run never wakes the
@@ -39,7 +39,7 @@ class PlatformError(FerryError, RuntimeError):
 class PlatformConfig:
     """`name`: cpu | gpu | tpu. `xla_flags`: flag name -> value; `env`: variable -> value.
     `scheduler_costs`: what XLA:GPU's latency-hiding scheduler times the step's ops with: `ferry`,
-    the plan's cost model (`ferry.plan.scheduler_costs`; two compiles where XLA autotunes), or
+    the plan's cost model (`ferry.xla.scheduler_costs`; two compiles where XLA autotunes), or
     `xla`, its own fixed estimates. `scheduler_costs_cached`: keep ferry's priced profiles on disk
     (`ProfileCache`), so a program compiled again (a re-plan, a restarted run) is not priced again
     and, where XLA autotunes, compiles once."""

@@ -28,10 +28,20 @@ import jax.numpy as jnp
 from ferry.models.registry import abstract_model
 from ferry.nn.kernels.choice import attention_platform
 from ferry.offload import LAYER_INPUT, Policy
-from ferry.plan.estimate import StepEstimate
-from ferry.plan.planner import MemoryPlan, for_target
+from ferry.plan.auto_search import (
+    Baseline,
+    Decision,
+    Option,
+    Prediction,
+    anchored,
+    banded_rank,
+    faster,
+    fastest_fitting,
+    predict,
+)
+from ferry.plan.memory_plan import MemoryPlan
+from ferry.plan.planner import for_target
 from ferry.plan.replay import LayerGroupTrace, read_by_backward, recompute_flops, record_names, total_dot_flops
-from ferry.plan.targets import Target
 from ferry.precision import cast_floating
 from ferry.run.config import FerryConfig
 from ferry.schedule import model_schedule
@@ -45,12 +55,9 @@ from ferry.train.state_memory import (
     float_params,
     state_copies,
 )
+from ferry.xla.targets import Target
 
 MAX_CHECKS = 6  # candidates compiled after the all-on-device one, at most
-# step estimates this close are a tie: the estimate cannot resolve them (at the DeepSeek-V3 seed two
-# placements' collectives, 12.44 s and 12.48 s, once decided the pick over 0.66 s of recompute);
-# mirror images (`mlpwi_1` offloaded for `mlpwi_0`) predict within it, so one compiled stops the search
-MIN_GAIN = 0.005
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +80,7 @@ class Choice:
     reason: str
 
 
-def forward_flops(model: Any, run: Callable[[Any, jax.Array], Any], x: jax.ShapeDtypeStruct) -> float:
+def forward_flops(model: Any, run: Callable[[Any, Any], Any], x: jax.ShapeDtypeStruct) -> float:
     """One layer's forward matmul FLOPs."""
     return total_dot_flops(eqx.filter_make_jaxpr(run)(model, x)[0].jaxpr)
 
@@ -126,63 +133,6 @@ def _tensor_costs(config: FerryConfig, target: Target, mesh: Any) -> tuple[dict[
 
 
 HEADROOM = 0.05  # of HBM and of the pinned host pool, left free by auto's choice
-
-
-@dataclasses.dataclass(frozen=True)
-class Option:
-    """One value of a decision and what it changes against keeping everything on device, per
-    device per step."""
-
-    value: str
-    freed_bytes: float = 0.0  # HBM
-    host_bytes: float = 0.0  # pinned host taken
-    recompute_flops: float = 0.0
-    copy_bytes: tuple[tuple[str, int], ...] = ()  # per layer group: one layer's copies, each way
-    seconds: float = 0.0  # any other time it adds (its own copies, already known exposed)
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    """A choice `auto` makes: a tagged tensor's placement, or another placement (the optimizer
-    state's, say) given by its options; the first option is the all-on-device one."""
-
-    name: str
-    options: tuple[Option, ...]
-    tensor: bool = True  # a tagged tensor: its value goes into the policy
-
-
-@dataclasses.dataclass(frozen=True)
-class Baseline:
-    """The all-on-device step that predictions start from (compiled, or as a compiled candidate
-    implies it: `anchored`), and the layers behind each group's copies."""
-
-    hbm_bytes: float
-    host_bytes: float
-    matmul_seconds: float
-    collective_seconds: float
-    forward_seconds: dict[str, float]  # one layer of each group, per micro step
-    layer_runs: dict[str, int]  # layers x micro steps of each group, per step
-
-
-@dataclasses.dataclass(frozen=True)
-class Prediction:
-    values: tuple[str, ...]  # one per decision
-    hbm_bytes: float
-    host_bytes: float
-    estimate: StepEstimate  # predicted, as a compiled program's is read
-
-    @property
-    def seconds(self) -> float:
-        """The middle estimate, which candidates are ranked by."""
-        return self.estimate.middle_seconds
-
-    @property
-    def worst(self) -> float:
-        return self.estimate.worst_seconds
-
-    @property
-    def rank(self) -> tuple[float, float]:
-        return self.estimate.rank
 
 
 def tensor_decisions(costs: dict[str, TensorCost], micro_steps: int) -> list[Decision]:
@@ -241,154 +191,6 @@ def state_decisions(config: FerryConfig, target: Target, mesh: Any) -> tuple[Dec
         host = Option(HOST, moved - kept, moved + stacked, seconds=moved / target.host_link_bandwidth)
         decisions.append(Decision(name, (Option(DEVICE), host), tensor=False))
     return tuple(decisions)
-
-
-def predict(baseline: Baseline, decisions: list[Decision], values: tuple[str, ...], target: Target) -> Prediction:
-    """The HBM, host bytes and step-time estimate of one candidate, from the baseline."""
-    chosen = [next(o for o in d.options if o.value == v) for d, v in zip(decisions, values, strict=True)]
-    return _prediction(baseline, values, *_totals(chosen), target)
-
-
-def anchored(baseline: Baseline, predicted: Prediction, compiled: Prediction) -> Baseline:
-    """The baseline a compiled candidate implies: predicting that candidate from it gives its
-    compiled program (`compiled`: its HBM, host bytes and estimate; `predicted`: the same candidate
-    predicted from `baseline`), and predicting another adds what their placements differ by. Where
-    the all-on-device program is far over HBM, what a placement frees there is not what it frees
-    in a program that fits, since XLA packs the buffers otherwise (the DeepSeek-V3 seed: presets
-    predicted 6 to 16 GiB above their compiled programs; 190 to 214 GiB with XLA's own
-    rematerialisation on); from a compiled candidate a few decisions away the prediction rests on
-    a program that fits, or nearly."""
-    return dataclasses.replace(
-        baseline,
-        hbm_bytes=baseline.hbm_bytes + compiled.hbm_bytes - predicted.hbm_bytes,
-        host_bytes=baseline.host_bytes + compiled.host_bytes - predicted.host_bytes,
-        matmul_seconds=baseline.matmul_seconds + compiled.estimate.matmul_seconds - predicted.estimate.matmul_seconds,
-        collective_seconds=compiled.estimate.collective_seconds,
-    )
-
-
-def _totals(chosen: list[Option]) -> tuple[float, float, float, dict[str, int], float]:
-    copies: dict[str, int] = {}
-    for option in chosen:
-        for group, size in option.copy_bytes:
-            copies[group] = copies.get(group, 0) + size
-    return (
-        sum((o.freed_bytes for o in chosen), 0.0),
-        sum((o.host_bytes for o in chosen), 0.0),
-        sum((o.recompute_flops for o in chosen), 0.0),
-        copies,
-        sum((o.seconds for o in chosen), 0.0),
-    )
-
-
-def exposed_copy_seconds(baseline: Baseline, copies: dict[str, int], target: Target) -> float:
-    """A layer's copies out against its forward compute, back against its backward (twice the
-    forward), for every layer run of the step."""
-    total = 0.0
-    for group, size in copies.items():
-        link, forward = size / target.host_link_bandwidth, baseline.forward_seconds[group]
-        total += baseline.layer_runs[group] * (max(0.0, link - forward) + max(0.0, link - 2 * forward))
-    return total
-
-
-def _prediction(baseline, values, freed, host, recompute, copies, seconds, target) -> Prediction:
-    compute = baseline.matmul_seconds + recompute / target.bf16_peak_flops
-    exposed = exposed_copy_seconds(baseline, copies, target) + seconds
-    estimate = StepEstimate(compute, exposed, baseline.collective_seconds, 0.0)
-    return Prediction(values, baseline.hbm_bytes - freed, baseline.host_bytes + host, estimate)
-
-
-def fastest_fitting(
-    baseline: Baseline,
-    decisions: list[Decision],
-    target: Target,
-    hbm_limit: float,
-    host_limit: float | None,
-    exclude: frozenset[tuple[str, ...]] = frozenset(),
-    anchors: Sequence[tuple[tuple[str, ...], Baseline]] = (),
-    fastest_seconds: float | None = None,
-) -> Prediction | None:
-    """The candidate of the least predicted step time (`banded_rank` around `fastest_seconds`, the
-    fastest compiled candidate's middle estimate) predicted within both
-    limits (None if none is), not one of `exclude`: a depth-first branch and bound. Each candidate
-    is predicted from the anchor (a compiled candidate's values and `anchored` baseline) the fewest
-    decisions away, the one predicting more HBM where two are as near; without anchors, from
-    `baseline`. Every option adds time and host bytes and frees HBM, so a partial choice is dropped
-    once, from the most favourable anchor, it is no faster than the best found, its host bytes are
-    over, or even freeing the most of every decision left leaves HBM over."""
-    anchors = list(anchors) or [(tuple(d.options[0].value for d in decisions), baseline)]
-    bound = dataclasses.replace(
-        baseline,
-        hbm_bytes=min(a.hbm_bytes for _, a in anchors),
-        host_bytes=min(a.host_bytes for _, a in anchors),
-        matmul_seconds=min(a.matmul_seconds for _, a in anchors),
-        collective_seconds=min(a.collective_seconds for _, a in anchors),
-    )
-    order = sorted(range(len(decisions)), key=lambda i: -max(o.freed_bytes for o in decisions[i].options))
-    most_left = [0.0] * (len(order) + 1)
-    for depth in range(len(order) - 1, -1, -1):
-        most_left[depth] = most_left[depth + 1] + max(o.freed_bytes for o in decisions[order[depth]].options)
-    best: list[Prediction | None] = [None]
-    chosen: list[Option] = []
-
-    def rank(prediction: Prediction) -> tuple[float, float]:
-        return banded_rank(prediction.estimate, fastest_seconds)
-
-    def nearest(values: tuple[str, ...]) -> Baseline:
-        def apart(anchor: tuple[tuple[str, ...], Baseline]) -> tuple[int, float]:
-            return sum(a != v for a, v in zip(anchor[0], values, strict=True)), -anchor[1].hbm_bytes
-
-        return min(anchors, key=apart)[1]
-
-    def visit(depth: int) -> None:
-        totals = _totals(chosen)
-        values_so_far = tuple(o.value for o in chosen)
-        partial = _prediction(bound, values_so_far, *totals, target)
-        if best[0] is not None and rank(partial) >= rank(best[0]):
-            return
-        if host_limit is not None and partial.host_bytes > host_limit:
-            return
-        if partial.hbm_bytes - most_left[depth] > hbm_limit:
-            return
-        if depth == len(order):
-            values = [""] * len(decisions)
-            for i, option in zip(order, chosen, strict=True):
-                values[i] = option.value
-            if tuple(values) in exclude:
-                return
-            full = _prediction(nearest(tuple(values)), tuple(values), *totals, target)
-            fits = full.hbm_bytes <= hbm_limit and (host_limit is None or full.host_bytes <= host_limit)
-            if fits and (best[0] is None or rank(full) < rank(best[0])):
-                best[0] = full
-            return
-        for option in decisions[order[depth]].options:
-            chosen.append(option)
-            visit(depth + 1)
-            chosen.pop()
-
-    visit(0)
-    return best[0]
-
-
-def banded_rank(estimate: StepEstimate, fastest_seconds: float | None) -> tuple[float, float]:
-    """`StepEstimate.rank` (the middle estimate, then the worst) with every middle estimate within
-    `MIN_GAIN` of `fastest_seconds` counted as equal to it, so the worst decides between them: the
-    estimate cannot tell such steps apart (at the DeepSeek-V3 seed, ranked by the best estimate,
-    collectives of 12.44 s against 12.48 s once picked a worst estimate of 17.90 s over 17.24 s).
-    Monotone in the middle estimate, so a branch and bound may prune by it."""
-    middle = estimate.middle_seconds
-    if fastest_seconds is not None and abs(middle - fastest_seconds) <= MIN_GAIN * fastest_seconds:
-        middle = fastest_seconds
-    return middle, estimate.worst_seconds
-
-
-def faster(predicted: StepEstimate, fastest: StepEstimate) -> bool:
-    """Whether a candidate is predicted faster than the fastest compiled one by more than
-    `MIN_GAIN` of its step: in the middle estimate, or, where those tie within it, in the worst."""
-    middle, worst = banded_rank(predicted, fastest.middle_seconds)  # the tie band has one definition
-    if middle != fastest.middle_seconds:
-        return middle < fastest.middle_seconds
-    return worst < (1 - MIN_GAIN) * fastest.worst_seconds
 
 
 def fits_with_headroom(plan: MemoryPlan) -> bool:
@@ -453,15 +255,37 @@ def auto_plan(
         policy = Policy.from_dict({d.name: v for d, v in zip(decisions, values, strict=True) if d.tensor})
         return compile_values(policy, {d.name: v for d, v in zip(decisions, values, strict=True) if not d.tensor})
 
-    # a preset with every tensor on device (`minimal`) is this candidate's program: not compiled twice
-    # (save_all, which keeps the untagged values too, is not)
+    first = _all_device_plan(decisions, config, known) or compile_candidate(all_device)
+    baseline = _baseline(first, config, target, forward, micro_steps)
+    tried = _tried_known(baseline, decisions, first, known, config, target)
+    _search(baseline, decisions, target, first, tried, compile_candidate)
+    fitting = [t for t in tried if t.fits]
+    pick = fastest(fitting)
+    if pick is None:
+        pick = min(tried, key=lambda t: t.plan.device_bytes / t.plan.capacity_bytes)
+    plan = pick.plan if pick.plan.policy == "auto" else dataclasses.replace(pick.plan, policy="auto")
+    return plan, _choices(pick, costs, decisions, fitting), tried
+
+
+def _all_device_plan(
+    decisions: list[Decision], config: FerryConfig, known: Sequence[tuple[Policy, MemoryPlan]]
+) -> MemoryPlan | None:
+    """A preset with every tensor on device (`minimal`) is the all-on-device candidate's program:
+    not compiled twice (save_all, which keeps the untagged values too, is not)."""
+    all_device = tuple(d.options[0].value for d in decisions)
     same = (
         plan for policy, plan in known if not policy.keep_all and known_values(decisions, policy, config) == all_device
     )
-    first = next(same, None) or compile_candidate(all_device)
+    return next(same, None)
+
+
+def _baseline(
+    first: MemoryPlan, config: FerryConfig, target: Target, forward: dict[str, float], micro_steps: int
+) -> Baseline:
+    """The all-on-device program as the baseline predictions start from."""
     estimate = first.estimate
     model = abstract_model(for_target(config.model, target))
-    baseline = Baseline(
+    return Baseline(
         float(first.device_bytes),
         float(first.host_bytes),
         estimate.matmul_seconds,
@@ -469,19 +293,41 @@ def auto_plan(
         {group: flops / target.bf16_peak_flops for group, flops in forward.items()},
         {kind.name: kind.num_layers * micro_steps for kind in model.layer_kinds()},
     )
-    tried = [
-        Tried(
-            dict(zip((d.name for d in decisions), all_device, strict=True)),
-            predict(baseline, decisions, all_device, target),
-            first,
-        )
-    ]
+
+
+def _tried_known(
+    baseline: Baseline,
+    decisions: list[Decision],
+    first: MemoryPlan,
+    known: Sequence[tuple[Policy, MemoryPlan]],
+    config: FerryConfig,
+    target: Target,
+) -> list[Tried]:
+    """The candidates compiled already: the all-on-device one, then the known presets that are
+    candidates (each once)."""
+    all_device = tuple(d.options[0].value for d in decisions)
     names = tuple(d.name for d in decisions)
+    tried = [Tried(dict(zip(names, all_device, strict=True)), predict(baseline, decisions, all_device, target), first)]
     for policy, plan in known:
         values = known_values(decisions, policy, config)
         if values is not None and values not in {tuple(t.values.values()) for t in tried}:
             predicted = predict(baseline, decisions, values, target)
             tried.append(Tried(dict(zip(names, values, strict=True)), predicted, plan))
+    return tried
+
+
+def _search(
+    baseline: Baseline,
+    decisions: list[Decision],
+    target: Target,
+    first: MemoryPlan,
+    tried: list[Tried],
+    compile_candidate: Callable[[tuple[str, ...]], MemoryPlan],
+) -> None:
+    """Compile the fastest candidate predicted to fit, each predicted from the compiled one
+    nearest it, until none is predicted faster than the fastest that fits or `MAX_CHECKS` are
+    spent; each compiled candidate is added to `tried`."""
+    names = tuple(d.name for d in decisions)
     hbm_limit = (1 - HEADROOM) * first.capacity_bytes
     host_limit = None if first.host_capacity_bytes is None else (1 - HEADROOM) * first.host_capacity_bytes
     for _ in range(MAX_CHECKS):
@@ -505,12 +351,6 @@ def auto_plan(
             break
         plan = compile_candidate(candidate.values)
         tried.append(Tried(dict(zip(names, candidate.values, strict=True)), candidate, plan))
-    fitting = [t for t in tried if t.fits]
-    pick = fastest(fitting)
-    if pick is None:
-        pick = min(tried, key=lambda t: t.plan.device_bytes / t.plan.capacity_bytes)
-    plan = pick.plan if pick.plan.policy == "auto" else dataclasses.replace(pick.plan, policy="auto")
-    return plan, _choices(pick, costs, decisions, fitting), tried
 
 
 def known_values(decisions: list[Decision], policy: Policy, config: FerryConfig) -> tuple[str, ...] | None:

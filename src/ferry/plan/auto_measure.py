@@ -15,7 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ferry.config_schema import ConfigError
-from ferry.plan.auto import STATE_DECISIONS, Tried, banded_rank, state_of
+from ferry.plan.auto import STATE_DECISIONS, Tried, state_of
+from ferry.plan.auto_search import banded_rank
 from ferry.plan.measure import MeasureError, Measurement, StepTimer, measure_in_subprocess
 from ferry.platform import PlatformConfig
 from ferry.run.config import FerryConfig
@@ -104,7 +105,8 @@ def measure_candidates(
             number, candidate.plan.policy, dict(candidate.values), estimate, candidate.plan.device_bytes, measurement
         )
         measured.append(entry)
-        shown = "dropped" if not measurement.fits else f"{measurement.step_seconds * 1e3:.2f} ms"
+        seconds = measurement.step_seconds
+        shown = "dropped" if not measurement.fits or seconds is None else f"{seconds * 1e3:.2f} ms"
         say(f"offload=auto: candidate #{number}: {shown} ({measurement.reason})")
     timed = [c for c in measured if c.measurement.fits and c.measurement.step_seconds is not None]
     if not measured:
@@ -113,10 +115,10 @@ def measure_candidates(
         return MeasuredPick(
             tuple(measured), None, f"none of the {len(measured)} candidates timed fits this device: the search's pick"
         )
-    pick = min(timed, key=lambda c: c.measurement.step_seconds)
+    pick = min(timed, key=lambda c: c.measurement.step_seconds or 0.0)  # all timed
     ranks = [c.number for c in measured]
     reason = (
-        f"the fastest measured step ({pick.measurement.step_seconds * 1e3:.2f} ms, estimated "
+        f"the fastest measured step ({(pick.measurement.step_seconds or 0.0) * 1e3:.2f} ms, estimated "
         f"{pick.predicted_seconds * 1e3:.2f} ms) of {len(timed)} candidates timed that fit this device; "
         f"the estimate ranked it {ranks.index(pick.number) + 1} of {len(measured)}"
     )

@@ -6,11 +6,10 @@ is what presets and auto's candidates are ranked by. Elementwise work, kernel ef
 launch overheads are not counted, so a real step is slower than the best."""
 
 import dataclasses
-from collections import Counter
 from typing import Any
 
-from ferry.plan.hlo_stats import collectives
-from ferry.plan.targets import Target
+from ferry.xla.hlo_collectives import collectives
+from ferry.xla.targets import Target
 
 REFERENCE = "full_remat"  # the preset every estimate is compared with
 
@@ -31,13 +30,13 @@ class CollectiveTraffic:
 def collective_traffic(hlo_text: str, target: Target) -> CollectiveTraffic:
     """Every collective of a compiled program, its algorithmic bytes (`Collective.algorithmic_bytes`)
     times how often it runs, over `target.collective_bandwidth` of its groups."""
-    sent: Counter = Counter()
+    sent: dict[str, float] = {}
     seconds = 0.0
     for c in collectives(hlo_text):
         moved = c.algorithmic_bytes * c.executions
         if moved == 0:
             continue
-        sent[c.op] += moved
+        sent[c.op] = sent.get(c.op, 0) + moved
         bandwidth = target.collective_bandwidth(c.groups)
         if bandwidth <= 0:
             raise ValueError(f"target {target.name} has no bandwidth for a {c.op} over {len(c.groups[0])} devices")

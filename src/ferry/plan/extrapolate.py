@@ -26,6 +26,8 @@ layer once whatever its depth: the whole model compiled in 121-191 s, one probe 
 """
 
 import dataclasses
+import functools
+import operator
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +35,7 @@ from typing import Any
 
 from ferry.models.base import AbstractModelConfig
 from ferry.plan.estimate import CollectiveTraffic
-from ferry.plan.planner import MemoryPlan
+from ferry.plan.memory_plan import MemoryPlan
 from ferry.plan.transfers import Transfer, TransferSummary
 
 BASE_DEPTH = 6
@@ -105,13 +107,13 @@ def extrapolated_plan(
         matmuls=line(lambda p: p.matmuls),
         transfers=_transfers(base, steps, extra),
         transfer_summary=TransferSummary(
-            *(line(lambda p, f=f.name: getattr(p.transfer_summary, f)) for f in dataclasses.fields(TransferSummary))
+            *(line(operator.attrgetter(f"transfer_summary.{f.name}")) for f in dataclasses.fields(TransferSummary))
         ),
         compile_seconds=base.compile_seconds + sum(plan.compile_seconds for plan in steps.values()),
         profile_cached=base.profile_cached and all(plan.profile_cached for plan in steps.values()),
         collectives=CollectiveTraffic(
             {
-                op: line(lambda p, op=op: p.collectives.bytes.get(op, 0.0))
+                op: line(functools.partial(_collective_bytes, op))
                 for op in set(base.collectives.bytes).union(*(p.collectives.bytes for p in steps.values()))
             },
             line(lambda p: p.collectives.seconds),
@@ -119,6 +121,10 @@ def extrapolated_plan(
         model_flops=model_flops,
         extrapolated=describe(base_depths, step_depths, full),
     )
+
+
+def _collective_bytes(op: str, plan: MemoryPlan) -> float:
+    return plan.collectives.bytes.get(op, 0.0)
 
 
 def _transfers(base: MemoryPlan, steps: dict[str, MemoryPlan], extra: dict[str, int]) -> tuple[Transfer, ...]:

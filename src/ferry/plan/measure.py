@@ -21,7 +21,7 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, NamedTuple, Protocol, TypeVar, cast, runtime_checkable
 
 import jax
 import numpy as np
@@ -128,56 +128,30 @@ def measure_train_step(
     at compile time or while it runs, or whose compiled program exceeds the device's limit
     (`capacity_bytes`, default the `bytes_limit` of the mesh's first device), is not timed: `fits` is False and
     `reason` says why."""
-    from ferry.data.placement import BatchPlacement
     from ferry.memory import CompiledMemory
-    from ferry.models.registry import abstract_model
-    from ferry.plan.scheduler_costs import ProfileCache, scheduler_target
     from ferry.schedule import format_bytes
     from ferry.sharding import make_mesh
-    from ferry.train.compiled_step import compile_step
-    from ferry.train.optimizer import learning_rate_schedule, make_optimizer
-    from ferry.train.state import initial_state, run_state_layout
-    from ferry.train.step import LossSettings, train_step_body
 
     config = dataclasses.replace(config, init=dataclasses.replace(config.init, from_hf=None))  # a random init
     mesh = make_mesh(config.mesh) if mesh is None else mesh
     device = mesh.devices.flat[0]
     capacity = (device.memory_stats() or {}).get("bytes_limit") if capacity_bytes is None else capacity_bytes
     facts = {"capacity_bytes": None if capacity is None else int(capacity), "device_kind": device.device_kind}
-    tc = config.train
-    policy = config.offload.policy(abstract_model(config.model).tagged_names())
-    optimizer = make_optimizer(tc)
-    layout = run_state_layout(config, mesh)
-    settings = LossSettings(policy, tc.compute_dtype, tc.z_loss_weight, documents=documents)
-    micro_steps = tc.micro_steps(config.mesh.data_parallel)
-    stream = layout.streamed_update(tc)
-    body = train_step_body(
-        optimizer, settings, learning_rate_schedule(tc), micro_steps, layout.sharding, tc.on_nonfinite, stream
-    )
-    placement = BatchPlacement.on(mesh, (tc.global_batch_size, tc.seq_len + 1))
-    scheduler = scheduler_target(config.platform, device.device_kind)
+    try:
+        step = _compiled(config, mesh, documents)
+    except jax.errors.JaxRuntimeError as error:
+        if not out_of_memory(error):
+            raise
+        return Measurement(False, f"out of memory at compile time: {_first_line(error)}", **facts)
     with jax.set_mesh(mesh):
-        try:
-            compiled, run = compile_step(body, layout, placement.spec(), scheduler, ProfileCache.of(config.platform))
-        except jax.errors.JaxRuntimeError as error:
-            if not out_of_memory(error):
-                raise
-            return Measurement(False, f"out of memory at compile time: {_first_line(error)}", **facts)
-        memory = CompiledMemory.of(compiled)
+        memory = CompiledMemory.of(step.compiled)
         needs = None if memory is None else memory.device_bytes
         facts |= {"device_bytes": needs, "host_bytes": None if memory is None else memory.host_temporaries}
         if needs is not None and capacity is not None and needs > capacity:
             over = f"its compiled step needs {format_bytes(needs)} of the device's {format_bytes(capacity)}"
             return Measurement(False, over, **facts)
-        zeros = np.zeros((len(placement.local_rows), tc.seq_len + 1), np.int32)
-        state = [initial_state(config, optimizer, mesh, layout)[0]]
-
-        def step(batch: jax.Array) -> Any:
-            state[0], metrics = run(state[0], batch)
-            return state[0], metrics
-
         try:
-            timing = timer.time(step, lambda: placement.place(zeros))
+            timing = _timed(step, config, mesh, timer)
         except jax.errors.JaxRuntimeError as error:
             if not out_of_memory(error):
                 raise
@@ -191,6 +165,60 @@ def measure_train_step(
         peak_bytes=None if peak is None else int(peak),
         **facts,
     )
+
+
+class _Compiled(NamedTuple):
+    """A run's train step compiled for measuring, with what running it needs."""
+
+    compiled: Any
+    run: Callable
+    layout: Any  # ferry.train.state.StateLayout
+    placement: Any  # ferry.data.placement.BatchPlacement
+    optimizer: Any
+
+
+def _compiled(config: FerryConfig, mesh: Mesh, documents: DocumentMask | None) -> _Compiled:
+    """The step a run of `config` trains with, compiled as the run compiles it (its scheduler
+    costs included)."""
+    from ferry.data.placement import BatchPlacement
+    from ferry.models.base import AbstractModelConfig
+    from ferry.models.registry import abstract_model
+    from ferry.train.compiled_step import compile_step
+    from ferry.train.optimizer import learning_rate_schedule, make_optimizer
+    from ferry.train.state import run_state_layout
+    from ferry.train.step import LossSettings, train_step_body
+    from ferry.xla.scheduler_costs import ProfileCache, scheduler_target
+
+    tc = config.train
+    policy = config.offload.policy(abstract_model(cast(AbstractModelConfig, config.model)).tagged_names())
+    optimizer = make_optimizer(tc)
+    layout = run_state_layout(config, mesh)
+    settings = LossSettings(policy, tc.compute_dtype, tc.z_loss_weight, documents=documents)
+    micro_steps = tc.micro_steps(config.mesh.data_parallel)
+    stream = layout.streamed_update(tc)
+    body = train_step_body(
+        optimizer, settings, learning_rate_schedule(tc), micro_steps, layout.sharding, tc.on_nonfinite, stream
+    )
+    placement = BatchPlacement.on(mesh, (tc.global_batch_size, tc.seq_len + 1))
+    scheduler = scheduler_target(config.platform, mesh.devices.flat[0].device_kind)
+    with jax.set_mesh(mesh):
+        compiled, run = compile_step(body, layout, placement.spec(), scheduler, ProfileCache.of(config.platform))
+    return _Compiled(compiled, run, layout, placement, optimizer)
+
+
+def _timed(step: _Compiled, config: FerryConfig, mesh: Mesh, timer: StepTimer) -> StepTiming:
+    """`timer`'s timing of the step on a fresh random state and zero batches, each made anew (the
+    step donates its batch)."""
+    from ferry.train.state import initial_state
+
+    zeros = np.zeros((len(step.placement.local_rows), config.train.seq_len + 1), np.int32)
+    state = [initial_state(config, step.optimizer, mesh, step.layout)[0]]
+
+    def run(batch: jax.Array) -> Any:
+        state[0], metrics = step.run(state[0], batch)
+        return state[0], metrics
+
+    return timer.time(run, lambda: step.placement.place(zeros))
 
 
 def measure_in_subprocess(

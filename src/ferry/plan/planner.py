@@ -7,7 +7,6 @@ their real shardings over a mesh of compile-only devices; nothing is allocated.
 """
 
 import dataclasses
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,96 +16,27 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from ferry.compile_oom import CompileTimeOom, StepOverHbm, argument_bytes
-from ferry.errors import FerryError
 from ferry.models.registry import abstract_model
 from ferry.nn.kernels.choice import attention_platform
 from ferry.offload import Policy
-from ferry.plan.estimate import CollectiveTraffic, StepEstimate, collective_traffic
-from ferry.plan.hlo_stats import matmul_count, matmul_flops, xla_rematerialised
+from ferry.plan import verify  # verify.verify_program, looked up when called (tests wrap it)
+from ferry.plan.estimate import collective_traffic
+from ferry.plan.memory_plan import MemoryPlan, PlanError
 from ferry.plan.replay import LayerGroupTrace, read_by_backward
-from ferry.plan.scheduler_costs import ProfileCache, compile_with_costs
-from ferry.plan.targets import GpuTarget, Target
-from ferry.plan.transfers import Transfer, TransferSummary, time_transfers, transfers_json
+from ferry.plan.transfers import TransferSummary, time_transfers
 from ferry.run.config import FerryConfig
 from ferry.schedule import TransferSchedule, model_schedule
 from ferry.sharding import MESH_AXES, MeshConfig, batch_sharded
+from ferry.train.compiled_step import CompiledStep, compile_from_layout
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer
 from ferry.train.state import StateLayout, run_state_layout
 from ferry.train.state_memory import state_writes
 from ferry.train.step import LossSettings, train_step_body
 from ferry.train.step_flops import training_flops
-
-
-class PlanError(FerryError, RuntimeError):
-    """The compiled program contradicts the plan (e.g. an offload the compiler dropped)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryPlan:
-    """What one device of the target holds for one train step, from `memory_analysis()`."""
-
-    target: str
-    mesh: str
-    policy: str
-    argument_bytes: int
-    output_bytes: int
-    alias_bytes: int
-    temp_bytes: int
-    host_bytes: int  # pinned host: temporaries, arguments and outputs
-    flops: float  # matrix products per device per step as they run, from the compiled HLO (`matmul_flops`)
-    matmuls: int  # how many matrix products run per device per step (`matmul_count`)
-    capacity_bytes: int
-    host_capacity_bytes: int | None  # the pinned host pool a run sets up, where the platform sizes one
-    compile_options: tuple[tuple[str, object], ...]
-    transfers: tuple[Transfer, ...]
-    transfer_summary: TransferSummary
-    compile_seconds: float  # lowering and compiling on this machine
-    verification: Any = None  # `ferry.plan.verify.Verification`: the compiled program checked against the plan
-    collectives: CollectiveTraffic = CollectiveTraffic({}, 0.0)
-    model_flops: float = 0.0  # per device per step, MaxText's convention (`ferry.train.step_flops`)
-    peak_flops: float = 0.0  # the target's dense bf16 peak, per device
-    extrapolated: str | None = None  # how `ferry.plan.extrapolate` made it from shallow compiles; None: compiled whole
-    pipeline_bytes: int = 0  # offloaded values a pipelined schedule keeps in HBM (`TransferSchedule.pipeline_bytes`)
-    scheduler_costs: str = "xla"  # who timed the ops for XLA's scheduler: ferry's cost model or XLA's estimates
-    # the program's static count of them, an upper bound: a MoE's tiles as if every slot of a device
-    # routed to one device's experts (`ferry.expected_work`); None: no work is marked, `flops`
-    flops_bound: float | None = None
-    xla_rematerialised: int = 0  # instructions XLA's own rematerialisation added (`hlo_stats.xla_rematerialised`)
-    profile_cached: bool = False  # ferry's cost profile came from its cache: one compile, not two
-    # XLA refused to compile the program over HBM (`ferry.compile_oom`): what it said, in words. Then
-    # `temp_bytes` is what it said the program needs, the arguments are the state's and the batch's
-    # bytes, and `flops` the model FLOPs (no program to count them in); nothing else is known
-    compile_oom: str | None = None
-
-    @property
-    def device_bytes(self) -> int:
-        """Peak HBM the program needs: arguments + outputs - donated aliases + temporaries."""
-        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
-
-    @property
-    def fits(self) -> bool:
-        """HBM holds the step, and so does the pinned host pool where its size is known."""
-        host_fits = self.host_capacity_bytes is None or self.host_bytes <= self.host_capacity_bytes
-        return self.compile_oom is None and self.device_bytes <= self.capacity_bytes and host_fits
-
-    @property
-    def estimate(self) -> StepEstimate:
-        """The step time this program implies on the target: an estimate (`ferry.plan.estimate`)."""
-        exposed = self.transfer_summary.exposed_seconds
-        return StepEstimate(self.flops / self.peak_flops, exposed, self.collectives.seconds, self.model_flops)
-
-    def to_json(self) -> dict[str, Any]:
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        del fields["transfers"], fields["transfer_summary"], fields["verification"], fields["collectives"]
-        return fields | {
-            "device_bytes": self.device_bytes,
-            "fits": self.fits,
-            "collectives": dataclasses.asdict(self.collectives),
-            "estimate": self.estimate.to_json(),
-            "transfers": transfers_json(self.transfers, self.transfer_summary),
-            "verification": None if self.verification is None else self.verification.to_json(),
-        }
+from ferry.xla.compile_oom import StepOverHbm
+from ferry.xla.hlo_flops import matmul_count, matmul_flops, xla_rematerialised
+from ferry.xla.scheduler_costs import ProfileCache
+from ferry.xla.targets import GpuTarget, Target
 
 
 def compile_only_mesh(target: Target, mesh_config: MeshConfig) -> Mesh:
@@ -129,23 +59,43 @@ class CompiledTrainStep:
     """The train step of a config compiled for one mesh (compile-only devices, or a real GPU's):
     what the planner reads, and what a GPU check runs."""
 
-    compiled: Any  # jax.stages.Compiled: (state arrays, tokens) -> (state, metrics), the state donated
-    layout: StateLayout
+    step: CompiledStep  # compiled by `ferry.train.compiled_step`, as a run compiles it
     model_config: Any  # the model as compiled (`for_target`)
     mesh: Mesh
     options: dict[str, object]  # the per-compile XLA options
-    priced: bool  # XLA's scheduler timed the ops with ferry's cost model
-    seconds: float  # lowering and compiling on this machine
-    profile_cached: bool = False  # the cost model's profile came from its cache (one compile)
+
+    @property
+    def compiled(self) -> Any:
+        """The `jax.stages.Compiled`: (state arrays, tokens) -> (state arrays, metrics), both donated."""
+        return self.step.compiled
+
+    @property
+    def layout(self) -> StateLayout:
+        return self.step.layout
+
+    @property
+    def priced(self) -> bool:
+        """XLA's scheduler timed the ops with ferry's cost model."""
+        return self.step.priced
+
+    @property
+    def seconds(self) -> float:
+        """Lowering and compiling on this machine."""
+        return self.step.seconds
+
+    @property
+    def profile_cached(self) -> bool:
+        """The cost model's profile came from its cache (one compile)."""
+        return self.step.profile_cached
 
     def run(self, arrays: Any, tokens: jax.Array) -> tuple[Any, dict[str, jax.Array]]:
-        """One step on a real mesh: the state's arrays (donated) and a batch in, the next state's
-        arrays and the metrics out."""
+        """One step on a real mesh: the state's arrays (donated) and a batch (donated) in, the
+        next state's arrays and the metrics out."""
         state, metrics = self.compiled(arrays, tokens)
         return eqx.filter(state, eqx.is_array), metrics
 
 
-def compile_train_step(
+def compile_config_step(
     config: FerryConfig,
     target: Target | None,
     policy: Policy,
@@ -154,53 +104,32 @@ def compile_train_step(
     scheduler_costs: bool = False,
     costs_cache: ProfileCache | None = None,
 ) -> CompiledTrainStep:
-    """Compile the step training runs (`train_step_body`) from the state's shapes alone, over
-    `mesh`, with the per-compile XLA `options`, the model as it runs on `target` (None: as
-    configured, for this process's backend). `scheduler_costs`: on a GPU target, XLA's scheduler
-    times the ops with ferry's cost model (`ferry.plan.scheduler_costs`, as
-    `platform.scheduler_costs=ferry` runs do; its profile kept in `costs_cache`)."""
-    optimizer = make_optimizer(config.train)
-    data_parallel = config.mesh.data_parallel
+    """Compile the step training runs (`train_step_body`, compiled by `compile_from_layout` as a
+    run compiles it) from the state's shapes alone, over `mesh`, with the per-compile XLA
+    `options`, the model as it runs on `target` (None: as configured, for this process's
+    backend). `scheduler_costs`: on a GPU target, XLA's scheduler times the ops with ferry's cost
+    model (`ferry.xla.scheduler_costs`, as `platform.scheduler_costs=ferry` runs do; its profile
+    kept in `costs_cache`)."""
     model_config = config.model if target is None else for_target(config.model, target)
     layout = run_state_layout(config, mesh, model_config)  # offload.optimizer/params: part maybe on host
-    sharding = layout.sharding
-    sharded = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), layout.shapes, sharding)
     batch = jax.ShapeDtypeStruct(
         (config.train.global_batch_size, config.train.seq_len + 1), jnp.int32, sharding=batch_sharded(mesh)
     )
-    # traced under `jax.set_mesh` of the mesh below, so the engine sees whether its devices have
-    # memories (`has_memory_kinds`; compile-only devices have none)
-    settings = LossSettings.of(config.train, policy)
     body = train_step_body(
-        optimizer,
-        settings,
+        make_optimizer(config.train),
+        LossSettings.of(config.train, policy),
         learning_rate_schedule(config.train),
-        config.train.micro_steps(data_parallel),
-        sharding,
+        config.train.micro_steps(config.mesh.data_parallel),
+        layout.sharding,
         stream=layout.streamed_update(config.train),
     )
-
-    def step(arrays: Any, tokens: jax.Array) -> Any:
-        return body(eqx.combine(arrays, layout.static), tokens)
-
-    priced = scheduler_costs and isinstance(target, GpuTarget)
-    started = time.perf_counter()
+    scheduler = target if scheduler_costs and isinstance(target, GpuTarget) else None
+    where = f"{mesh.size} x {target.description if target else mesh.devices.flat[0].device_kind}"
+    # traced under `jax.set_mesh` of the mesh, so the engine sees whether its devices have
+    # memories (`has_memory_kinds`; compile-only devices have none)
     with jax.set_mesh(mesh):
-        lowered = jax.jit(step, donate_argnums=0).lower(sharded, batch)
-        try:
-            if priced:
-                compiled, _, cached = compile_with_costs(lowered, options, target, costs_cache)
-            else:
-                compiled, cached = lowered.compile(dict(options)), False
-        except jax.errors.JaxRuntimeError as error:
-            oom = CompileTimeOom.of(error)
-            if oom is None:
-                raise
-            device, host = argument_bytes((sharded, batch))
-            where = f"{mesh.size} x {target.description if target else mesh.devices.flat[0].device_kind}"
-            raise StepOverHbm(oom, device, host, time.perf_counter() - started, where) from error
-    seconds = time.perf_counter() - started
-    return CompiledTrainStep(compiled, layout, model_config, mesh, dict(options), priced, seconds, cached)
+        step = compile_from_layout(body, layout, batch, scheduler, costs_cache, options, where)
+    return CompiledTrainStep(step, model_config, mesh, dict(options))
 
 
 def plan_memory(
@@ -217,12 +146,12 @@ def plan_memory(
     """Compile the train step of `config` under `policy` for `target` with the XLA flags a real
     run on it uses (`xla_flags`, from its platform preset), on compile-only devices, and read it
     (`read_plan`). `scheduler_costs`: on a GPU target, XLA's scheduler times the ops with ferry's
-    cost model (`ferry.plan.scheduler_costs`, as `platform.scheduler_costs=ferry` runs do; its
+    cost model (`ferry.xla.scheduler_costs`, as `platform.scheduler_costs=ferry` runs do; its
     profile kept in `costs_cache`)."""
     mesh = compile_only_mesh(target, config.mesh)
     options = target.compile_options(dict(xla_flags or {}))
     try:
-        step = compile_train_step(config, target, policy, mesh, options, scheduler_costs, costs_cache)
+        step = compile_config_step(config, target, policy, mesh, options, scheduler_costs, costs_cache)
     except StepOverHbm as over:
         return out_of_memory_plan(over, config, target, policy_name, options, capacity_bytes, host_capacity_bytes)
     return read_plan(step, config, target, policy, policy_name, capacity_bytes, host_capacity_bytes)
@@ -293,34 +222,26 @@ def _read_plan(
     capacity_bytes: int | None,
     host_capacity_bytes: int | None,
 ) -> MemoryPlan:
-    from ferry.plan.verify import verify_program  # verify subclasses this module's PlanError
-
-    compiled, layout, model_config, mesh = step.compiled, step.layout, step.model_config, step.mesh
-    data_parallel = config.mesh.data_parallel
-    memory = compiled.memory_analysis()
-    host = (  # a host-resident state is an argument aliased to its output: counted once
-        memory.host_temp_size_in_bytes
-        + memory.host_argument_size_in_bytes
-        + memory.host_output_size_in_bytes
-        - memory.host_alias_size_in_bytes
-    )
-    offloads = any(placement == "offload" for _, placement in policy.placements)
+    memory = step.compiled.memory_analysis()
+    host = _host_bytes(memory)
+    offloads = any(placement == "offload" for placement in dict(policy.placements).values())
     if offloads and host == 0:
         raise PlanError(
             f"policy {policy_name} offloads tensors but the program compiled for {target.name} keeps no bytes "
             "in pinned host memory: the offload was dropped"
         )
-    hlo = compiled.as_text()
+    hlo = step.compiled.as_text()
     flops, bound = matmul_flops(hlo), matmul_flops(hlo, bound=True)
-    schedule = _schedule(config, model_config, policy, mesh)
+    schedule = _schedule(config, step.model_config, policy, step.mesh)
+    layout = step.layout
     writes = state_writes(layout.model, layout.placement, layout.sharding.model)
     copy_names = _offloaded_bytes(schedule) | {name: write.bytes for name, write in writes.items()}
     transfers, summary = time_transfers(hlo, target, copy_names)
-    verification = verify_program(
+    verification = verify.verify_program(
         hlo,
         schedule,
-        config.train.micro_steps(data_parallel),
-        BackwardReads(config, model_config, policy),
+        config.train.micro_steps(config.mesh.data_parallel),
+        BackwardReads(config, step.model_config, policy),
         f"policy {policy_name} compiled for {target.name}",
         writes,
     )
@@ -350,6 +271,17 @@ def _read_plan(
         model_flops=model_flops_per_device(config, target),
         peak_flops=target.bf16_peak_flops,
         pipeline_bytes=schedule.pipeline_bytes,
+    )
+
+
+def _host_bytes(memory: Any) -> int:
+    """Pinned host bytes of a compiled program's memory analysis: a host-resident state is an
+    argument aliased to its output, counted once."""
+    return (
+        memory.host_temp_size_in_bytes
+        + memory.host_argument_size_in_bytes
+        + memory.host_output_size_in_bytes
+        - memory.host_alias_size_in_bytes
     )
 
 

@@ -145,7 +145,7 @@ def _needed(model: Any, group: LayerGroupTrace, policy: Policy) -> _Needed:
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))  # tracing only: any backend with memory kinds
     layer = group.run if policy.keep_all else offloaded(group.run, policy, check_names=False)
 
-    def gradients(model: Any, x: jax.Array) -> Any:
+    def gradients(model: Any, x: Any) -> Any:  # x: the layer input, traced from a ShapeDtypeStruct
         out, vjp = eqx.filter_vjp(lambda m, h: layer(cast_floating(m, group.dtype), h), model, x)
         return out, vjp(jax.tree.map(_cotangent, out))  # the output too: in a model the next layer reads it
 
@@ -161,7 +161,7 @@ def read_by_backward(model: Any, group: LayerGroupTrace, policy: Policy, tensor:
     """Does the backward pass of a `group` layer read `tensor` when `policy` offloads it? Traced
     with only `tensor` offloaded (everything else placed as `policy` places it, on device where
     it offloads): its host copy is needed exactly when the backward pass reads the value."""
-    placements = {name: ("device" if p == "offload" else p) for name, p in policy.placements}
+    placements = {name: ("device" if p == "offload" else p) for name, p in dict(policy.placements).items()}
     placements |= {tensor: "offload"}
     if tensor != LAYER_INPUT:
         placements.setdefault(LAYER_INPUT, "device")
@@ -173,7 +173,7 @@ def read_by_backward(model: Any, group: LayerGroupTrace, policy: Policy, tensor:
 def record_names(model: Any, group: LayerGroupTrace) -> frozenset[str]:
     """The names a `group` layer tags (with the layer input), found abstractly, its weights cast to
     the group's dtype as training runs it (which attention kernel runs depends on the dtype)."""
-    run = lambda m, h: group.run(cast_floating(m, group.dtype), h)  # noqa: E731
+    run = lambda m, h: group.run(cast_floating(m, group.dtype), h)
     return tagged_names(run, model, jax.ShapeDtypeStruct(group.input_shape, group.dtype))
 
 
@@ -192,14 +192,14 @@ def matmul_fed(model: Any, group: LayerGroupTrace) -> frozenset[str]:
     whose saving can spare a recomputed matmul."""
     names: list[str] = []
 
-    def tagged_values(model: Any, x: jax.Array) -> Any:
+    def tagged_values(model: Any, x: Any) -> Any:  # x: the layer input, traced from a ShapeDtypeStruct
         _, values = record_tags(group.run, model, x)
         names.extend(name for name, _ in values)
         return [value for _, value in values]
 
     x = jax.ShapeDtypeStruct(group.input_shape, group.dtype)
     jaxpr = eqx.filter_make_jaxpr(tagged_values)(cast_floating(model, group.dtype), x)[0].jaxpr
-    producers = {out: eqn for eqn in jaxpr.eqns for out in eqn.outvars}
+    producers: dict[Any, Any] = {out: eqn for eqn in jaxpr.eqns for out in eqn.outvars}
     fed = set()
     for name, var in zip(names, jaxpr.outvars, strict=True):
         others = {v for v in jaxpr.outvars if v is not var}

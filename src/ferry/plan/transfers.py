@@ -7,8 +7,9 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
-from ferry.plan.hlo_stats import HostCopy, computation_flops, host_copies, overlapped_flops
-from ferry.plan.targets import Target
+from ferry.xla.hlo_flops import computation_flops
+from ferry.xla.hlo_host_copies import HostCopy, host_copies, overlapped_flops
+from ferry.xla.targets import Target
 
 DMA, KERNEL = "DMA", "kernel"  # what moves a host copy's bytes (`engine`)
 

@@ -28,23 +28,18 @@ lists every tensor of its group with its size ("query_proj/attention_out/out_pro
 """
 
 import dataclasses
-import re
+import functools
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
 from ferry.offload import Policy
-from ferry.plan.hlo_stats import host_copies, host_slice_walks, op_names
-from ferry.plan.planner import MemoryPlan, PlanError
+from ferry.plan.copy_match import SCOPE, CopyCheck, check_copies
+from ferry.plan.memory_plan import MemoryPlan, PlanError
 from ferry.plan.replay import LayerGroupTrace, all_saved, recomputed_producers, record_names, untagged_matmuls
 from ferry.schedule import TransferSchedule, format_bytes
 from ferry.train.state_memory import StateWrite
-
-DEAD = "dead: never read by the backward pass"
-PARTLY = "fewer copies than the update writes"  # the train state's: not an error, its host bytes are the check
-STATE_GROUP = "train state"
-_SCOPE = re.compile(r"ferry_offload/(?P<group>[^/]+)/(?P<tensor>[^/]+)/(?P<direction>to_host|to_device)")
-_DIRECTIONS = {"to_host": "to host", "to_device": "to device"}
+from ferry.xla.hlo_slice_walks import host_slice_walks
 
 
 class CompiledProgramError(PlanError):
@@ -65,20 +60,6 @@ class RecomputedProducerError(CompiledProgramError):
 
 
 @dataclasses.dataclass(frozen=True)
-class CopyCheck:
-    """One offloaded tensor of one layer group, one direction: copies per step, listed and found."""
-
-    group: str
-    tensor: str
-    direction: str  # "to host" or "to device"
-    bytes: int  # per copy, per device
-    expected: int  # copies per step: layers x micro steps
-    found: int
-    named_by: str  # "op_name" where the copy's metadata named it, "size" where its bytes did
-    status: str  # "copied", DEAD or "missing"; the train state's write-backs: "copied" or PARTLY
-
-
-@dataclasses.dataclass(frozen=True)
 class WalkCheck:
     """One host-memory slice in a loop: the walk of its index against XLA's descriptor."""
 
@@ -89,8 +70,8 @@ class WalkCheck:
     instruction: str
     buffer_shape: str
     index: str  # the walked index at the first two iterations, "?" where not resolved
-    expected: tuple[int, int] | None  # (byte offset, byte stride) the index gives
-    descriptor: tuple[int, int] | None  # what XLA's dynamic_slice_config says
+    expected: tuple[int, int | None] | None  # (byte offset, byte stride) the index gives
+    descriptor: tuple[int, int | None] | None  # what XLA's dynamic_slice_config says
     status: str  # "right", "wrong", "no descriptor" (TPU: slices addressed by index) or "index unresolved"
 
 
@@ -143,141 +124,12 @@ class Verification:
         }
 
 
-@dataclasses.dataclass
-class _Slot:
-    group: str
-    tensor: str
-    direction: str
-    bytes: int
-    expected: int
-    layers: int  # how often one copy of this slot runs per step where the group is one loop
-    required: int  # at least this many: an unpeeled pipelined stack's first store and last reload
-    # move a placeholder (`ferry.offload_scan`), which a compiler that unrolls the loop drops as dead
-    found: int = 0
-    named: bool = False
-    state: bool = False  # a write-back of the train state's update (`state_writes`), not a residual
-
-
-def _scope(op_name: str, groups: list[str]) -> tuple[str, str, str] | None:
-    """(group, tensor, direction) from a copy's op_name, None where it carries no copy scope. A
-    one-group model's scope may name its stack differently from the schedule's group."""
-    match = _SCOPE.search(op_name)
-    if match is None:
-        return None
-    group = match["group"] if match["group"] in groups or len(groups) != 1 else groups[0]
-    return group, match["tensor"], _DIRECTIONS[match["direction"]]
-
-
-def check_copies(
-    hlo_text: str,
-    schedule: TransferSchedule,
-    micro_steps: int,
-    read_by_backward: Callable[[str, str], bool],
-    state: Mapping[str, StateWrite] = MappingProxyType({}),
-) -> tuple[tuple[CopyCheck, ...], tuple[str, ...], dict[tuple[str, str], tuple[str, str]]]:
-    """Match the program's host copies to the schedule's offloaded tensors: by their copy scope
-    where the metadata kept it, else by bytes (and by how often they run, to tell a group of
-    `n` scanned layers from one of a single layer). The train state's write-backs (`state`:
-    `ferry.train.state_memory.state_writes`) are matched too, so that one of a residual's size is
-    not taken for it; they are counted, never refused (the state's placement is in the host
-    bytes). Returns the checks, the copies matching no tensor, and which (group, tensor) each
-    copy instruction moves (a copy named by its size: every tensor of the group with that size,
-    "a/b")."""
-    groups = [g.name for g in schedule.groups]
-    slots = [
-        _Slot(
-            g.name,
-            r.name,
-            direction,
-            r.bytes_per_device,
-            (g.num_layers - bool(g.peeled)) * micro_steps,  # a peeled stack's last layer stays in HBM
-            (g.num_layers - (1 + g.peeled if g.peeled else 0)) * micro_steps,  # a peeled stack's loop runs the rest
-            (g.num_layers - g.pipelined) * micro_steps,
-        )
-        for g in schedule.groups
-        for r in g.residuals
-        if r.placement == "offload"
-        for direction in ("to host", "to device")
-    ] + [
-        _Slot(STATE_GROUP, name, "to host", write.bytes, write.copies, write.layers, write.copies, state=True)
-        for name, write in state.items()
-    ]
-    names = op_names(hlo_text)
-    reads: dict[tuple[str, str], bool] = {}
-
-    def read(slot: _Slot) -> bool:
-        if slot.state:
-            return True
-        key = (slot.group, slot.tensor)
-        if key not in reads:
-            reads[key] = read_by_backward(*key)
-        return reads[key]
-
-    moved: dict[tuple[str, str], tuple[str, str]] = {}
-    unnamed = []
-    for copy in host_copies(hlo_text):
-        scope = _scope(names.get(copy.start, ""), groups)
-        slot = next(
-            (s for s in slots if scope and (s.group, s.tensor, s.direction) == scope and s.found < s.expected), None
-        )
-        if slot is None:
-            unnamed.append(copy)
-            continue
-        slot.found += copy.executions
-        slot.named = True
-        moved[(copy.computation, copy.start)] = (slot.group, slot.tensor)
-    uneven = {  # sizes of which the program has more or fewer copies than listed
-        (s.direction, s.bytes)
-        for s in slots
-        if sum(t.expected - t.found for t in slots if (t.direction, t.bytes) == (s.direction, s.bytes))
-        != sum(c.executions for c in unnamed if (c.direction, c.bytes) == (s.direction, s.bytes))
-    }
-    unmatched = []
-    for copy in unnamed:
-        candidates = [
-            s
-            for s in slots
-            if (s.direction, s.bytes) == (copy.direction, copy.bytes) and s.expected - s.found >= copy.executions
-        ]
-
-        def preference(s: _Slot, copy=copy) -> tuple[bool, bool, bool]:
-            # where copies of this size are missing (or extra), the tensors the backward pass reads
-            # come first, and those that still lack copies
-            dead = (s.direction, s.bytes) in uneven and not read(s)
-            mismatched = s.expected - s.found != copy.executions and s.layers != copy.executions
-            return dead, s.found >= s.required, mismatched
-
-        if not candidates:
-            unmatched.append(f"{copy.direction} {copy.shape} x{copy.executions}")
-            continue
-        slot = min(candidates, key=preference)
-        slot.found += copy.executions
-        alike = [s.tensor for s in slots if (s.group, s.direction, s.bytes) == (slot.group, slot.direction, slot.bytes)]
-        moved[(copy.computation, copy.start)] = (slot.group, "/".join(dict.fromkeys(alike)))
-    checks = []
-    for s in slots:
-        if s.state:
-            status = "copied" if s.found >= s.expected else PARTLY
-        elif s.found >= s.required:
-            status = "copied"
-        elif not read(s):  # XLA may drop all or some of them (libtpu keeps one of two unrolled layers')
-            status = DEAD
-        else:
-            status = "missing"
-        checks.append(
-            CopyCheck(
-                s.group, s.tensor, s.direction, s.bytes, s.expected, s.found, "op_name" if s.named else "size", status
-            )
-        )
-    return tuple(checks), tuple(unmatched), moved
-
-
 def check_walks(hlo_text: str, moved: dict[tuple[str, str], tuple[str, str]]) -> tuple[WalkCheck, ...]:
-    """Every host-memory slice in a loop body (`ferry.plan.hlo_stats.host_slice_walks`), named by the copy
+    """Every host-memory slice in a loop body (`ferry.xla.hlo_slice_walks.host_slice_walks`), named by the copy
     it runs (`check_copies`) or its copy scope."""
     checks = []
     for walk in host_slice_walks(hlo_text):
-        scope = _SCOPE.search(walk.op_name)
+        scope = SCOPE.search(walk.op_name)
         named = (scope["group"], scope["tensor"]) if scope else ("?", "?")
         group, tensor = moved.get((walk.computation, walk.instruction), named)
         if walk.descriptor_offset is None or walk.descriptor_stride is None:
@@ -453,7 +305,7 @@ def recompute_checked(
     checks = {}
     for plan, policy in saved:
         check = RecomputeCheck(plan.policy, plan.matmuls, plan.flops, reference.matmuls, reference.flops)
-        checks[plan.policy] = verify_recompute(check, lambda policy=policy: explain(policy), where)
+        checks[plan.policy] = verify_recompute(check, functools.partial(explain, policy), where)
     first_check = next(iter(checks.values()))
 
     def with_check(plan: MemoryPlan) -> MemoryPlan:

@@ -25,7 +25,7 @@ from ferry.run.nonfinite import NonFiniteWatch
 from ferry.run.preemption import SigtermStop
 from ferry.run.profiling import StepProfiler
 from ferry.train.config import TrainConfig
-from ferry.train.step import TrainState
+from ferry.train.train_state import TrainState
 
 
 @dataclasses.dataclass

@@ -1,5 +1,5 @@
 """Peak FLOP/s of the device a run trains on, for MFU: the dense bf16 peaks of the accelerators
-ferry knows (`ferry.hardware`), looked up by the device kind JAX reports; a CPU's peak is
+ferry knows (`ferry.xla.hardware`), looked up by the device kind JAX reports; a CPU's peak is
 measured (a matmul in the run's compute dtype), as no table can know it."""
 
 import time
@@ -7,7 +7,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from ferry.hardware import BF16_PEAK_FLOPS, accelerator_name
+from ferry.xla.hardware import BF16_PEAK_FLOPS, accelerator_name
 
 
 def table_peak(device_kind: str) -> tuple[float, str] | None:

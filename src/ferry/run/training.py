@@ -12,13 +12,11 @@ import jax
 import optax
 from rich.console import Console
 
-from ferry.compile_oom import StepOverHbm
 from ferry.data.corpus import Corpus
 from ferry.data.pipeline import PackedWindows, local_batches
 from ferry.data.placement import BatchPlacement
 from ferry.distributed import is_main_process
 from ferry.memory import CompiledMemory, check_step_fits
-from ferry.plan.scheduler_costs import ProfileCache, scheduler_target
 from ferry.run.checkpoint import Checkpoints
 from ferry.run.directory import write_start_files
 from ferry.run.loggers import RunLoggers
@@ -26,17 +24,20 @@ from ferry.run.loop import RunBatches, TrainingLoop
 from ferry.run.memory_report import describe_memory, host_bytes_line, step_fit_advice
 from ferry.run.meter import StepMeter
 from ferry.run.nonfinite import likely_causes, nonfinite_error
+from ferry.run.out_of_memory import over_hbm_refusal
 from ferry.run.preemption import SigtermStop
 from ferry.run.preflight import PreparedRun
 from ferry.run.profiling import StepProfiler
+from ferry.run.summary import run_summary
 from ferry.schedule import schedule_table
 from ferry.train.compiled_step import compile_step
 from ferry.train.config import TrainConfig
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer
-from ferry.train.out_of_memory import over_hbm_refusal
 from ferry.train.state import initial_state
-from ferry.train.step import LossSettings, TrainState, make_eval_step, train_step_body
-from ferry.run.summary import run_summary
+from ferry.train.step import LossSettings, make_eval_step, train_step_body
+from ferry.train.train_state import TrainState
+from ferry.xla.compile_oom import StepOverHbm
+from ferry.xla.scheduler_costs import ProfileCache, scheduler_target
 
 
 def train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:

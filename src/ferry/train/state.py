@@ -1,6 +1,6 @@
 """The train state's layout on a mesh (shapes, static parts and shardings, known from shapes
 alone) and the state itself, built on the devices in that layout from a random init or a
-Hugging Face checkpoint. `TrainState` is in `ferry.train.step`, with the step that updates it."""
+Hugging Face checkpoint. `TrainState` is in `ferry.train.train_state`."""
 
 import dataclasses
 import math
@@ -25,7 +25,7 @@ from ferry.train.state_memory import (
     state_on_host,
     with_memory_kinds,
 )
-from ferry.train.step import TrainState, init_state
+from ferry.train.train_state import TrainState, init_state
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,8 +1,9 @@
-"""The train state and the one jitted train step (forward, loss, gradients, AdamW update)."""
+"""The train step before jit (forward, loss, gradients, AdamW update), which
+`ferry.train.compiled_step` compiles, and the eval step."""
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import equinox as eqx
 import jax
@@ -12,52 +13,11 @@ from jaxtyping import Array, Float, Int
 
 from ferry.data.segments import DocumentMask
 from ferry.loss import DEFAULT_HEAD, LossHead
+from ferry.models.base import AbstractLanguageModel
 from ferry.offload import SAVE_ALL, Policy
 from ferry.precision import cast_floating
-from ferry.train.state_memory import (
-    DEVICE_STATE,
-    HOST,
-    StatePlacement,
-    StreamedUpdate,
-    float_params,
-    on_host,
-    state_map,
-)
-
-
-class TrainState(eqx.Module):
-    """Float32 master parameters, their optimizer state, the step counter and how many steps had
-    a non-finite loss or gradient (their updates were not applied)."""
-
-    model: eqx.Module
-    opt_state: optax.OptState
-    step: Int[Array, ""]
-    nonfinite_steps: Int[Array, ""]
-    compute: Any = None  # compute-dtype copies of the master weights that live on host (else None)
-
-    @property
-    def forward_model(self) -> eqx.Module:
-        """The model the forward pass reads: the master weights, or for those on host their
-        compute-dtype copies in HBM."""
-        return self.model if self.compute is None else eqx.combine(self.compute, self.model)
-
-
-def init_state(
-    model: eqx.Module,
-    optimizer: optax.GradientTransformation,
-    placement: StatePlacement = DEVICE_STATE,
-    compute_dtype: str = "bfloat16",
-) -> TrainState:
-    """A fresh state; with the master weights on host (`placement.params`) also their
-    compute-dtype copies, which the forward pass reads."""
-    opt_state = optimizer.init(float_params(model))
-    compute = None
-    if placement.params == HOST:
-        host = state_map(model, placement).host_params
-        leaves, treedef = jax.tree.flatten(float_params(model))
-        copies = [x.astype(compute_dtype) if h else None for x, h in zip(leaves, host, strict=True)]
-        compute = jax.tree.unflatten(treedef, copies)
-    return TrainState(model, opt_state, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32), compute)
+from ferry.train.state_memory import StreamedUpdate, float_params, on_host
+from ferry.train.train_state import TrainState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +36,7 @@ class LossSettings:
         return cls(policy, train.compute_dtype, train.z_loss_weight, documents, train.head)
 
 
-def compute_copy(model: eqx.Module, dtype: Any, head: LossHead) -> eqx.Module:
+def compute_copy(model: AbstractLanguageModel, dtype: Any, head: LossHead) -> AbstractLanguageModel:
     """The model in the compute dtype, but for the chunked head's own weight: kept as stored
     (float32), which the head casts a chunk at a time, so no compute-dtype copy of the whole head
     is held (`ferry.chunked_head`). A head tied to the embedding table is cast with the rest: the
@@ -88,7 +48,7 @@ def compute_copy(model: eqx.Module, dtype: Any, head: LossHead) -> eqx.Module:
 
 
 def batch_loss(
-    model: eqx.Module, batch: Int[Array, "batch seq_plus_one"], settings: LossSettings
+    model: AbstractLanguageModel, batch: Int[Array, "batch seq_plus_one"], settings: LossSettings
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """The loss to differentiate, and the model's statistics (`loss` is the main next-token
     cross-entropy), computed in the compute dtype."""
@@ -133,7 +93,7 @@ def _float32_gradients(value_and_grad: Callable[..., Any]) -> Callable[..., Any]
 def _after_step(model: eqx.Module, stats: dict[str, Array]) -> eqx.Module:
     """The model's update outside the gradient (router biases), which must leave host-resident
     weights alone: computing on them would need the GPU to compute in host memory."""
-    after = model.after_step(stats)
+    after = cast(AbstractLanguageModel, model).after_step(stats)
     before_leaves, after_leaves = jax.tree.leaves(float_params(model)), jax.tree.leaves(float_params(after))
     pairs = enumerate(zip(before_leaves, after_leaves, strict=True))
     changed = [i for i, (a, b) in pairs if a is not b and on_host(a)]
@@ -145,23 +105,6 @@ def _after_step(model: eqx.Module, stats: dict[str, Array]) -> eqx.Module:
     return after
 
 
-def make_train_step(
-    optimizer: optax.GradientTransformation,
-    settings: LossSettings,
-    learning_rate: optax.Schedule,
-    micro_steps: int = 1,
-    state_sharding: Any = None,
-    on_nonfinite: str = "stop",
-    stream: StreamedUpdate | None = None,
-) -> Callable[[TrainState, Int[Array, "batch seq_plus_one"]], tuple[TrainState, dict[str, Array]]]:
-    """The one jitted step, accumulating gradients over `micro_steps` micro batches. Its arguments
-    are donated: parameters and optimizer moments are updated in place, and the batch buffer is
-    consumed (place a fresh batch every step). `state_sharding` (the shardings of the state's
-    arrays) pins the new state to the old one's layout, so the step compiles once."""
-    body = train_step_body(optimizer, settings, learning_rate, micro_steps, state_sharding, on_nonfinite, stream)
-    return eqx.filter_jit(donate="all")(body)
-
-
 def train_step_body(
     optimizer: optax.GradientTransformation,
     settings: LossSettings,
@@ -171,8 +114,8 @@ def train_step_body(
     on_nonfinite: str = "stop",
     stream: StreamedUpdate | None = None,
 ) -> Callable[[TrainState, Int[Array, "batch seq_plus_one"]], tuple[TrainState, dict[str, Array]]]:
-    """The train step before jit: what `make_train_step` compiles, and what the planner lowers
-    with abstract inputs.
+    """The train step before jit: what `ferry.train.compiled_step` compiles, for runs, plans,
+    benchmarks and tests alike (from the state's layout, its inputs donated).
 
     A step whose loss or gradient norm is not finite applies no update (the new state is the old
     one, selected on device: no host sync). With `on_nonfinite="stop"` every later step applies
@@ -240,13 +183,14 @@ def _constrained(state: TrainState, state_sharding: Any) -> TrainState:
     if state_sharding is None:
         return state
     arrays, static = eqx.partition(state, eqx.is_array)
-    pin = lambda x, sh: x if on_host(x) else jax.lax.with_sharding_constraint(x, sh)  # noqa: E731
+    pin = lambda x, sh: x if on_host(x) else jax.lax.with_sharding_constraint(x, sh)
     return eqx.combine(jax.tree.map(pin, arrays, state_sharding), static)
 
 
 def make_eval_step(settings: LossSettings) -> Callable[[eqx.Module, Int[Array, "batch seq_plus_one"]], Array]:
     @eqx.filter_jit
     def eval_step(model: eqx.Module, batch: Int[Array, "batch seq_plus_one"]) -> Array:
-        return batch_loss(model, batch, dataclasses.replace(settings, policy=SAVE_ALL))[1]["loss"]
+        eval_settings = dataclasses.replace(settings, policy=SAVE_ALL)
+        return batch_loss(cast(AbstractLanguageModel, model), batch, eval_settings)[1]["loss"]
 
     return eval_step

@@ -46,7 +46,7 @@ _BACKWARD_PARAMETERS = (
 
 # The cuDNN a compile for a GPU this process does not have assumes (the planner's deviceless
 # programs): the version the planner's GPU targets declare (`dnn_version_info` 9.10.0 in
-# `ferry.plan.targets`), which jax's lowering reads where it would ask the loaded library.
+# `ferry.xla.targets`), which jax's lowering reads where it would ask the loaded library.
 DEVICELESS_CUDNN_VERSION = 91000
 
 

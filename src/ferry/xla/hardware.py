@@ -1,9 +1,11 @@
 """Facts of the accelerators ferry knows, written once: each one's dense bf16 peak, and how JAX's
-`device.device_kind` names it. A leaf module: the planner's targets (`ferry.plan.targets`) and a
+`device.device_kind` names it. A leaf module: the planner's targets (`ferry.xla.targets`) and a
 run's MFU (`ferry.run.peak`) both read it, and it imports nothing of ferry."""
 
 # Dense bf16 peak FLOP/s per device, by accelerator name (the planner's target names). Sources:
-# NVIDIA's data sheets (see ../shared/gpu_targets.md) and Google Cloud's TPU pages.
+# NVIDIA's data sheets (www.nvidia.com/en-us/data-center/h100/, /h200/, /dgx-b200/, /gb200-nvl72/;
+# H100 SXM 989 TFLOP/s, H200 989, B200 ~2,250, GB200 ~2,500) and Google Cloud's TPU pages
+# (docs.cloud.google.com/tpu/docs/v5p, /v5e, /v6e).
 BF16_PEAK_FLOPS: dict[str, float] = {
     "h100": 989e12,
     "h200": 989e12,

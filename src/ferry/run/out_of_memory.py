@@ -5,16 +5,16 @@ from pathlib import Path
 
 import jax
 
-from ferry.compile_oom import StepOverHbm
-from ferry.hardware import accelerator_name
 from ferry.memory import InsufficientMemoryError
-from ferry.plan.advice import plan_advice
 from ferry.run.config import FerryConfig
+from ferry.run.plan_advice import plan_advice
+from ferry.xla.compile_oom import StepOverHbm
+from ferry.xla.hardware import accelerator_name
 
 
 def over_hbm_refusal(over: StepOverHbm, config: FerryConfig) -> InsufficientMemoryError:
     """The refusal of a run whose step is over HBM: XLA's figures, then what the newest plan of
-    this step on this accelerator under `run.root` found to fit (`ferry.plan.advice`), else how to
+    this step on this accelerator under `run.root` found to fit (`ferry.run.plan_advice`), else how to
     make one, then the levers that shrink a step."""
     accelerator = accelerator_name(jax.devices()[0].device_kind)
     advice = plan_advice(Path(config.run.root), config, accelerator)

@@ -19,7 +19,8 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-from ferry.plan.hlo_stats import HOST_MEMORY_SPACE, shape_bytes, tuple_elements
+from ferry.xla.hlo_host_copies import HOST_MEMORY_SPACE
+from ferry.xla.hlo_parse import shape_bytes, tuple_elements
 
 _NAME = re.compile(r"^%(?P<name>[\w.\-]+)\s*=\s*")
 _OP = re.compile(r"\s(?P<op>[a-z][a-z\-]*)\(")

@@ -7,7 +7,7 @@ import math
 import threading
 from typing import Any, ClassVar
 
-from ferry.hardware import BF16_PEAK_FLOPS
+from ferry.xla.hardware import BF16_PEAK_FLOPS
 
 _COMMON_DEVICE_INFO = {
     "threads_per_block_limit": 1024,
@@ -57,6 +57,10 @@ class Target:
         """The per-compile options: the platform's XLA flags, plus what compiling without the
         device needs."""
         return dict(xla_flags)
+
+    def topology(self, num_devices: int) -> str:
+        """The topology string of `num_devices` devices (each platform's target says how)."""
+        raise NotImplementedError(f"{type(self).__name__} has no topology")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +162,7 @@ class TpuTarget(Target):
 
 def _gpu(name, description, chip, hbm, hbm_bandwidth, host_link, links) -> GpuTarget:
     """`chip`: (compute capability, cores, clock GHz, L2 bytes); `links`: (scale-up bytes/s each
-    way, devices per scale-up domain, scale-out bytes/s each way); the peak is `ferry.hardware`'s."""
+    way, devices per scale-up domain, scale-out bytes/s each way); the peak is `ferry.xla.hardware`'s."""
     capability, cores, clock, l2 = chip
     nvlink, domain, network = links
     return GpuTarget(
@@ -179,7 +183,7 @@ def _gpu(name, description, chip, hbm, hbm_bandwidth, host_link, links) -> GpuTa
 
 
 def _tpu(name, description, hbm, host_link, ici, generation, torus_dims, max_devices) -> TpuTarget:
-    """The peak is `ferry.hardware`'s."""
+    """The peak is `ferry.xla.hardware`'s."""
     return TpuTarget(
         name,
         description,
@@ -196,8 +200,9 @@ def _tpu(name, description, hbm, host_link, ici, generation, torus_dims, max_dev
 
 
 # Sources, bandwidths given each way (half a published bidirectional figure):
-# - HBM: NVIDIA's data sheets (see ../shared/gpu_targets.md), Google Cloud's TPU pages
-#   (docs.cloud.google.com/tpu/docs/v5p, /v5e, /v6e). The dense bf16 peaks are in ferry/hardware.py.
+# - HBM: NVIDIA's data sheets (www.nvidia.com/en-us/data-center/h100/, /h200/, /dgx-b200/,
+#   /gb200-nvl72/; the per-device figures are in `TARGETS` below), Google Cloud's TPU pages
+#   (docs.cloud.google.com/tpu/docs/v5p, /v5e, /v6e). The dense bf16 peaks are in ferry/xla/hardware.py.
 # - Host link: H100, H200 and B200 reach the CPU over PCIe Gen5 x16, 128 GB/s bidirectional (their
 #   data sheets): 64 GB/s. GB200's GPUs reach Grace's LPDDR5X over NVLink-C2C, 900 GB/s
 #   bidirectional (GB200 NVL72 data sheet): 450 GB/s. v6e chips connect to their host over PCIe

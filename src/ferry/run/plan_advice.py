@@ -8,7 +8,7 @@ mesh, the train state's placement); a run over HBM looks for the newest plan of 
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ferry.run.config import FerryConfig
 from ferry.schedule import format_bytes
@@ -16,7 +16,7 @@ from ferry.schedule import format_bytes
 
 def step_identity(config: FerryConfig) -> dict[str, Any]:
     """Everything that shapes a step's memory apart from the offload policy, as JSON values."""
-    model = json.loads(json.dumps(dataclasses.asdict(config.model), default=str))
+    model = json.loads(json.dumps(dataclasses.asdict(cast(Any, config.model)), default=str))
     train = config.train
     return {
         "model_name": config.model_name,

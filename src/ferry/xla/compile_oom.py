@@ -8,7 +8,7 @@ gives it, rounded to 0.01 of the unit. Two wordings are known:
   (15.75G)";
 - older libtpu: "XLA:TPU compile permanent error. Ran out of memory in memory space hbm. Used
   21.95G of 15.48G hbm. Exceeded hbm capacity by 6.47G" (the program's bytes, arguments apart).
-A run refuses such a step in one line (`ferry.train.out_of_memory`) and `mode=plan` reports it as
+A run refuses such a step in one line (`ferry.run.out_of_memory`) and `mode=plan` reports it as
 the preset's OOM row (`ferry.plan.planner`), instead of a traceback. Other memories (a kernel's
 VMEM) are not the step's size and are left to propagate.
 """

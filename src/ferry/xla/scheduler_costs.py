@@ -14,7 +14,7 @@ over the host link; a collective its ring bytes over the links its groups span
 where the model marked a loop sized for the worst case: `ferry.expected_work`). XLA reads the
 profile when it sets up the scheduler, after the passes that make the module it prices: the profile
 file is leased, and when XLA opens it the module is priced from XLA's dump of its last pass and
-written before the open returns (`ferry.plan.profile_handoff`), so one compile schedules with it.
+written before the open returns (`ferry.xla.profile_handoff`), so one compile schedules with it.
 Where that cannot be done (no leases; a compile that autotunes) or the module scheduled is not the
 one priced, the step is compiled as far as the scheduler (XLA's dump of the module it would
 receive; the compile stops there), priced, and compiled again with the profile. The profile must
@@ -42,20 +42,14 @@ from typing import Any, NamedTuple
 import jax
 
 from ferry.errors import FerryError
-from ferry.hardware import accelerator_name
-from ferry.plan.hlo_stats import (
-    HOST_MEMORY_SPACE,
-    ScheduledInstruction,
-    collective_of,
-    num_partitions,
-    same_module,
-    scheduled_instructions,
-    shape_bytes,
-    tuple_elements,
-)
-from ferry.plan.profile_handoff import leases_supported, written_when_opened
-from ferry.plan.targets import TARGETS, GpuTarget
 from ferry.platform import PlatformConfig
+from ferry.xla.hardware import accelerator_name
+from ferry.xla.hlo_collectives import collective_of, num_partitions
+from ferry.xla.hlo_host_copies import HOST_MEMORY_SPACE
+from ferry.xla.hlo_parse import same_module, shape_bytes, tuple_elements
+from ferry.xla.hlo_schedule import ScheduledInstruction, scheduled_instructions
+from ferry.xla.profile_handoff import leases_supported, written_when_opened
+from ferry.xla.targets import TARGETS, GpuTarget
 
 KERNEL_LAUNCH_US = 2.0  # a kernel's fixed cost on top of its FLOPs or bytes
 COLLECTIVE_LATENCY_US = 10.0  # a collective's fixed cost on top of its bytes (NCCL's setup and hops)
@@ -68,7 +62,15 @@ _LATENCY_LINE = re.compile(
     r'^latencies \{ source: "([^"]+)" target: "([^"]+)" latency_us: ([-+.0-9e]+) \}$', re.MULTILINE
 )
 # what a profile is computed by, besides the module: its key changes when any of them does
-_COST_MODEL_SOURCES = ("scheduler_costs.py", "hlo_stats.py", "targets.py")
+_COST_MODEL_SOURCES = (
+    "scheduler_costs.py",
+    "targets.py",
+    "hlo_parse.py",
+    "hlo_flops.py",
+    "hlo_collectives.py",
+    "hlo_schedule.py",
+    "hlo_host_copies.py",
+)
 _COMPILERS = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin", "jax-cuda13-pjrt")
 
 
@@ -205,7 +207,7 @@ def scheduler_target(platform: PlatformConfig, device_kind: str) -> GpuTarget | 
         raise SchedulerCostsError(
             f"platform.scheduler_costs=ferry prices the step with the device's peak and bandwidths, and ferry has "
             f"none for {device_kind!r} (it knows {known}): set platform.scheduler_costs=xla, or add the device "
-            "to ferry/plan/targets.py"
+            "to ferry/xla/targets.py"
         )
     return target
 
@@ -289,12 +291,13 @@ def compile_with_costs(
     one with the profile `cache` has. The compile's module must be the one that was priced
     (`SchedulerCostsError` otherwise)."""
     key = None if cache is None else cache.key(lowered, options, target)
-    cached = None if key is None else cache.load(key)
+    cached = None if cache is None or key is None else cache.load(key)
     with tempfile.TemporaryDirectory(prefix="ferry-costs-") as scratch:
         if cached is not None:
             compiled, missing = _compile_priced(lowered, options, cached, Path(scratch) / "cached")
             if not missing:
                 return PricedCompile(compiled, cached, True)
+            assert cache is not None and key is not None  # a profile came from the cache
             cache.drop(key)
         handed = _compile_priced_on_read(lowered, options, target, Path(scratch) / "one")
         if handed is not None and handed.profile is not None:
@@ -311,7 +314,7 @@ def compile_with_costs(
             f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}): the module priced is not the one "
             "scheduled; set platform.scheduler_costs=xla to schedule with XLA's own estimates"
         )
-    if key is not None:
+    if cache is not None and key is not None:
         cache.store(key, profile)
     return PricedCompile(compiled, profile, False)
 
@@ -326,7 +329,7 @@ def _compile_priced_on_read(
     lowered: Any, options: Mapping[str, object], target: GpuTarget, directory: Path
 ) -> _HandedCompile | None:
     """One compile whose scheduler reads the profile priced from its own module: the profile is
-    made when XLA opens its file (`ferry.plan.profile_handoff`), by when XLA has dumped its last
+    made when XLA opens its file (`ferry.xla.profile_handoff`), by when XLA has dumped its last
     pass before scheduling. Should the module it then schedules not be that one (a pass after it
     changed the module), the compile has no profile and is done again with the right one.
 
