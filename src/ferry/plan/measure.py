@@ -21,7 +21,7 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol, TypeVar, cast, runtime_checkable
+from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 import jax
 import numpy as np
@@ -181,7 +181,6 @@ def _compiled(config: FerryConfig, mesh: Mesh, documents: DocumentMask | None) -
     """The step a run of `config` trains with, compiled as the run compiles it (its scheduler
     costs included)."""
     from ferry.data.placement import BatchPlacement
-    from ferry.models.base import AbstractModelConfig
     from ferry.models.registry import abstract_model
     from ferry.train.compiled_step import compile_step
     from ferry.train.optimizer import learning_rate_schedule, make_optimizer
@@ -190,7 +189,7 @@ def _compiled(config: FerryConfig, mesh: Mesh, documents: DocumentMask | None) -
     from ferry.xla.scheduler_costs import ProfileCache, scheduler_target
 
     tc = config.train
-    policy = config.offload.policy(abstract_model(cast(AbstractModelConfig, config.model)).tagged_names())
+    policy = config.offload.policy(abstract_model(config.model).tagged_names())
     optimizer = make_optimizer(tc)
     layout = run_state_layout(config, mesh)
     settings = LossSettings(policy, tc.compute_dtype, tc.z_loss_weight, documents=documents)

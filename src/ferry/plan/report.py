@@ -7,13 +7,12 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import yaml
 from rich.console import Console
 
 from ferry.config_schema import ConfigError
-from ferry.models.base import AbstractModelConfig
 from ferry.models.registry import abstract_model
 from ferry.offload import Policy
 from ferry.plan.auto import (
@@ -66,11 +65,6 @@ from ferry.xla.scheduler_costs import ProfileCache
 from ferry.xla.targets import TARGETS, Target
 
 
-def model_config_of(config: FerryConfig) -> AbstractModelConfig:
-    """The run config's model config, typed (`FerryConfig.model` is declared as an object)."""
-    return cast(AbstractModelConfig, config.model)
-
-
 def plan_presets(config: FerryConfig) -> tuple[str, ...]:
     if config.plan.presets is not None:
         return config.plan.presets
@@ -121,7 +115,7 @@ def _checked(
     target = TARGETS[config.target]
     target.topology(config.mesh.num_devices)  # whole hosts of GPUs, or a TPU slice
     check_mesh_shape(config)
-    tagged = abstract_model(model_config_of(config)).tagged_names()
+    tagged = abstract_model(config.model).tagged_names()
     policies = {}
     for name in plan_presets(config):
         preset = config.offload if name == config.offload.name else load_preset(name)
@@ -151,7 +145,7 @@ class PlanCompiler:
         """Each preset's plan. XLA compiles one program on one core: the presets compile side by
         side, a core per compile."""
         config = self.config
-        per_plan = 1 + len(probe_depths(group_depths(model_config_of(config)))[1]) if config.plan.extrapolate else 1
+        per_plan = 1 + len(probe_depths(group_depths(config.model))[1]) if config.plan.extrapolate else 1
         workers = max(1, min(len(policies), (os.cpu_count() or 1) // per_plan))
         with ThreadPoolExecutor(max_workers=workers) as pool:
             return list(pool.map(lambda item: self.compile_policy(item[1], item[0]), policies.items()))
@@ -170,7 +164,7 @@ class PlanCompiler:
         try:
             return extrapolated_plan(
                 lambda depths: self.compile_at(policy, name, state, depths),
-                group_depths(model_config_of(self.config)),
+                group_depths(self.config.model),
                 model_flops_per_device(self.config, self.target),
             )
         except ExtrapolationError as error:
@@ -181,7 +175,7 @@ class PlanCompiler:
         self, policy: Policy, name: str, state: StatePlacement, depths: dict[str, int] | None = None
     ) -> MemoryPlan:
         config, target, platform = self.config, self.target, self.platform
-        model = config.model if depths is None else with_depths(model_config_of(config), depths)
+        model = config.model if depths is None else with_depths(config.model, depths)
         offload = dataclasses.replace(config.offload, optimizer=state.optimizer, params=state.params)
         at = dataclasses.replace(config, model=model, offload=offload)
         shown = "" if depths is None else " (" + ", ".join(f"{g} {d} layers" for g, d in depths.items()) + ")"
