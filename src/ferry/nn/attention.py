@@ -1,5 +1,5 @@
-"""Causal grouped-query attention (Llama 3). Softmax in float32; the kernel is `model.attention`'s
-(`ferry.nn.kernels.choice`)."""
+"""Causal grouped-query attention (Llama 3; Qwen3's with per-head query and key norms). Softmax in
+float32; the kernel is `model.attention`'s (`ferry.nn.kernels.choice`)."""
 
 import equinox as eqx
 import jax
@@ -9,6 +9,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from ferry.nn.kernels.choice import attend
 from ferry.nn.kernels.xla import QUERY_CHUNK, causal_attention
 from ferry.nn.linear import Linear
+from ferry.nn.norm import RMSNorm
 from ferry.nn.rope import Llama3RopeScaling, apply_rope, rope_frequencies
 from ferry.offload import tag
 from ferry.sharding import EMBED, HEADS
@@ -21,10 +22,16 @@ Segments = tuple[Int[Array, "batch seq"], Int[Array, "batch seq"]]
 
 
 class GroupedQueryAttention(eqx.Module):
+    """Causal GQA with RoPE, scale head_dim^-0.5. With `qk_norm_eps` every query and key head
+    passes an RMSNorm over head_dim (one weight shared by all heads) before RoPE, as Hugging Face's
+    `Qwen3Attention`; without, the norms are None (no parameters)."""
+
     query: Linear
     key: Linear
     value: Linear
     out: Linear
+    query_norm: RMSNorm | None
+    key_norm: RMSNorm | None
     num_heads: int = eqx.field(static=True)
     num_kv_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
@@ -43,12 +50,17 @@ class GroupedQueryAttention(eqx.Module):
         *,
         key: PRNGKeyArray,
         attention: str = "auto",
+        qk_norm_eps: float | None = None,
     ):
         kq, kk, kv, ko = jax.random.split(key, 4)
         self.query = Linear(dim, num_heads * head_dim, axes=("embed", "heads"), key=kq)
         self.key = Linear(dim, num_kv_heads * head_dim, axes=("embed", "heads"), key=kk)
         self.value = Linear(dim, num_kv_heads * head_dim, axes=("embed", "heads"), key=kv)
         self.out = Linear(num_heads * head_dim, dim, axes=("heads", "embed"), key=ko)
+        norms = (
+            (None, None) if qk_norm_eps is None else (RMSNorm(head_dim, qk_norm_eps), RMSNorm(head_dim, qk_norm_eps))
+        )
+        self.query_norm, self.key_norm = norms
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
         self.attention = attention
@@ -59,8 +71,12 @@ class GroupedQueryAttention(eqx.Module):
         """`segments`: packed documents' segment ids and positions (None: one sequence)."""
         batch, seq, _ = x.shape
         heads = (batch, seq, -1, self.head_dim)
+        # the projections are tagged (linear outputs: a saved value's tangent needs nothing
+        # recomputed); the per-head norms and RoPE are recomputed from them
         q = tag(self.query(x), "query_proj", HEADS).reshape(heads)
         k = tag(self.key(x), "key_proj", HEADS).reshape(heads)
+        if self.query_norm is not None and self.key_norm is not None:
+            q, k = self.query_norm(q), self.key_norm(k)
         v = tag(self.value(x), "value_proj", HEADS).reshape(heads)
         frequencies = rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
         segment_ids, positions = (None, None) if segments is None else segments
