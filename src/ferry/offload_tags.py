@@ -15,11 +15,8 @@ from typing import Any
 
 import equinox as eqx
 import jax
-
-# jax._src: no public API names the current trace (`jax.core.trace_ctx` is deprecated in jax 0.10
-# and gone in 0.12); a tag nested in an inner transformation is refused by comparing it.
-from jax._src import core as jax_core
 from jax.ad_checkpoint import checkpoint_name
+from jax.extend import core as jax_core
 
 from ferry.offload_policy import LAYER_INPUT, PolicyError
 from ferry.sharding import constrain
@@ -38,9 +35,9 @@ class NestedTagError(PolicyError):
 
 
 def _current_trace() -> object:
-    """The innermost JAX trace now active: a tag is at a layer's top level when it is traced
-    under the same trace as the layer itself."""
-    return jax_core.trace_ctx.trace
+    """The innermost JAX trace now active (an opaque token, equal for the same trace): a tag is at
+    a layer's top level when it is traced under the same trace as the layer itself."""
+    return jax_core.get_opaque_trace_state()
 
 
 class TagHandler:
@@ -54,7 +51,7 @@ class TagHandler:
         raise NotImplementedError
 
     def check_top_level(self, name: str) -> None:
-        if _current_trace() is not self.trace:
+        if _current_trace() != self.trace:
             raise NestedTagError(
                 f"tag {name!r} sits inside a transformation nested in the layer (lax.scan, jax.checkpoint, "
                 "vmap, cond...), whose values the offload engine cannot save or place: tag the layer's "
