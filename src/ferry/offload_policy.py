@@ -51,8 +51,9 @@ class Policy(Mapping[str, Placement]):
         # `Policy({"mlpwo": "offload"})` reads as a user writes it; stored as sorted pairs, so two
         # policies placing the same names alike are equal and hash alike (it is a jit static).
         pairs = self.placements.items() if isinstance(self.placements, Mapping) else self.placements
-        object.__setattr__(self, "placements", tuple(sorted((str(k), str(v)) for k, v in pairs)))
-        for name, placement in self.pairs:
+        stored = tuple(sorted((str(k), str(v)) for k, v in pairs))
+        object.__setattr__(self, "placements", stored)
+        for name, placement in stored:
             if placement not in PLACEMENTS:
                 raise PolicyError(
                     f"tensor {name!r} has placement {placement!r}; a placement is one of {', '.join(PLACEMENTS)}"
@@ -62,12 +63,12 @@ class Policy(Mapping[str, Placement]):
                     f"{LAYER_INPUT} cannot be rematerialised: nothing inside the layer computes it; "
                     "place it on 'device' or 'offload'"
                 )
-        names = [name for name, _ in self.pairs]
+        names = [name for name, _ in stored]
         if len(set(names)) != len(names):
             raise PolicyError(f"a tensor is placed twice in {names}")
         if self.peel < 0:
             raise PolicyError(f"peel is {self.peel}; it counts the last layers run outside the loop: 0 or more")
-        if self.keep_all and any(p != "device" for _, p in self.pairs):
+        if self.keep_all and any(p != "device" for _, p in stored):
             raise PolicyError("keep_all keeps every residual on device; it takes no other placements")
         if self.engine not in ENGINES:
             raise PolicyError(f"engine is {self.engine!r}; an offload engine is one of {', '.join(ENGINES)}")
