@@ -10,7 +10,7 @@ from ferry.data.segments import DocumentMask
 from ferry.loss import DEFAULT_HEAD, LossHead, whole_logits
 from ferry.models.base import AbstractLanguageModel, dense_training_loss
 from ferry.models.dense.config import DenseConfig
-from ferry.nn.attention import GroupedQueryAttention, Segments
+from ferry.nn.attention import Segments, grouped_query_attention
 from ferry.nn.block import DecoderBlock
 from ferry.nn.embedding import Embedding
 from ferry.nn.linear import Linear
@@ -25,7 +25,7 @@ def dense_decoder_layer(config: DenseConfig, *, key: PRNGKeyArray) -> DecoderBlo
     """One decoder layer: GQA (with per-head query and key norms where the family has them) and
     SwiGLU, each behind an RMSNorm."""
     k_attention, k_mlp = jax.random.split(key)
-    attention = GroupedQueryAttention(
+    attention = grouped_query_attention(
         config.dim,
         config.num_heads,
         config.num_kv_heads,
