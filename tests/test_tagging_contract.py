@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, AxisType
 
-from ferry import offload
+from ferry import offload_tags
 from ferry.nn.stack import LayerStack
 from ferry.offload import NestedTagError, Policy, PolicyError, offloaded, tag
 
@@ -126,20 +126,20 @@ def test_a_tag_without_axes_leaves_sharding_to_xla():
 def test_the_tag_context_belongs_to_the_thread_that_traces():
     """The tag context is a context variable: a thread tracing its own layer does not record into
     (or inject from) another thread's."""
-    recorder = offload._Recorder()
+    recorder = offload_tags.Recorder()
     seen = []
 
     def other_thread():
-        seen.append(offload._TAG_CONTEXT.get())
+        seen.append(offload_tags.TAG_CONTEXT.get())
         tag(jnp.ones(2), "other")
 
-    with offload._tag_context(recorder):
+    with offload_tags.tag_context(recorder):
         worker = threading.Thread(target=other_thread)
         worker.start()
         worker.join()
         tag(jnp.ones(2), "mine")
     assert seen == [()] and [name for name, _ in recorder.values] == ["mine"]
-    assert offload._TAG_CONTEXT.get() == ()
+    assert offload_tags.TAG_CONTEXT.get() == ()
 
 
 def test_a_replay_that_leaves_saved_values_unused_is_refused():

@@ -26,6 +26,8 @@ compiled n + 2 times.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -37,11 +39,11 @@ from ferry.offload import (
     LAYER_INPUT,
     Axes,
     Policy,
-    _Recorder,
-    _tag_context,
     copy_scope,
+    layer_function,
     record_tags_and_axes,
     replay_vjp,
+    split_params,
     to_memory,
 )
 from ferry.sharding import constrain
@@ -54,148 +56,168 @@ def offloaded_scan(fn: Callable[..., Any], policy: Policy, *, name: str = "layer
     layer apart (module docstring). Floating-point leaves of `stacked_layers` and `x` are
     differentiated; integer leaves and `extra` are not. `name` names the copies' scope."""
     if policy.keep_all:
-
-        def plain(stacked: Any, x: jax.Array, *extra: Any) -> Any:
-            dynamic, static = eqx.partition(stacked, eqx.is_array)
-            return jax.lax.scan(lambda h, d: fn(eqx.combine(d, static), h, *extra), x, dynamic)
-
-        return plain
+        return functools.partial(_plain_scan, fn)
 
     def call(stacked: Any, x: jax.Array, *extra: Any) -> Any:
-        diff, rest = eqx.partition(stacked, eqx.is_inexact_array)
-        fixed, static = eqx.partition(rest, eqx.is_array)
-
-        def layer_fn(p: Any, h: jax.Array, f: Any, e: tuple[Any, ...]) -> Any:
-            return fn(eqx.combine(p, f, static), h, *e)
-
-        layout = _Layout.of(layer_fn, diff, x, fixed, extra, policy)
+        diff, fixed, static = split_params(stacked)
+        layer_fn = layer_function(fn, static)
+        steps = _Steps(layer_fn, _Layout.of(layer_fn, diff, x, fixed, extra, policy), name)
         num_layers = jax.tree.leaves(diff)[0].shape[0]
-
-        @jax.custom_vjp
-        def run(p: Any, h: jax.Array, f: Any, e: tuple[Any, ...]) -> Any:
-            return jax.lax.scan(lambda c, xs: layer_fn(xs[0], c, xs[1], e), h, (p, f))
-
-        def layer_forward(p_k: Any, f_k: Any, e: tuple[Any, ...], h: jax.Array, pending: Any) -> tuple[Any, ...]:
-            """Layer k's forward pass, the store of `pending` (layer k-1's offloaded values, None
-            for none) issued first: all of layer k hides it."""
-            stored = None if pending is None else layout.store(pending, name)
-            recorder = _Recorder()
-            with _tag_context(recorder):
-                out_h, stats = layer_fn(p_k, h, f_k, e)
-            values = layout.recorded(recorder)
-            return out_h, layout.offloaded(values, h), stats, layout.kept(values, h), stored
-
-        def layer_backward(
-            p_k: Any, f_k: Any, e: tuple[Any, ...], kept_k: Any, current: Any, ct: Any, ct_stats_k: Any
-        ) -> Any:
-            """Layer k's gradients (params, input), replayed with its saved values (`current`: its
-            offloaded ones, back in HBM)."""
-            h, injected = layout.saved(kept_k, current)
-            return replay_vjp(lambda p_, h_: layer_fn(p_, h_, f_k, e), injected, p_k, h, (ct, ct_stats_k))
-
-        def run_fwd(p: Any, h: jax.Array, f: Any, e: tuple[Any, ...]) -> tuple[Any, Any]:
-            def forward_body(carry: Any, xs: Any) -> tuple[Any, Any]:
-                out_h, offloaded, stats, kept, stored = layer_forward(*xs, e, *carry)
-                return (out_h, offloaded), (stats, kept, stored)
-
-            (out, last), (stats, kept, stored) = jax.lax.scan(forward_body, (h, layout.zeros()), (p, f))
-            return (out, stats), (p, f, e, kept, stored, last)
-
-        def run_bwd(residuals: Any, cotangent: Any) -> tuple[Any, Any, None, None]:
-            p, f, e, kept, stored, last = residuals
-            ct_out, ct_stats = cotangent
-
-            def backward_body(carry: Any, xs: Any) -> tuple[Any, Any]:
-                ct, current = carry  # current: layer k's offloaded values, in HBM
-                p_k, f_k, kept_k, stored_k, ct_stats_k = xs
-                previous = layout.reload(stored_k, name)  # layer k-1's: all of layer k's backward hides it
-                dp, dh = layer_backward(p_k, f_k, e, kept_k, current, ct, ct_stats_k)
-                return (dh, previous), dp
-
-            (dx, _), dp = jax.lax.scan(backward_body, (ct_out, last), (p, f, kept, stored, ct_stats), reverse=True)
-            return dp, dx, None, None
-
         tail = policy.peels(num_layers)  # layers after the loop (and layer 0 before it), when peeled
-        loop_end = num_layers - tail
-
-        def peeled_fwd(p: Any, h: jax.Array, f: Any, e: tuple[Any, ...]) -> tuple[Any, Any]:
-            """Layer 0, a scan over layers 1..L-1-tail, then the last `tail` layers: no placeholder
-            is stored, and the stores issued outside the loop may run on under the rest of the
-            forward pass and the loss head."""
-            h, pending, stats_0, kept_0, _ = layer_forward(_at(p, 0), _at(f, 0), e, h, None)
-
-            # Each loop reads its layer's index from an array (`jnp.arange`), and XLA copies the
-            # layer's weights out of the stack each iteration (a copy kernel; the peak HBM is the
-            # same). With a counter carried through the loop the matmuls would read them in place,
-            # but XLA merges that counter with the loop's own and updates it in place before the
-            # layer runs, so every store must finish before the layer's first matmul: nothing
-            # hides it (Llama 3.1 8B layers, minimal_offloaded: 18.53 ms exposed against 14.09).
-            def forward_body(carry: Any, k: jax.Array) -> tuple[Any, Any]:
-                out_h, offloaded, stats, kept, stored = layer_forward(_at(p, k), _at(f, k), e, *carry)
-                return (out_h, offloaded), (stats, kept, stored)
-
-            stats, kept, stored = (
-                [_stack_of_one(stats_0)],
-                None,
-                None,
-            )  # the loop's kept and stored: None without a loop
-            if loop_end > 1:
-                (h, pending), (looped, kept, stored) = jax.lax.scan(forward_body, (h, pending), jnp.arange(1, loop_end))
-                stats.append(looped)
-            kept_tail, stored_tail = [], []
-            for k in range(loop_end, num_layers):
-                h, pending, stats_k, kept_k, stored_k = layer_forward(_at(p, k), _at(f, k), e, h, pending)
-                stats.append(_stack_of_one(stats_k))
-                kept_tail.append(kept_k)
-                stored_tail.append(stored_k)  # layer k-1's values, on host
-            stats = jax.tree.map(lambda *parts: jnp.concatenate(parts), *stats)
-            return (h, stats), (p, f, e, (kept_0, kept, kept_tail), (stored, stored_tail), pending)
-
-        def peeled_bwd(residuals: Any, cotangent: Any) -> tuple[Any, Any, None, None]:
-            """The reverse of `peeled_fwd`. Outside the loop the layers pass barriers, as the
-            per-layer engine's unscanned layers do (`ferry.offload.offloaded`): the host values wait
-            for the cotangent (else XLA folds a store read straight back into nothing: the loop's
-            too, which XLA unrolls where it runs one layer), each reload of a layer after the loop
-            waits for the cotangent of the layer above (so it is issued as that layer's backward
-            starts, not all at once), and no replay may merge with the forward pass."""
-            p, f, e, (kept_0, kept, kept_tail), (stored, stored_tail), current = residuals
-            ct_out, ct_stats = cotangent
-            dh, p, f, kept_tail, current, stored, stored_tail = jax.lax.optimization_barrier(
-                (ct_out, p, f, kept_tail, current, stored, stored_tail)
-            )
-
-            def backward_step(carry: Any, xs: Any) -> tuple[Any, None]:
-                """Layer k's backward pass, layer k-1's reload issued first (all of it hides the
-                copy), its gradients written into the stack's: a loop body, and the peeled layers'."""
-                dh, current, dp = carry
-                k, kept_k, stored_k, ct_stats_k = xs
-                previous = layout.reload(stored_k, name)
-                dp_k, dh = layer_backward(_at(p, k), _at(f, k), e, kept_k, current, dh, ct_stats_k)
-                return (dh, previous, jax.tree.map(lambda a, d: _put(a, d, k), dp, dp_k)), None
-
-            dp = jax.tree.map(jnp.zeros_like, p)
-            for k in reversed(range(loop_end, num_layers)):
-                stored_k = stored_tail[k - loop_end]
-                if k < num_layers - 1:
-                    dh, stored_k = jax.lax.optimization_barrier((dh, stored_k))
-                ct_stats_k = jax.tree.map(lambda a, k=k: a[k], ct_stats)
-                xs = (k, kept_tail[k - loop_end], stored_k, ct_stats_k)
-                (dh, current, dp), _ = backward_step((dh, current, dp), xs)
-
-            if loop_end > 1:
-                ct_middle = jax.tree.map(lambda a: a[1:loop_end], ct_stats)
-                xs = (jnp.arange(1, loop_end), kept, stored, ct_middle)
-                (dh, current, dp), _ = jax.lax.scan(backward_step, (dh, current, dp), xs, reverse=True)
-            dh, p, f, kept_0, current = jax.lax.optimization_barrier((dh, p, f, kept_0, current))
-            dp_0, dx = layer_backward(
-                _at(p, 0), _at(f, 0), e, kept_0, current, dh, jax.tree.map(lambda a: a[0], ct_stats)
-            )
-            return jax.tree.map(lambda a, d: _put(a, d, 0), dp, dp_0), dx, None, None
-
-        run.defvjp(*((peeled_fwd, peeled_bwd) if tail else (run_fwd, run_bwd)))
+        run = jax.custom_vjp(functools.partial(_scan, layer_fn))
+        if tail:
+            peeled = _Peeled(steps, num_layers - tail, num_layers)
+            run.defvjp(peeled.forward, peeled.backward)
+        else:
+            run.defvjp(functools.partial(_pipelined_fwd, steps), functools.partial(_pipelined_bwd, steps))
         return run(diff, x, fixed, extra)
 
     return call
+
+
+def _plain_scan(fn: Callable[..., Any], stacked: Any, x: jax.Array, *extra: Any) -> Any:
+    """`keep_all`: a plain scan, JAX's own autodiff keeping every residual in HBM."""
+    dynamic, static = eqx.partition(stacked, eqx.is_array)
+    return jax.lax.scan(lambda h, d: fn(eqx.combine(d, static), h, *extra), x, dynamic)
+
+
+def _scan(layer_fn: Callable[..., Any], p: Any, h: jax.Array, f: Any, e: tuple[Any, ...]) -> Any:
+    """The stack's primal: a scan of `layer_fn` over the stacked (p, f)."""
+    return jax.lax.scan(lambda c, xs: layer_fn(xs[0], c, xs[1], e), h, (p, f))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Steps:
+    """One layer's forward and backward step, shared by the loop bodies and the peeled layers."""
+
+    layer_fn: Callable[..., Any]
+    layout: _Layout
+    name: str  # the copies' scope
+
+    def forward(self, p_k: Any, f_k: Any, e: tuple[Any, ...], h: jax.Array, pending: Any) -> tuple[Any, ...]:
+        """Layer k's forward pass, the store of `pending` (layer k-1's offloaded values, None for
+        none) issued first: all of layer k hides it."""
+        stored = None if pending is None else self.layout.store(pending, self.name)
+        (out_h, stats), tagged, _ = record_tags_and_axes(self.layer_fn, p_k, h, f_k, e)
+        values = self.layout.recorded(tagged)
+        return out_h, self.layout.offloaded(values, h), stats, self.layout.kept(values, h), stored
+
+    def backward(
+        self, p_k: Any, f_k: Any, e: tuple[Any, ...], kept_k: Any, current: Any, ct: Any, ct_stats_k: Any
+    ) -> Any:
+        """Layer k's gradients (params, input), replayed with its saved values (`current`: its
+        offloaded ones, back in HBM)."""
+        h, injected = self.layout.saved(kept_k, current)
+        return replay_vjp(lambda p_, h_: self.layer_fn(p_, h_, f_k, e), injected, p_k, h, (ct, ct_stats_k))
+
+    def reload(self, stored: Any) -> Any:
+        return self.layout.reload(stored, self.name)
+
+
+def _pipelined_fwd(steps: _Steps, p: Any, h: jax.Array, f: Any, e: tuple[Any, ...]) -> tuple[Any, Any]:
+    """Every layer in the loop: iteration k stores layer k-1's values (iteration 0 the zeros)."""
+
+    def forward_body(carry: Any, xs: Any) -> tuple[Any, Any]:
+        (p_k, f_k), (h_k, pending) = xs, carry
+        out_h, offloaded, stats, kept, stored = steps.forward(p_k, f_k, e, h_k, pending)
+        return (out_h, offloaded), (stats, kept, stored)
+
+    (out, last), (stats, kept, stored) = jax.lax.scan(forward_body, (h, steps.layout.zeros()), (p, f))
+    return (out, stats), (p, f, e, kept, stored, last)
+
+
+def _pipelined_bwd(steps: _Steps, residuals: Any, cotangent: Any) -> tuple[Any, Any, None, None]:
+    """The reverse loop: iteration k reloads layer k-1's values while layer k's backward runs."""
+    p, f, e, kept, stored, last = residuals
+    ct_out, ct_stats = cotangent
+
+    def backward_body(carry: Any, xs: Any) -> tuple[Any, Any]:
+        ct, current = carry  # current: layer k's offloaded values, in HBM
+        p_k, f_k, kept_k, stored_k, ct_stats_k = xs
+        previous = steps.reload(stored_k)  # layer k-1's: all of layer k's backward hides it
+        dp, dh = steps.backward(p_k, f_k, e, kept_k, current, ct, ct_stats_k)
+        return (dh, previous), dp
+
+    (dx, _), dp = jax.lax.scan(backward_body, (ct_out, last), (p, f, kept, stored, ct_stats), reverse=True)
+    return dp, dx, None, None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Peeled:
+    """Layer 0, a loop over layers 1..loop_end-1, then layers loop_end..num_layers-1: the custom
+    VJP of a peeled stack (`Policy.peels`)."""
+
+    steps: _Steps
+    loop_end: int
+    num_layers: int
+
+    def forward(self, p: Any, h: jax.Array, f: Any, e: tuple[Any, ...]) -> tuple[Any, Any]:
+        """No placeholder is stored, and the stores issued outside the loop may run on under the
+        rest of the forward pass and the loss head."""
+        h, pending, stats_0, kept_0, _ = self.steps.forward(_at(p, 0), _at(f, 0), e, h, None)
+
+        # Each loop reads its layer's index from an array (`jnp.arange`), and XLA copies the
+        # layer's weights out of the stack each iteration (a copy kernel; the peak HBM is the
+        # same). With a counter carried through the loop the matmuls would read them in place,
+        # but XLA merges that counter with the loop's own and updates it in place before the
+        # layer runs, so every store must finish before the layer's first matmul: nothing
+        # hides it (Llama 3.1 8B layers, minimal_offloaded: 18.53 ms exposed against 14.09).
+        def forward_body(carry: Any, k: jax.Array) -> tuple[Any, Any]:
+            out_h, offloaded, stats, kept, stored = self.steps.forward(_at(p, k), _at(f, k), e, *carry)
+            return (out_h, offloaded), (stats, kept, stored)
+
+        stats, kept, stored = [_stack_of_one(stats_0)], None, None  # the loop's kept and stored: None without a loop
+        if self.loop_end > 1:
+            xs = jnp.arange(1, self.loop_end)
+            (h, pending), (looped, kept, stored) = jax.lax.scan(forward_body, (h, pending), xs)
+            stats.append(looped)
+        kept_tail, stored_tail = [], []
+        for k in range(self.loop_end, self.num_layers):
+            h, pending, stats_k, kept_k, stored_k = self.steps.forward(_at(p, k), _at(f, k), e, h, pending)
+            stats.append(_stack_of_one(stats_k))
+            kept_tail.append(kept_k)
+            stored_tail.append(stored_k)  # layer k-1's values, on host
+        stats = jax.tree.map(lambda *parts: jnp.concatenate(parts), *stats)
+        return (h, stats), (p, f, e, (kept_0, kept, kept_tail), (stored, stored_tail), pending)
+
+    def backward_step(self, p: Any, f: Any, e: tuple[Any, ...], carry: Any, xs: Any) -> tuple[Any, None]:
+        """Layer k's backward pass, layer k-1's reload issued first (all of it hides the copy), its
+        gradients written into the stack's: a loop body, and the peeled layers'."""
+        dh, current, dp = carry
+        k, kept_k, stored_k, ct_stats_k = xs
+        previous = self.steps.reload(stored_k)
+        dp_k, dh = self.steps.backward(_at(p, k), _at(f, k), e, kept_k, current, dh, ct_stats_k)
+        return (dh, previous, jax.tree.map(lambda a, d: _put(a, d, k), dp, dp_k)), None
+
+    def backward(self, residuals: Any, cotangent: Any) -> tuple[Any, Any, None, None]:
+        """The reverse of `forward`. Outside the loop the layers pass barriers, as the per-layer
+        engine's unscanned layers do (`ferry.offload.offloaded`): the host values wait for the
+        cotangent (else XLA folds a store read straight back into nothing: the loop's too, which
+        XLA unrolls where it runs one layer), each reload of a layer after the loop waits for the
+        cotangent of the layer above (so it is issued as that layer's backward starts, not all at
+        once), and no replay may merge with the forward pass."""
+        p, f, e, (kept_0, kept, kept_tail), (stored, stored_tail), current = residuals
+        ct_out, ct_stats = cotangent
+        dh, p, f, kept_tail, current, stored, stored_tail = jax.lax.optimization_barrier(
+            (ct_out, p, f, kept_tail, current, stored, stored_tail)
+        )
+        step = functools.partial(self.backward_step, p, f, e)
+        loop_end, num_layers = self.loop_end, self.num_layers
+        dp = jax.tree.map(jnp.zeros_like, p)
+        for k in reversed(range(loop_end, num_layers)):
+            stored_k = stored_tail[k - loop_end]
+            if k < num_layers - 1:
+                dh, stored_k = jax.lax.optimization_barrier((dh, stored_k))
+            ct_stats_k = jax.tree.map(lambda a, k=k: a[k], ct_stats)
+            (dh, current, dp), _ = step((dh, current, dp), (k, kept_tail[k - loop_end], stored_k, ct_stats_k))
+        if loop_end > 1:
+            ct_middle = jax.tree.map(lambda a: a[1:loop_end], ct_stats)
+            xs = (jnp.arange(1, loop_end), kept, stored, ct_middle)
+            (dh, current, dp), _ = jax.lax.scan(step, (dh, current, dp), xs, reverse=True)
+        dh, p, f, kept_0, current = jax.lax.optimization_barrier((dh, p, f, kept_0, current))
+        ct_stats_0 = jax.tree.map(lambda a: a[0], ct_stats)
+        dp_0, dx = self.steps.backward(_at(p, 0), _at(f, 0), e, kept_0, current, dh, ct_stats_0)
+        return jax.tree.map(lambda a, d: _put(a, d, 0), dp, dp_0), dx, None, None
 
 
 def _at(tree: Any, k: int | jax.Array) -> Any:
@@ -245,12 +267,12 @@ class _Layout:
         shapes = jax.eval_shape(record, first[0], x, first[1], extra)
         return cls(found["names"], found["axes"], shapes, x, policy)
 
-    def recorded(self, recorder: _Recorder) -> list[jax.Array]:
+    def recorded(self, tagged: list[tuple[str, jax.Array]]) -> list[jax.Array]:
         """The values a layer's run tagged, checked against the abstract run's names."""
-        names = [n for n, _ in recorder.values]
+        names = [n for n, _ in tagged]
         if names != self.names:
             raise RuntimeError(f"the layer tagged {names} where its abstract run tagged {self.names}")
-        return [value for _, value in recorder.values]
+        return [value for _, value in tagged]
 
     def zeros(self) -> tuple[jax.Array, ...]:
         return tuple(

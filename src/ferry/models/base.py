@@ -8,6 +8,7 @@ holds (no `isinstance` chains, no `getattr(config, name, default)`).
 """
 
 import abc
+from typing import TYPE_CHECKING
 
 import equinox as eqx
 import jax
@@ -34,9 +35,19 @@ class AbstractModelConfig(eqx.Module):
     vocab_size: AbstractVar[int]
     dim: AbstractVar[int]  # the residual stream's width: every decoder layer's input
     num_layers: AbstractVar[int]
-    mtp_depth: AbstractVar[int]  # multi-token prediction depths (0 for a family without them)
-    scan_layers: AbstractVar[bool]
-    attention: AbstractVar[str]  # the attention kernel: auto, xla, splash or cudnn (`ferry.nn.kernels.choice`)
+    if TYPE_CHECKING:
+        # A type checker reads an AbstractVar as a dataclass field: a family's defaulted field or
+        # property would then break the field order or override a field. Read-only here.
+        @property
+        def mtp_depth(self) -> int: ...
+        @property
+        def scan_layers(self) -> bool: ...
+        @property
+        def attention(self) -> str: ...
+    else:
+        mtp_depth: AbstractVar[int]  # multi-token prediction depths (0 for a family without them)
+        scan_layers: AbstractVar[bool]
+        attention: AbstractVar[str]  # the attention kernel: auto, xla, splash or cudnn (`ferry.nn.kernels.choice`)
 
     def __check_init__(self) -> None:
         check_attention_setting(self.attention)

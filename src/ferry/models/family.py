@@ -19,7 +19,11 @@ class HFMapping(Protocol):
     MODEL_TYPE: str  # config.json's model_type
     ARCHITECTURE: str  # the `transformers` class, e.g. "LlamaForCausalLM"
     FAMILY: str  # the family's name in messages, e.g. "Llama"
-    CONFIG_KEYS: Mapping[str, str]  # ferry field -> the config.json key it comes from
+
+    @property
+    def CONFIG_KEYS(self) -> Mapping[str, str]:  # a module constant, read-only here
+        """ferry field -> the config.json key it comes from."""
+        ...
 
     def config_from_hf(self, hf: Mapping[str, Any], mtp_layers: int = 0) -> AbstractModelConfig:
         """ferry's config for a config.json (and the MTP layers the checkpoint holds)."""

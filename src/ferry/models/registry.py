@@ -5,7 +5,7 @@ needs before building a model. A family is a package under `ferry.models` defini
 import math
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import equinox as eqx
@@ -78,7 +78,8 @@ def _counts(hint: Any) -> bool:
 
 
 def build_model(config: AbstractModelConfig, key: jax.Array) -> AbstractLanguageModel:
-    return family_of(config).model(config, key=key)
+    make: Callable[..., AbstractLanguageModel] = family_of(config).model  # a final class: it takes (config, key=)
+    return make(config, key=key)
 
 
 def abstract_model(config: AbstractModelConfig) -> AbstractLanguageModel:

@@ -1,5 +1,7 @@
-"""Causal grouped-query attention (Llama 3). Softmax in float32; the kernel is `model.attention`'s
-(`ferry.nn.kernels.choice`)."""
+"""Causal grouped-query attention (Llama 3; Qwen3's with per-head query and key norms). Softmax in
+float32; the kernel is `model.attention`'s (`ferry.nn.kernels.choice`)."""
+
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -9,11 +11,19 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from ferry.nn.kernels.choice import attend
 from ferry.nn.kernels.xla import QUERY_CHUNK, causal_attention
 from ferry.nn.linear import Linear
+from ferry.nn.norm import RMSNorm
 from ferry.nn.rope import Llama3RopeScaling, apply_rope, rope_frequencies
 from ferry.offload import tag
 from ferry.sharding import EMBED, HEADS
 
-__all__ = ["QUERY_CHUNK", "GroupedQueryAttention", "Segments", "causal_attention"]
+__all__ = [
+    "QUERY_CHUNK",
+    "GroupedQueryAttention",
+    "QKNormedAttention",
+    "Segments",
+    "causal_attention",
+    "grouped_query_attention",
+]
 
 # Packed documents (data.document_mask): each token's segment id and its position in its document,
 # both [batch, seq] integers (see ferry.data.segments); None: one causal sequence.
@@ -21,6 +31,8 @@ Segments = tuple[Int[Array, "batch seq"], Int[Array, "batch seq"]]
 
 
 class GroupedQueryAttention(eqx.Module):
+    """Causal GQA with RoPE (llama3-scaled where `rope_scaling` says), scale head_dim^-0.5."""
+
     query: Linear
     key: Linear
     value: Linear
@@ -53,17 +65,65 @@ class GroupedQueryAttention(eqx.Module):
         self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
         self.attention = attention
 
+    def query_and_key(
+        self, q: Float[Array, "batch seq heads head_dim"], k: Float[Array, "batch seq kv_heads head_dim"]
+    ) -> tuple[Float[Array, "batch seq heads head_dim"], Float[Array, "batch seq kv_heads head_dim"]]:
+        """The query and key heads RoPE rotates: the projections' (`QKNormedAttention` norms them)."""
+        return q, k
+
     def __call__(
         self, x: Float[Array, "batch seq dim"], segments: Segments | None = None
     ) -> Float[Array, "batch seq dim"]:
         """`segments`: packed documents' segment ids and positions (None: one sequence)."""
         batch, seq, _ = x.shape
         heads = (batch, seq, -1, self.head_dim)
+        # the projections are tagged (linear outputs: a saved value's tangent needs nothing
+        # recomputed); per-head norms and RoPE are recomputed from them
         q = tag(self.query(x), "query_proj", HEADS).reshape(heads)
         k = tag(self.key(x), "key_proj", HEADS).reshape(heads)
+        q, k = self.query_and_key(q, k)
         v = tag(self.value(x), "value_proj", HEADS).reshape(heads)
         frequencies = rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
         segment_ids, positions = (None, None) if segments is None else segments
         q, k = apply_rope(q, frequencies, positions=positions), apply_rope(k, frequencies, positions=positions)
         context = attend(self.attention, q, k, v, float(np.sqrt(1.0 / self.head_dim)), segment_ids)
         return tag(self.out(context), "out_proj", EMBED)
+
+
+class QKNormedAttention(GroupedQueryAttention):
+    """GQA whose query and key heads each pass an RMSNorm over head_dim (one weight shared by all
+    heads) before RoPE, as Hugging Face's `Qwen3Attention`. A subclass, not a field that may be
+    None, so plain GQA's parameter tree (its checkpoints) is unchanged."""
+
+    query_norm: RMSNorm
+    key_norm: RMSNorm
+
+    def __init__(self, *args: Any, norm_eps: float, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.query_norm = RMSNorm(self.head_dim, norm_eps)
+        self.key_norm = RMSNorm(self.head_dim, norm_eps)
+
+    def query_and_key(
+        self, q: Float[Array, "batch seq heads head_dim"], k: Float[Array, "batch seq kv_heads head_dim"]
+    ) -> tuple[Float[Array, "batch seq heads head_dim"], Float[Array, "batch seq kv_heads head_dim"]]:
+        return self.query_norm(q), self.key_norm(k)
+
+
+def grouped_query_attention(
+    dim: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rope_theta: float,
+    rope_scaling: Llama3RopeScaling | None,
+    *,
+    key: PRNGKeyArray,
+    attention: str = "auto",
+    qk_norm_eps: float | None = None,
+) -> GroupedQueryAttention:
+    """GQA with one option: `qk_norm_eps` (not None) norms every query and key head
+    (`QKNormedAttention`, Qwen3's)."""
+    args = (dim, num_heads, num_kv_heads, head_dim, rope_theta, rope_scaling)
+    if qk_norm_eps is None:
+        return GroupedQueryAttention(*args, key=key, attention=attention)
+    return QKNormedAttention(*args, key=key, attention=attention, norm_eps=qk_norm_eps)

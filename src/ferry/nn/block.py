@@ -5,7 +5,7 @@ reports (None for a dense one; a MoE's balance loss and expert load), so a stack
 asks what a layer returned."""
 
 import abc
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import equinox as eqx
 from equinox import AbstractVar
@@ -14,6 +14,15 @@ from jaxtyping import Array, Float
 from ferry.nn.attention import Segments
 from ferry.nn.mlp import SwiGLU
 from ferry.nn.norm import RMSNorm
+
+
+@runtime_checkable
+class Attention(Protocol):
+    """What a decoder block's attention is: `(x, segments) -> x` (GQA, MLA)."""
+
+    def __call__(
+        self, x: Float[Array, "batch seq dim"], segments: Segments | None = None
+    ) -> Float[Array, "batch seq dim"]: ...
 
 
 class LayerOutput(eqx.Module):
@@ -27,7 +36,7 @@ class AbstractDecoderBlock(eqx.Module):
     """A pre-norm block; its final subclasses say what their feed-forward is and reports."""
 
     attention_norm: AbstractVar[RMSNorm]
-    attention: AbstractVar[eqx.Module]  # (x, segments) -> x
+    attention: AbstractVar[Attention]
     mlp_norm: AbstractVar[RMSNorm]
 
     @abc.abstractmethod
@@ -45,11 +54,11 @@ class DecoderBlock(AbstractDecoderBlock):
     """Attention and a SwiGLU feed-forward (Llama's and Qwen3's layers, DeepSeek-V3's dense ones)."""
 
     attention_norm: RMSNorm
-    attention: eqx.Module
+    attention: Attention
     mlp_norm: RMSNorm
     mlp: SwiGLU
 
-    def __init__(self, attention: eqx.Module, mlp: SwiGLU, dim: int, norm_eps: float):
+    def __init__(self, attention: Attention, mlp: SwiGLU, dim: int, norm_eps: float):
         self.attention_norm = RMSNorm(dim, norm_eps)
         self.attention = attention
         self.mlp_norm = RMSNorm(dim, norm_eps)

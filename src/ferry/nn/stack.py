@@ -40,8 +40,9 @@ class LayerStack(eqx.Module):
 
     @property
     def pipelined(self) -> bool:
-        """Does a pipelined policy move this stack's copies one layer apart? Only in a scan of more
-        than one layer (XLA unrolls a scan of one step)."""
+        """Does this stack run its layers in a scan of more than one step (XLA unrolls a scan of
+        one step)? Only there does a pipelined policy move its copies one layer apart, and only
+        there are the layers the body of a loop (`offloaded`'s `in_scan`)."""
         return self.scan_layers and self.num_layers > 1
 
     def layer(self, index: int) -> eqx.Module:
@@ -73,9 +74,8 @@ class LayerStack(eqx.Module):
             policy.validate(self.tagged_names(x, *extra) | tagged_elsewhere)
         if self.pipelined and policy.pipelined_by_ferry:
             return offloaded_scan(_hidden_and_stats, policy, name=self.name)(self.layers, x, *extra)
-        in_scan = self.scan_layers and self.num_layers > 1  # XLA unrolls a scan of one step
-        run = offloaded(_run_layer, policy, check_names=False, name=self.name, in_scan=in_scan)
-        if in_scan:
+        run = offloaded(_run_layer, policy, check_names=False, name=self.name, in_scan=self.pipelined)
+        if self.pipelined:
             dynamic, static = eqx.partition(self.layers, eqx.is_array)
 
             def step(h: jax.Array, d: Any) -> tuple[jax.Array, Any]:

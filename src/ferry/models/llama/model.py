@@ -1,90 +1,17 @@
-"""Llama 3.1: RMSNorm, GQA with llama3-scaled RoPE, SwiGLU, untied embedding and head."""
+"""Llama 3.1: RMSNorm, GQA with llama3-scaled RoPE, SwiGLU, untied embedding and head: the dense
+decoder (`ferry.models.dense`) with `LlamaConfig`."""
 
-import equinox as eqx
-import jax
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import PRNGKeyArray
 
-from ferry.chunked_head import OutputHead
-from ferry.data.segments import DocumentMask
-from ferry.loss import DEFAULT_HEAD, LossHead, whole_logits
-from ferry.models.base import AbstractLanguageModel, dense_training_loss
+from ferry.models.dense.model import DenseDecoder, dense_decoder_layer
 from ferry.models.llama.config import LlamaConfig
-from ferry.nn.attention import GroupedQueryAttention, Segments
 from ferry.nn.block import DecoderBlock
-from ferry.nn.embedding import Embedding
-from ferry.nn.linear import Linear
-from ferry.nn.mlp import SwiGLU
-from ferry.nn.norm import RMSNorm
-from ferry.nn.stack import LayerStack
-from ferry.offload import SAVE_ALL, Policy
-from ferry.schedule import LayerKind
 
 
 def llama_decoder_layer(config: LlamaConfig, *, key: PRNGKeyArray) -> DecoderBlock:
-    k_attention, k_mlp = jax.random.split(key)
-    attention = GroupedQueryAttention(
-        config.dim,
-        config.num_heads,
-        config.num_kv_heads,
-        config.head_dim,
-        config.rope_theta,
-        config.rope_scaling,
-        key=k_attention,
-        attention=config.attention,
-    )
-    return DecoderBlock(attention, SwiGLU(config.dim, config.mlp_dim, key=k_mlp), config.dim, config.norm_eps)
+    """One Llama decoder layer (the dense decoder's)."""
+    return dense_decoder_layer(config, key=key)
 
 
-class Llama(AbstractLanguageModel):
-    embed: Embedding
-    layers: LayerStack
-    final_norm: RMSNorm
-    head: Linear
-    config: LlamaConfig = eqx.field(static=True)
-
-    def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray):
-        k_embed, k_layers, k_head = jax.random.split(key, 3)
-        self.embed = Embedding(config.vocab_size, config.dim, key=k_embed)
-        self.layers = LayerStack(
-            lambda k: llama_decoder_layer(config, key=k),
-            config.num_layers,
-            key=k_layers,
-            scan_layers=config.scan_layers,
-            name="decoder",
-        )
-        self.final_norm = RMSNorm(config.dim, config.norm_eps)
-        self.head = Linear(config.dim, config.vocab_size, axes=("embed", "vocab"), key=k_head)
-        self.config = config
-
-    def final_hidden(
-        self, tokens: Int[Array, "batch seq"], policy: Policy = SAVE_ALL, segments: Segments | None = None
-    ) -> Float[Array, "batch seq dim"]:
-        extra = () if segments is None else (segments,)
-        x, _ = self.layers(self.embed(tokens), policy, *extra)  # the stack checks the policy's names
-        return self.final_norm(x)
-
-    def output_head(self) -> OutputHead:
-        return OutputHead(self.head.weight, self.head.axes)
-
-    def __call__(
-        self, tokens: Int[Array, "batch seq"], policy: Policy = SAVE_ALL, segments: Segments | None = None
-    ) -> Float[Array, "batch seq vocab"]:
-        return whole_logits(self.final_hidden(tokens, policy, segments), self.output_head())
-
-    def training_loss(
-        self,
-        batch: Int[Array, "batch seq_plus_one"],
-        policy: Policy,
-        z_loss_weight: float = 0.0,
-        documents: DocumentMask | None = None,
-        head: LossHead = DEFAULT_HEAD,
-    ) -> tuple[Float[Array, ""], dict[str, Array]]:
-        return dense_training_loss(self, batch, policy, z_loss_weight, documents, head)
-
-    def after_step(self, stats: dict[str, Array]) -> "Llama":
-        """Llama has no state updated outside the gradient."""
-        return self
-
-    def layer_kinds(self) -> list[LayerKind]:
-        make = lambda k: llama_decoder_layer(self.config, key=k)  # noqa: E731
-        return [LayerKind.of_stack("decoder", lambda m: m.layers, self, make)]
+class Llama(DenseDecoder):
+    """The dense decoder under Llama's name (its `Family`'s model class)."""

@@ -1,11 +1,11 @@
-"""The Qwen3 (dense) family: `config` (its architecture), `model` (the Equinox model and its
+"""The Qwen3 (dense) family: `config` (its architecture), `model` (the dense decoder with
 q/k-normed attention), `hf` (its Hugging Face `Qwen3ForCausalLM` mapping)."""
 
 from ferry.models.family import Family
 from ferry.models.qwen3 import hf
 from ferry.models.qwen3.config import Qwen3Config
-from ferry.models.qwen3.model import Qwen3, Qwen3Attention, qwen3_decoder_layer
+from ferry.models.qwen3.model import Qwen3, qwen3_decoder_layer
 
 FAMILY = Family("qwen3", Qwen3Config, Qwen3, tiny_model="qwen3_tiny", hf=hf)
 
-__all__ = ["FAMILY", "Qwen3", "Qwen3Attention", "Qwen3Config", "qwen3_decoder_layer"]
+__all__ = ["FAMILY", "Qwen3", "Qwen3Config", "qwen3_decoder_layer"]

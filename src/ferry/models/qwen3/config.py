@@ -1,73 +1,18 @@
-"""Qwen3's dense architecture: Llama's layout with an RMSNorm on every query and key head, no
+"""Qwen3's dense architecture: the dense decoder with an RMSNorm on every query and key head, no
 biases, plain RoPE (theta 1e6) and, in its small models, the output head tied to the embedding."""
 
-import dataclasses
+from typing import ClassVar
 
-from ferry.config_schema import require_positive
-from ferry.models.base import AbstractModelConfig, MeshDim
-from ferry.models.flops import grouped_query_attention_flops, swiglu_flops
+from ferry.models.dense.config import DenseConfig
 
 
-class Qwen3Config(AbstractModelConfig):
-    vocab_size: int
-    dim: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
+class Qwen3Config(DenseConfig):
     head_dim: int  # Qwen3 sets it apart from dim / num_heads (128 in every size)
-    mlp_dim: int
     rope_theta: float = 1000000.0
     norm_eps: float = 1e-6  # every RMSNorm's, the per-head query and key norms' too
     tie_embeddings: bool = False  # the head reads the embedding table (Qwen3 0.6B, 1.7B, 4B)
-    scan_layers: bool = True
-    attention: str = "auto"  # the attention kernel: auto, xla, splash, cudnn (ferry.nn.kernels.choice)
 
-    def __check_init__(self) -> None:
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"model.num_heads={self.num_heads} is not a multiple of model.num_kv_heads={self.num_kv_heads}"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"model.head_dim={self.head_dim} must be even for rotary embeddings")
-        require_positive("model.norm_eps", self.norm_eps, "RMSNorm divides by the root of the mean square plus it")
-        require_positive("model.rope_theta", self.rope_theta, "RoPE's wavelengths are its powers")
+    qk_norm: ClassVar[bool] = True
 
-    @property
-    def mtp_depth(self) -> int:
-        """Qwen3 predicts the next token only."""
-        return 0
-
-    def attention_heads(self) -> tuple[int, int, int, int]:
-        return (self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim)
-
-    def mesh_dims(self) -> list[MeshDim]:
-        return [
-            ("model.num_heads", self.num_heads, "tensor"),
-            ("model.num_kv_heads", self.num_kv_heads, "tensor"),
-            ("model.mlp_dim", self.mlp_dim, "tensor"),
-            ("model.vocab_size", self.vocab_size, "tensor"),
-            ("model.dim", self.dim, "fsdp"),
-        ]
-
-    def forward_flops(self, batch: int, seq: int) -> tuple[int, float]:
-        """Llama's count: the query and key norms are elementwise work; a tied head is still a
-        matmul with a weight."""
-        projections, attention = grouped_query_attention_flops(
-            batch, seq, self.dim, self.num_heads, self.num_kv_heads, self.head_dim
-        )
-        per_layer = projections + swiglu_flops(batch * seq, self.dim, self.mlp_dim)
-        head = 2 * batch * seq * self.dim * self.vocab_size
-        return per_layer * self.num_layers + head, attention * self.num_layers
-
-    def for_platform(self, platform: str) -> "Qwen3Config":
-        """Qwen3 leaves nothing to the backend."""
-        return self
-
-    def without_mtp(self) -> "Qwen3Config":
-        return self
-
-    def stack_depths(self) -> dict[str, int]:
-        return {"decoder": self.num_layers}
-
-    def with_stack_depths(self, depths: dict[str, int]) -> "Qwen3Config":
-        return dataclasses.replace(self, num_layers=depths["decoder"])
+    def tied_head(self) -> bool:
+        return self.tie_embeddings
