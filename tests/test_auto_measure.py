@@ -172,6 +172,7 @@ def test_the_measuring_process_times_a_run_on_this_machine_and_refuses_a_mesh_it
         measure_in_subprocess({**node, "mesh": {**node["mesh"], "fsdp": 2}}, StepTimer(0, 1), timeout_s=300.0)
 
 
+@needs_cuda_plugin  # without the plan extra an H200 plan is refused first, naming the extra
 def test_the_launcher_refuses_measuring_asked_for_on_a_machine_without_the_targets_chip():
     """At once, before any compile."""
     result = run_launcher("mode=plan", "target=h200", "offload=auto", "offload.auto.measure=true")

@@ -3,8 +3,15 @@
 import jax
 import pytest
 
-from ferry.platform import apply_platform
+from ferry.platform import GPU_MIN_JAX, apply_platform, jax_release
 from tests.conftest import load_platform, run_launcher, run_python
+
+# Below GPU_MIN_JAX the launcher refuses platform=gpu before it shows the platform's flags
+# (test_gpu_needs_jax_0_12_and_says_why checks that refusal on every jax).
+needs_gpu_jax = pytest.mark.skipif(
+    jax_release(jax.__version__) < GPU_MIN_JAX,
+    reason=f"jax {jax.__version__} refuses platform=gpu before its flags are shown (jax >= 0.12 shows them)",
+)
 
 
 def test_gpu_flags_and_host_pool():
@@ -36,6 +43,7 @@ def test_applying_after_the_backend_started_is_refused():
         apply_platform(load_platform("gpu"))
 
 
+@needs_gpu_jax
 def test_launcher_prints_the_platform_and_refuses_a_gpu_it_does_not_have(tmp_path):
     """platform=gpu on this CPU-only machine: the flags are shown, then the run is refused in one
     line instead of training on the CPU without a word."""
@@ -53,7 +61,6 @@ def test_gpu_needs_jax_0_12_and_says_why(monkeypatch):
     """Below jax 0.12 XLA:GPU miscompiles host reads in backward loops (openxla/xla #46231):
     platform=gpu is refused in one line naming the bug and the upgrade, before any backend
     starts; CPU and TPU still run on that jax."""
-    from ferry.platform import jax_release
     from tests.launcher_cases import load_launcher, run_case
 
     assert jax_release("0.12.0.1") == (0, 12, 0, 1) and jax_release("0.10.2.dev20260101") == (0, 10, 2)
