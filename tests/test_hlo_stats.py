@@ -11,6 +11,7 @@ from ferry.xla.hlo_flops import matmul_flops
 from ferry.xla.hlo_host_copies import host_copies, overlapped_flops
 from ferry.xla.hlo_parse import byte_strides, execution_counts, shape_bytes
 from ferry.xla.hlo_slice_walks import host_slice_walks
+from tests.conftest import needs_cuda_plugin, needs_libtpu
 
 MODULE = """HloModule jit_step, entry_computation_layout={(f32[3,4,16]{2,1,0})->f32[]}
 
@@ -145,6 +146,7 @@ def compiled_text(target: str, fn, *shapes: tuple[tuple[int, ...], str]) -> str:
     return jax.jit(fn).lower(*args).compile(device.compile_options({})).as_text()
 
 
+@needs_libtpu
 def test_a_tpu_product_batched_over_experts_counts_one_window_tap_per_output():
     """XLA:TPU writes a product batched over 8 experts as a convolution whose batch is a base-
     dilated spatial dimension (`size=8 stride=7 lhs_dilate=8`): each output reads one of the 8
@@ -156,6 +158,7 @@ def test_a_tpu_product_batched_over_experts_counts_one_window_tap_per_output():
     assert matmul_flops(hlo) == 2 * 8 * 512 * 256 * 128
 
 
+@needs_libtpu
 def test_tpu_grouped_kernels_count_their_routed_rows():
     """The forward product of Pallas megablox `gmm` and both of its backward products (`gmm` on
     the transposed weights, `tgmm`), compiled for v5p, count 2 x rows x 256 x 128 each (their
@@ -173,6 +176,7 @@ def test_tpu_grouped_kernels_count_their_routed_rows():
     assert matmul_flops(hlo) == 3 * 2 * 304 * 256 * 128
 
 
+@needs_cuda_plugin
 def test_cublas_gemms_compiled_for_an_h200_count_their_product():
     hlo = compiled_text("h200", lambda a, b: a @ b, ((512, 256), "bfloat16"), ((256, 384), "bfloat16"))
     assert "__cublas$lt$matmul" in hlo
@@ -295,6 +299,7 @@ def test_collectives_read_every_spelling_of_their_groups_and_their_ring_bytes():
     assert found["collective-permute"].algorithmic_bytes == 8 * 16 * 4
 
 
+@needs_cuda_plugin
 def test_an_fsdp_step_compiled_for_h200s_gathers_and_scatters_its_weight_shards():
     """A weight sharded over 8 H200s (FSDP) and used by a batch sharded the same way: the forward
     gathers the [512, 256] f32 weight (each device sends 7/8 of it), the gradient is reduce-
