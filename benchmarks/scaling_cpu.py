@@ -42,7 +42,7 @@ class Layout:
         from ferry.run.preflight import prepare
         from ferry.train.compiled_step import batch_spec_of, compile_from_layout, layout_of
         from ferry.train.optimizer import learning_rate_schedule, make_optimizer
-        from ferry.train.state import initial_state
+        from ferry.train.state_layout import initial_state
         from ferry.train.step import LossSettings, train_step_body
         from ferry.xla.hlo_collectives import collective_bytes
 

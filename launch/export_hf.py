@@ -27,7 +27,7 @@ from ferry.hf.pretrained import EXPORT_DTYPES
 from ferry.run.checkpoint import Checkpoints, checkpoint_steps
 from ferry.run.config import FerryConfig, load_config
 from ferry.sharding import MeshConfig, make_mesh
-from ferry.train.state import run_state_layout
+from ferry.train.state_layout import run_state_layout
 
 
 class ExportError(FerryError, ValueError):

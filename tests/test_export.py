@@ -16,7 +16,7 @@ from ferry.hf import load_pretrained
 from ferry.overrides import compose_node
 from ferry.run.checkpoint import Checkpoints
 from ferry.sharding import MeshConfig, make_mesh
-from ferry.train.state import run_state_layout
+from ferry.train.state_layout import run_state_layout
 from tests.conftest import CONFIGS, ROOT, SMALL_RUN, compose_config
 
 SCRIPT = ROOT / "launch" / "export_hf.py"

@@ -19,7 +19,7 @@ from ferry.run.training import train as train_run
 from ferry.train.compiled_step import compile_from_layout, layout_of
 from ferry.train.config import TrainConfig
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer, streamed_update
-from ferry.train.state import StateLayout
+from ferry.train.state_layout import StateLayout
 from ferry.train.state_memory import (
     StatePlacement,
     StreamedUpdate,

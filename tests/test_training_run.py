@@ -29,7 +29,7 @@ from ferry.run.nonfinite import NonFiniteLossError
 from ferry.run.preflight import prepare
 from ferry.run.training import train
 from ferry.train.optimizer import make_optimizer
-from ferry.train.state import state_layout
+from ferry.train.state_layout import state_layout
 from tests.conftest import compilation_cache, compose_config, start_launcher
 
 STEPS = 8

@@ -45,7 +45,7 @@ from ferry.plan.replay import LayerGroupTrace, read_by_backward, recompute_flops
 from ferry.precision import cast_floating
 from ferry.run.config import FerryConfig
 from ferry.schedule import model_schedule
-from ferry.train.state import run_state_layout
+from ferry.train.state_layout import run_state_layout
 from ferry.train.state_memory import (
     DEVICE,
     HOST,

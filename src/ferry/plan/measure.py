@@ -172,7 +172,7 @@ class _Compiled(NamedTuple):
 
     compiled: Any
     run: Callable
-    layout: Any  # ferry.train.state.StateLayout
+    layout: Any  # ferry.train.state_layout.StateLayout
     placement: Any  # ferry.data.placement.BatchPlacement
     optimizer: Any
 
@@ -184,7 +184,7 @@ def _compiled(config: FerryConfig, mesh: Mesh, documents: DocumentMask | None) -
     from ferry.models.registry import abstract_model
     from ferry.train.compiled_step import compile_step
     from ferry.train.optimizer import learning_rate_schedule, make_optimizer
-    from ferry.train.state import run_state_layout
+    from ferry.train.state_layout import run_state_layout
     from ferry.train.step import LossSettings, train_step_body
     from ferry.xla.scheduler_costs import ProfileCache, scheduler_target
 
@@ -208,7 +208,7 @@ def _compiled(config: FerryConfig, mesh: Mesh, documents: DocumentMask | None) -
 def _timed(step: _Compiled, config: FerryConfig, mesh: Mesh, timer: StepTimer) -> StepTiming:
     """`timer`'s timing of the step on a fresh random state and zero batches, each made anew (the
     step donates its batch)."""
-    from ferry.train.state import initial_state
+    from ferry.train.state_layout import initial_state
 
     zeros = np.zeros((len(step.placement.local_rows), config.train.seq_len + 1), np.int32)
     state = [initial_state(config, step.optimizer, mesh, step.layout)[0]]

@@ -29,7 +29,7 @@ from ferry.schedule import TransferSchedule, model_schedule
 from ferry.sharding import MESH_AXES, MeshConfig, batch_sharded
 from ferry.train.compiled_step import CompiledStep, compile_from_layout
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer
-from ferry.train.state import StateLayout, run_state_layout
+from ferry.train.state_layout import StateLayout, run_state_layout
 from ferry.train.state_memory import state_writes
 from ferry.train.step import LossSettings, train_step_body
 from ferry.train.step_flops import training_flops

@@ -32,7 +32,7 @@ from ferry.run.loggers import check_wandb
 from ferry.run.policy_check import check_before_training
 from ferry.schedule import TransferSchedule, format_bytes, model_schedule
 from ferry.sharding import make_mesh, parameters_per_device
-from ferry.train.state import StateLayout, run_state_layout
+from ferry.train.state_layout import StateLayout, run_state_layout
 from ferry.train.state_memory import state_copies
 
 

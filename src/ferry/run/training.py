@@ -33,7 +33,7 @@ from ferry.schedule import schedule_table
 from ferry.train.compiled_step import compile_step
 from ferry.train.config import TrainConfig
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer
-from ferry.train.state import initial_state
+from ferry.train.state_layout import initial_state
 from ferry.train.step import LossSettings, make_eval_step, train_step_body
 from ferry.train.train_state import TrainState
 from ferry.xla.compile_oom import StepOverHbm

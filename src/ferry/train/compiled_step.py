@@ -13,7 +13,7 @@ import jax
 from jax.typing import ArrayLike
 from jaxtyping import Array, Int
 
-from ferry.train.state import StateLayout
+from ferry.train.state_layout import StateLayout
 from ferry.train.train_state import TrainState
 from ferry.xla.compile_oom import CompileTimeOom, StepOverHbm, argument_bytes
 from ferry.xla.scheduler_costs import ProfileCache, compile_with_costs
