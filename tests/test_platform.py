@@ -1,5 +1,7 @@
 """Platform configs: XLA flags reach the backend only when applied before it starts."""
 
+import os
+
 import jax
 import pytest
 
@@ -25,6 +27,26 @@ def test_gpu_flags_and_host_pool():
     assert env["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] == "64" and env["XLA_CLIENT_MEM_FRACTION"] == "0.95"
     assert load_platform("tpu").flag_variable == "LIBTPU_INIT_ARGS"
     assert load_platform("cpu").environment({}) == {}
+
+
+def test_accelerators_keep_a_persistent_compilation_cache_an_exported_one_wins():
+    home = os.path.expanduser("~")
+    for name in ("tpu", "gpu"):
+        assert load_platform(name).environment({})["JAX_COMPILATION_CACHE_DIR"] == f"{home}/.cache/ferry/jax"
+        assert "JAX_COMPILATION_CACHE_DIR" not in load_platform(name).environment({"JAX_COMPILATION_CACHE_DIR": "/x"})
+    assert load_platform("cpu").compilation_cache is None
+
+
+def test_the_compilation_cache_receives_the_programs_compiled_after_the_platform_is_applied(tmp_path):
+    code = (
+        "import jax, jax.numpy as jnp; from ferry.platform import PlatformConfig, apply_platform; "
+        "jax.config.update('jax_persistent_cache_min_compile_time_secs', 0); "
+        f"apply_platform(PlatformConfig('cpu', compilation_cache={str(tmp_path / 'cache')!r})); "
+        "print(jax.jit(lambda x: jnp.sin(x) * 3)(jnp.ones(4)).sum())"
+    )
+    result = run_python(code, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert list((tmp_path / "cache").iterdir()), "no program reached the cache"
 
 
 def test_flags_take_effect_before_the_backend_starts():

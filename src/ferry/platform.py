@@ -29,6 +29,7 @@ MAX_CPU_DEVICES = 1024
 # residual's host reads in the backward loop forwards (openxla/xla #46231, fixed with #46308 in
 # the XLA of jax 0.12): silently wrong gradients for every preset that offloads
 GPU_MIN_JAX = (0, 12)
+CACHE_VARIABLE = "JAX_COMPILATION_CACHE_DIR"  # JAX's persistent compilation cache (`compilation_cache`)
 
 
 class PlatformError(FerryError, RuntimeError):
@@ -42,7 +43,8 @@ class PlatformConfig:
     the plan's cost model (`ferry.xla.scheduler_costs`; two compiles where XLA autotunes), or
     `xla`, its own fixed estimates. `scheduler_costs_cached`: keep ferry's priced profiles on disk
     (`ProfileCache`), so a program compiled again (a re-plan, a restarted run) is not priced again
-    and, where XLA autotunes, compiles once."""
+    and, where XLA autotunes, compiles once. `compilation_cache`: the directory of JAX's persistent
+    compilation cache (`~` and `$VARS` expanded; an exported `JAX_COMPILATION_CACHE_DIR` wins)."""
 
     name: str = "cpu"
     xla_flags: Mapping[str, object] = dataclasses.field(default_factory=dict)
@@ -50,6 +52,9 @@ class PlatformConfig:
     cpu_devices: int | None = None  # CPU only: split the host into this many virtual devices
     scheduler_costs: str = "xla"
     scheduler_costs_cached: bool = True
+    # JAX's persistent compilation cache: a program compiled before (a restarted or resumed run,
+    # the same model under another preset) is read from here instead of compiled; null: none
+    compilation_cache: str | None = None
 
     def __post_init__(self) -> None:
         if self.name not in _FLAG_VARIABLE:
@@ -86,6 +91,8 @@ class PlatformConfig:
         """The variables to set: the flags appended to any the user already exported (so an
         explicit XLA_FLAGS still wins on conflicts, being read last), plus `env`."""
         out = {name: str(value) for name, value in self.env.items()}
+        if self.compilation_cache is not None and not current.get(CACHE_VARIABLE):
+            out[CACHE_VARIABLE] = os.path.expanduser(os.path.expandvars(self.compilation_cache))
         flags = self.flag_string()
         if flags:
             existing = current.get(self.flag_variable, "")
@@ -122,6 +129,8 @@ def apply_platform(config: PlatformConfig) -> dict[str, str]:
         )
     os.environ.update(variables)
     jax.config.update("jax_platforms", _JAX_PLATFORM[config.name])
+    if CACHE_VARIABLE in variables:  # JAX read its variables at import; children inherit the export
+        jax.config.update("jax_compilation_cache_dir", variables[CACHE_VARIABLE])
     return variables
 
 
