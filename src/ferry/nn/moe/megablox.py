@@ -25,14 +25,26 @@ from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm as gmm_kernel
 from jax.experimental.pallas.ops.tpu.megablox.gmm import tgmm as tgmm_kernel
 from jaxtyping import Array, Float, Int
 
-# Rows x contracted x output columns per kernel step, as MaxText's default megablox tiling; each
-# is clipped to the operand's size, so small (test) widths take one tile.
-TILING: tuple[int, int, int] = (512, 1024, 1024)
+Tile = tuple[int, int, int]  # rows x contracted x output columns per kernel step
+# MaxText's default megablox tiling, for the products no measurement chose one for
+TILING: Tile = (512, 1024, 1024)
+# an expert matrix's (d_in, d_out) -> the tile of its three kernels (forward, input and weight
+# gradients), the fastest forward + backward measured on a TPU v5e (`benchmarks/moe_tpu.py`,
+# benchmarks/results/moe_tpu_v5e.json: DeepSeek-V3's widths, 16 experts, 2,048 tokens x top-8, on
+# 2026-12-06: 9.71 ms up, 8.77 ms down, 0.90x and 0.67x XLA's ragged_dot; no tile larger than
+# these fits the kernels' VMEM)
+TUNED: dict[tuple[int, int], Tile] = {(7168, 2048): (512, 1024, 1024), (2048, 7168): (256, 1024, 1024)}
 
 
-def _tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
-    """TILING clipped to the product's shape; rows stay a multiple of 8 (a TPU sublane)."""
-    tm, tk, tn = TILING
+def _chosen(w: jax.Array, tile: Tile | None) -> Tile:
+    """`tile`, or the one measured for `w`'s width (TUNED), or TILING."""
+    return tile or TUNED.get((w.shape[1], w.shape[2]), TILING)
+
+
+def _tiling(m: int, k: int, n: int, tile: Tile) -> Tile:
+    """`tile` clipped to the product's shape; rows stay a multiple of 8 (a TPU sublane), so
+    small (test) widths take one tile."""
+    tm, tk, tn = tile
     return min(tm, -(-m // 8) * 8), min(tk, k), min(tn, n)
 
 
@@ -64,24 +76,24 @@ def _in_groups(rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
     return jnp.where((jnp.arange(rows.shape[0]) < group_sizes.sum())[:, None], rows, 0)
 
 
-def _forward(x: jax.Array, w: jax.Array, group_sizes: jax.Array, interpret: bool) -> jax.Array:
+def _forward(x: jax.Array, w: jax.Array, group_sizes: jax.Array, interpret: bool, tile: Tile) -> jax.Array:
     m, k = x.shape
-    tiling = _tiling(m, k, w.shape[2])
+    tiling = _tiling(m, k, w.shape[2], tile)
     out = _unchecked(gmm_kernel)(_padded_rows(x, tiling[0]), w, group_sizes, x.dtype, tiling, interpret=interpret)
     return _in_groups(out[:m], group_sizes)
 
 
-def _input_gradient(g: jax.Array, w: jax.Array, group_sizes: jax.Array, dtype: jnp.dtype, interpret: bool):
+def _input_gradient(g: jax.Array, w: jax.Array, group_sizes: jax.Array, dtype: jnp.dtype, interpret: bool, tile):
     m, n = g.shape
-    tiling = _tiling(m, n, w.shape[1])
+    tiling = _tiling(m, n, w.shape[1], tile)
     gmm = _unchecked(gmm_kernel)
     dx = gmm(_padded_rows(g, tiling[0]), w, group_sizes, dtype, tiling, transpose_rhs=True, interpret=interpret)
     return _in_groups(dx[:m], group_sizes)
 
 
-def _weight_gradient(x: jax.Array, g: jax.Array, group_sizes: jax.Array, dtype: jnp.dtype, interpret: bool):
+def _weight_gradient(x: jax.Array, g: jax.Array, group_sizes: jax.Array, dtype: jnp.dtype, interpret: bool, tile):
     m, k = x.shape
-    tiling = _tiling(m, k, g.shape[1])
+    tiling = _tiling(m, k, g.shape[1], tile)
     x, g = _padded_rows(x, tiling[0]), _padded_rows(g, tiling[0])
     return _unchecked(tgmm_kernel)(x.swapaxes(0, 1), g, group_sizes, dtype, tiling, interpret=interpret)
 
@@ -95,16 +107,18 @@ def _reference_gradients(x: jax.Array, w: jax.Array, group_sizes: jax.Array, g: 
     return pullback(g)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def megablox_matmul(
     x: Float[Array, "rows d_in"],
     w: Float[Array, "experts d_in d_out"],
     group_sizes: Int[Array, " experts"],
     interpret: bool = False,
+    tile: Tile | None = None,
 ) -> Float[Array, "rows d_out"]:
     """Rows [sum(group_sizes[:e]), sum(group_sizes[:e + 1])) of x times expert e's matrix; rows
-    past the groups give zeros. x and w share a dtype (the compute dtype)."""
-    return _megablox_forward(x, w, group_sizes, interpret)
+    past the groups give zeros. x and w share a dtype (the compute dtype). `tile`: every kernel's
+    tile (default: `_tiling`'s choice per product)."""
+    return _megablox_forward(x, w, group_sizes, interpret, tile)
 
 
 def _kernel_dtypes(*arrays: jax.Array) -> bool:
@@ -112,29 +126,30 @@ def _kernel_dtypes(*arrays: jax.Array) -> bool:
     return all(a.dtype in (jnp.bfloat16, jnp.float32) for a in arrays)
 
 
-def _megablox_forward(x: jax.Array, w: jax.Array, group_sizes: jax.Array, interpret: bool) -> jax.Array:
+def _megablox_forward(x: jax.Array, w: jax.Array, group_sizes: jax.Array, interpret: bool, tile) -> jax.Array:
+    tile = _chosen(w, tile)
     if interpret:
-        return _forward(x, w, group_sizes, True)
+        return _forward(x, w, group_sizes, True, tile)
     if not _kernel_dtypes(x, w):
         return _reference_forward(x, w, group_sizes)
     return jax.lax.platform_dependent(
-        x, w, group_sizes, tpu=functools.partial(_forward, interpret=False), default=_reference_forward
+        x, w, group_sizes, tpu=functools.partial(_forward, interpret=False, tile=tile), default=_reference_forward
     )
 
 
-def _megablox_fwd(x: jax.Array, w: jax.Array, group_sizes: jax.Array, interpret: bool):
-    return _megablox_forward(x, w, group_sizes, interpret), (x, w, group_sizes)
+def _megablox_fwd(x: jax.Array, w: jax.Array, group_sizes: jax.Array, interpret: bool, tile):
+    return _megablox_forward(x, w, group_sizes, interpret, tile), (x, w, group_sizes)
 
 
-def _megablox_bwd(interpret: bool, residuals: tuple, g: jax.Array) -> tuple:
+def _megablox_bwd(interpret: bool, tile: Tile | None, residuals: tuple, g: jax.Array) -> tuple:
     """Input gradient `gmm(g, w^T)`, weight gradient `tgmm(x^T, g)`: both over the routed rows."""
     x, w, group_sizes = residuals
-    g = g.astype(x.dtype)
+    g, tile = g.astype(x.dtype), _chosen(w, tile)
 
     def kernels_(x: jax.Array, w: jax.Array, group_sizes: jax.Array, g: jax.Array, interpret: bool):
         return (
-            _input_gradient(g, w, group_sizes, x.dtype, interpret),
-            _weight_gradient(x, g, group_sizes, w.dtype, interpret),
+            _input_gradient(g, w, group_sizes, x.dtype, interpret, tile),
+            _weight_gradient(x, g, group_sizes, w.dtype, interpret, tile),
         )
 
     if interpret:
