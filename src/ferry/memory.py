@@ -10,35 +10,68 @@ import psutil
 
 from ferry.errors import FerryError
 
-# float32 master params + float32 grads + AdamW's two float32 moments, + a bf16 compute copy.
-TRAINING_BYTES_PER_PARAMETER = 4 + 4 + 8 + 2
-
 
 class InsufficientMemoryError(FerryError, RuntimeError):
     """The run needs more memory than the devices (or, on CPU, the host) have."""
 
 
-def available_bytes() -> tuple[int, str]:
-    """Memory the training state can use, and where it is."""
+@dataclasses.dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of the training state on the device and in pinned host memory: float32
+    grads and a bf16 compute copy on the device; the float32 master weights (`offload.params`)
+    and AdamW's two float32 moments (`offload.optimizer`) where the offload config puts them."""
+
+    device: int
+    host: int
+
+    @classmethod
+    def of(cls, params_on_host: bool, optimizer_on_host: bool) -> "StateBytes":
+        master, moments = 4, 8
+        host = master * params_on_host + moments * optimizer_on_host
+        return cls(device=4 + 2 + master * (not params_on_host) + moments * (not optimizer_on_host), host=host)
+
+    def describe(self) -> str:
+        where = f"{self.device} B per parameter on the device"
+        return where + (f", {self.host} B in host memory" if self.host else "")
+
+
+def available_bytes() -> tuple[int, str, bool]:
+    """Memory the training state can use, where it is, and whether that is the host's RAM
+    (the CPU backend: device and host placements share it)."""
     devices = jax.local_devices()
     stats = devices[0].memory_stats()
     if stats and "bytes_limit" in stats:
-        return stats["bytes_limit"] * len(devices), f"{len(devices)} x {devices[0].device_kind} HBM"
-    return psutil.virtual_memory().available, "host RAM available to the CPU backend"
+        return stats["bytes_limit"] * len(devices), f"{len(devices)} x {devices[0].device_kind} HBM", False
+    return psutil.virtual_memory().available, "host RAM available to the CPU backend", True
 
 
-def check_fits(model_name: str, parameters_per_device: int, size: str, suggestion: str) -> None:
-    """Refuse a model whose training state alone exceeds this host's memory; `size` describes
-    the model, `parameters_per_device` is what one device holds of it under the mesh."""
+def check_fits(
+    model_name: str, parameters_per_device: int, size: str, suggestion: str, per_parameter: StateBytes
+) -> None:
+    """Refuse a model whose training state alone exceeds this host's device memory (or its
+    host-placed part the host's RAM); `size` describes the model, `parameters_per_device` is what
+    one device holds of it under the mesh, `per_parameter` where its bytes live."""
     devices = len(jax.local_devices())
-    needed = parameters_per_device * TRAINING_BYTES_PER_PARAMETER * devices
-    have, where = available_bytes()
+    on_device = parameters_per_device * per_parameter.device * devices
+    on_host = parameters_per_device * per_parameter.host * devices
+    have, where, shared = available_bytes()
+    needed = on_device + on_host if shared else on_device
+    state = (
+        f"its fp32 parameters, gradients, AdamW state and bf16 compute copy ({per_parameter.describe()}, "
+        "before activations)"
+    )
     if needed > have:
         raise InsufficientMemoryError(
-            f"model {model_name} has {size}: its fp32 parameters, "
-            f"gradients, AdamW state and bf16 compute copy need {needed / 2**30:,.1f} GiB on this host's "
-            f"{devices} device(s) with this mesh ({TRAINING_BYTES_PER_PARAMETER} B per parameter, before "
-            f"activations), but this machine has {have / 2**30:,.1f} GiB ({where}). {suggestion}"
+            f"model {model_name} has {size}: {state} need {needed / 2**30:,.1f} GiB on this host's {devices} "
+            f"device(s) with this mesh, but this machine has {have / 2**30:,.1f} GiB ({where}). {suggestion}"
+        )
+    host_ram = psutil.virtual_memory().available
+    if not shared and on_host > host_ram:
+        raise InsufficientMemoryError(
+            f"model {model_name} has {size}: {state} need {on_host / 2**30:,.1f} GiB of host memory for this "
+            f"host's {devices} device(s), but it has {host_ram / 2**30:,.1f} GiB available. Keep part of the "
+            f"state on the device (offload.params=device or offload.optimizer=device), or {suggestion[0].lower()}"
+            f"{suggestion[1:]}"
         )
 
 

@@ -20,7 +20,7 @@ from ferry.data.tokenizer import Tokenizer, load_tokenizer
 from ferry.errors import DataError, FerryError, JsonFileError
 from ferry.hf import CheckpointError as HFCheckpointError
 from ferry.hf import check_checkpoint
-from ferry.memory import check_fits
+from ferry.memory import StateBytes, check_fits
 from ferry.models.registry import abstract_model, count_parameters, family_of, size_summary
 from ferry.offload import Policy
 from ferry.run.checkpoint import model_identity
@@ -131,6 +131,7 @@ def check_model_fits(config: FerryConfig, model: eqx.Module, num_parameters: int
         size_summary(config.model, num_parameters),
         f"Use model={family_of(config.model).tiny_model} on this machine, or shard it (mesh.fsdp) over devices "
         "whose memory holds it.",
+        StateBytes.of(config.offload.params == "host", config.offload.optimizer == "host"),
     )
 
 
