@@ -44,9 +44,9 @@ MODEL = (
     "model.mlp_dim=8192",
     "model.num_layers=4",
     "model.vocab_size=32768",
-    "train.seq_len=2048",
     "data=synthetic",
 )
+SEQ = 2048  # the benchmark's sequence; --seq 8192 --batches 2 is the long-context column
 PLATFORM = "tpu"
 PRESETS = ("save_all", "minimal", "full_remat", "decoder_input_offload", "qkv_offload", "minimal_offloaded")
 JAX_OFFLOAD = "jax_offload"  # JAX's own offload of JAX_OFFLOAD_TENSORS' tensors
@@ -69,7 +69,7 @@ CUSTOM: dict[str, list[str]] = {}
 
 
 def case_overrides(
-    case: str, batch: int, run_dir: Path, check_policy: bool, offload: list[str] | None = None
+    case: str, batch: int, run_dir: Path, check_policy: bool, offload: list[str] | None = None, seq: int = SEQ
 ) -> list[str]:
     """The `launch/run.py` overrides of one case (`offload`: its placement, where not its name's)."""
     if offload is not None:
@@ -85,6 +85,7 @@ def case_overrides(
         *offload,
         f"platform={PLATFORM}",
         f"train.global_batch_size={batch}",
+        f"train.seq_len={seq}",
         f"train.steps={STEPS}",
         "train.log_every=1",
         "train.eval_batches=0",
@@ -108,26 +109,33 @@ def scratch_root() -> Path:
 
 
 def run_case(
-    case: str, batch: int, link: dict | None, timeout: float, check_policy: bool = False, keep: Path | None = None
+    case: str,
+    batch: int,
+    link: dict | None,
+    timeout: float,
+    check_policy: bool = False,
+    keep: Path | None = None,
+    seq: int = SEQ,
 ) -> dict:
     """One case in its own process; its record. `keep`: a folder to copy its trace and log into."""
     root = scratch_root()
-    run_dir = root / f"{case}-b{batch}"
-    command = [sys.executable, str(ROOT / "launch" / "run.py"), *case_overrides(case, batch, run_dir, check_policy)]
-    record: dict = {"preset": case, "global_batch": batch, "date": datetime.date.today().isoformat()}
+    run_dir = root / (f"{case}-b{batch}" + ("" if seq == SEQ else f"-s{seq}"))
+    overrides = case_overrides(case, batch, run_dir, check_policy, seq=seq)
+    command = [sys.executable, str(ROOT / "launch" / "run.py"), *overrides]
+    record: dict = {"preset": case, "global_batch": batch, "seq_len": seq, "date": datetime.date.today().isoformat()}
     if case == JAX_OFFLOAD:
         record["tensors_of"] = JAX_OFFLOAD_TENSORS
     started = time.perf_counter()
     if case == "auto":  # the planner chooses (timing its best candidates on the chip), then the pick runs
         plan_dir = root / "plan"
-        returncode, output = timed_output(plan_command(batch, plan_dir), timeout)
+        returncode, output = timed_output(plan_command(batch, plan_dir, seq), timeout)
         record["plan_s"] = round(time.perf_counter() - started, 1)
         if returncode != 0:
             shutil.rmtree(root, ignore_errors=True)
             return record | {"status": "plan failed", "message": output[-4000:]}
         pick = preset_overrides(plan_dir / "offload_auto.yaml")
         record["auto_pick"] = [o.split("offload.tensors.", 1)[1] for o in pick if o.startswith("offload.tensors.")]
-        overrides = case_overrides(case, batch, run_dir, check_policy, pick)
+        overrides = case_overrides(case, batch, run_dir, check_policy, pick, seq)
         command = [sys.executable, str(ROOT / "launch" / "run.py"), *overrides]
     returncode, output = timed_output(command, max(timeout - (time.perf_counter() - started), 30))
     record["process_s"] = round(time.perf_counter() - started, 1)
@@ -156,7 +164,7 @@ def run_case(
         shutil.rmtree(root, ignore_errors=True)
 
 
-def plan_command(batch: int, plan_dir: Path) -> list[str]:
+def plan_command(batch: int, plan_dir: Path, seq: int = SEQ) -> list[str]:
     """`mode=plan offload=auto` for this chip at `batch`: what a user runs before training."""
     return [
         sys.executable,
@@ -166,6 +174,7 @@ def plan_command(batch: int, plan_dir: Path) -> list[str]:
         f"target={TARGET}",
         "offload=auto",
         f"train.global_batch_size={batch}",
+        f"train.seq_len={seq}",
         f"run.dir={plan_dir}",
     ]
 
@@ -318,6 +327,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", nargs="+", type=int, default=list(BATCH_ORDER))
     parser.add_argument("--presets", nargs="+", default=list(CASES), help=f"cases of each batch; default {CASES}")
+    parser.add_argument("--seq", type=int, default=SEQ, help="the sequence length of every case")
     parser.add_argument("--budget-s", type=float, default=530, help="start no case after this many seconds")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--no-link", action="store_true")
@@ -366,7 +376,7 @@ def main() -> int:
             check = first and case == "minimal_offloaded"
             first = first and not check
             rates = link_rates(link) if link else None
-            record = run_case(case, batch, rates, timeout=max(left, 60), check_policy=check, keep=args.keep)
+            record = run_case(case, batch, rates, max(left, 60), check, args.keep, args.seq)
             results.append(record)
             print(json.dumps(record), flush=True)
             args.out.parent.mkdir(parents=True, exist_ok=True)

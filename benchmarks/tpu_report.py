@@ -11,16 +11,30 @@ def _gib(value: float | None) -> str:
     return "-" if value is None else f"{value / GIB:.2f}"
 
 
+SEQ = 2048  # the sequence of records that name none (the runs before tpu_check took --seq)
+
+
 def case_records(results: list[dict]) -> list[dict]:
     return [r for r in results if "global_batch" in r]
 
 
+def shape_of(r: dict) -> tuple[int, int]:
+    """A case's (global batch, sequence)."""
+    return r["global_batch"], r.get("seq_len") or SEQ
+
+
+def shape_label(r: dict) -> str:
+    """The batch, and the sequence where it is not the benchmark's 2048."""
+    batch, seq = shape_of(r)
+    return str(batch) if seq == SEQ else f"{batch} x {seq}"
+
+
 def markdown_table(results: list[dict]) -> str:
-    """One row per case, tokens/s as a ratio to full_remat's at the same batch."""
+    """One row per case, tokens/s as a ratio to full_remat's at the same batch and sequence."""
     cases = case_records(results)
     runs = list(dict.fromkeys(r.get("run", "") for r in cases))  # in order; one run: no run column
     base = {
-        (r.get("run", ""), r["global_batch"]): r["tokens_per_s"]
+        (r.get("run", ""), shape_of(r)): r["tokens_per_s"]
         for r in cases
         if r["preset"] == "full_remat" and "tokens_per_s" in r
     }
@@ -32,22 +46,19 @@ def markdown_table(results: list[dict]) -> str:
         + "|---|---|---|---|---|---|---|---|---|---|"
     )
     rows = [header]
-    for r in sorted(cases, key=lambda r: (runs.index(r.get("run", "")), r["global_batch"], r["preset"])):
+    for r in sorted(cases, key=lambda r: (runs.index(r.get("run", "")), shape_of(r)[::-1], r["preset"])):
         run = f"| {runs.index(r.get('run', '')) + 1} " if len(runs) > 1 else ""
         if r.get("status") != "ok":
             needed = f" (needs {_gib(r['compiled_bytes'])} GiB)" if r.get("compiled_bytes") else ""
-            rows.append(f"{run}| {r['global_batch']} | {r['preset']} | {r.get('status', '?')}{needed} | | | | | | | |")
+            rows.append(f"{run}| {shape_label(r)} | {r['preset']} | {r.get('status', '?')}{needed} | | | | | | | |")
             continue
-        ratio = (
-            r["tokens_per_s"] / base[r.get("run", ""), r["global_batch"]]
-            if (r.get("run", ""), r["global_batch"]) in base
-            else None
-        )
+        key = (r.get("run", ""), shape_of(r))
+        ratio = r["tokens_per_s"] / base[key] if key in base else None
         exposed = r.get("exposed_copy_s")
         floor = r.get("exposed_floor_s")
         mfu = r.get("mfu")
         cells = [
-            str(r["global_batch"]),
+            shape_label(r),
             r["preset"],
             f"{r['tokens_per_s']:,.0f}",
             "-" if ratio is None else f"{ratio:.3f}",
@@ -89,13 +100,11 @@ def plot_frontier(results: list[dict], path: Path) -> str:
         (lambda r: f"{r['preset']} ({runs.index(r.get('run', '')) + 1})") if len(runs) > 1 else (lambda r: r["preset"])
     )
     figure, axes = plt.subplots(figsize=(8, 5))
-    for batch, marker in ((4, "o"), (8, "s"), (16, "^")):
-        points = [
-            (r["hbm_peak_bytes"] / GIB, r["tokens_per_s"], label_of(r)) for r in cases if r["global_batch"] == batch
-        ]
-        if not points:
-            continue
-        axes.scatter([p[0] for p in points], [p[1] for p in points], marker=marker, label=f"global batch {batch}")
+    markers = "os^Dvp"
+    for index, shape in enumerate(sorted({shape_of(r) for r in cases}, key=lambda s: s[::-1])):
+        points = [(r["hbm_peak_bytes"] / GIB, r["tokens_per_s"], label_of(r)) for r in cases if shape_of(r) == shape]
+        label = f"global batch {shape[0]}" + ("" if shape[1] == SEQ else f", seq {shape[1]}")
+        axes.scatter([p[0] for p in points], [p[1] for p in points], marker=markers[index % len(markers)], label=label)
         for x, y, label in points:
             axes.annotate(label, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
         edge = frontier(points)
@@ -103,7 +112,7 @@ def plot_frontier(results: list[dict], path: Path) -> str:
     dates = sorted({r.get("date", "") for r in cases})
     axes.set_xlabel("HBM peak, measured (GiB)")
     axes.set_ylabel("tokens/s")
-    axes.set_title(f"Llama-shaped 386M, seq 2048, one TPU v5e ({', '.join(dates)})", fontsize=10)
+    axes.set_title(f"Llama-shaped 386M, seq 2048 unless named, one TPU v5e ({', '.join(dates)})", fontsize=10)
     axes.legend(fontsize=8)
     axes.grid(alpha=0.3)
     figure.tight_layout()
