@@ -323,6 +323,12 @@ def link_rates(link: dict) -> dict | None:
     return link.get("trace") or link.get("wall_clock")
 
 
+def case_order(presets: list[str]) -> list[str]:
+    """The presets as given, then the placements of `--case`, then `auto`: its plan and timed
+    candidates cost the most, so the budget goes to the fixed cases first."""
+    return [c for c in presets if c != "auto"] + list(CUSTOM) + ["auto"] * ("auto" in presets)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", nargs="+", type=int, default=list(BATCH_ORDER))
@@ -367,7 +373,7 @@ def main() -> int:
         print("host link:", json.dumps(link_rates(link)), flush=True)
     first = True
     for batch in args.batches:
-        for case in [*args.presets, *CUSTOM]:
+        for case in case_order(args.presets):
             left = deadline - time.perf_counter()
             if left < 20:
                 results.append({"preset": case, "global_batch": batch, "status": "skipped: --budget-s spent"})
