@@ -220,15 +220,17 @@ def timed_output(command: list[str], timeout: float) -> tuple[int | None, str]:
 
 
 def refusal(output: str, returncode: int) -> dict:
-    """A case that did not run: out of memory (ferry's refusal, with the bytes it names) or a failure."""
+    """A case that did not run: out of memory (ferry's one-line refusal, `error: ...`, naming the
+    bytes the step needs) or a failure."""
     lines = [line for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines if "error:" in line or "RESOURCE_EXHAUSTED" in line]
     oom = next(
-        (line for line in lines if "RESOURCE_EXHAUSTED" in line or "does not fit" in line or "needs" in line), None
+        (line for line in errors if re.search(r"does not fit|needs? [\d.,]+ GiB|RESOURCE_EXHAUSTED", line)), None
     )
     if returncode == 2 and oom is not None:
-        found = re.search(r"needs ([\d.,]+) GiB", oom)
+        found = re.search(r"needs? ([\d.,]+) GiB", oom)
         needed = int(float(found[1].replace(",", "")) * 2**30) if found else None
-        return {"status": "oom", "compiled_bytes": needed, "message": oom.strip()[:400]}
+        return {"status": "oom", "compiled_bytes": needed, "message": oom.split("error:", 1)[-1].strip()[:600]}
     return {"status": "failed", "returncode": returncode, "message": "\n".join(lines[-30:])[-4000:]}
 
 

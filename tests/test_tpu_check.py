@@ -43,9 +43,21 @@ def test_metrics_are_the_timed_steps_medians(tmp_path):
 
 def test_an_out_of_memory_refusal_is_recorded_with_its_bytes():
     line = "the compiled train step needs 16.33 GiB per device but a device has 15.75 GiB free"
-    record = tpu_check.refusal(f"platform tpu: ...\n{line}\n", 2)
+    record = tpu_check.refusal(f"platform tpu: ...\nerror: {line}\n", 2)
     assert record["status"] == "oom" and record["compiled_bytes"] == int(16.33 * GIB)
     assert tpu_check.refusal("Traceback ...\nValueError: boom", 1)["status"] == "failed"
+
+
+def test_the_refusal_is_read_from_the_error_line_not_from_notes_before_it():
+    """As a v5e run printed it: a note that also says 'does not fit' comes first."""
+    output = (
+        "[   4.8s] note: train.warmup_steps=20 does not fit a run of train.steps=7; warming up over 0 step(s)\n"
+        "[  30.1s] error: the train step does not fit 1 x TPU v5 lite: XLA refused to compile it, its HLO "
+        "temporaries need 16.33 GiB per device, more than the 15.75 GiB of HBM the compiler gives a program\n"
+    )
+    record = tpu_check.refusal(output, 2)
+    assert record["status"] == "oom" and record["compiled_bytes"] == int(16.33 * GIB)
+    assert record["message"].startswith("the train step does not fit 1 x TPU v5 lite")
 
 
 def test_table_and_frontier():
