@@ -275,6 +275,12 @@ def read_trace(directory: Path, link: dict | None) -> dict:
         "bytes_to_device": profiles[-1].bytes("to device"),
         "copies_per_step": len(profiles[-1].copies),
     }
+    # how fast the copies ran inside the step: bytes over the time any copy of that direction was
+    # in flight (against the link probe's rates, a copy slowed by the step's own traffic shows)
+    for direction, key in (("to host", "to_host"), ("to device", "to_device")):
+        busy = mean([p.link_busy_ns(direction) for p in profiles]) / 1e9
+        record[f"link_busy_{key}_s"] = busy
+        record[f"in_step_{key}_gbps"] = record[f"bytes_{key}"] / busy / 1e9 if busy > 0 else None
     if link:
         link_s = record["bytes_to_host"] / (link["to_host_gbps"] * 1e9) + record["bytes_to_device"] / (
             link["to_device_gbps"] * 1e9

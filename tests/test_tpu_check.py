@@ -92,3 +92,24 @@ def test_auto_pick_becomes_a_run(tmp_path):
         "mlpwo": "remat",
     }
     assert "mode=plan" in tpu_check.plan_command(16, tmp_path) and "target=v5e" in tpu_check.plan_command(16, tmp_path)
+
+
+def test_the_trace_reads_exposed_time_the_floor_and_the_in_step_link_rate(monkeypatch, tmp_path):
+    from ferry.xla import profile_trace
+    from ferry.xla.profile_trace import StepProfile, TracedCopy
+
+    gb = 10**9
+    copies = (  # 1 GB to host in flight for 0.1 s (10 GB/s), 1 GB back over 0.2 s (5 GB/s), 0.05 s waited
+        TracedCopy("store", "to host", gb, 0.0, 0.1e9, 0.0, 0.1e9),
+        TracedCopy("reload", "to device", gb, 0.3e9, 0.5e9, 0.05e9, 0.15e9),
+    )
+    profile = StepProfile(step_ns=0.6e9, compute_ns=0.5e9, copies=copies, compute_before_reload_ns=0.2e9)
+    monkeypatch.setattr(profile_trace, "newest_xplane", lambda directory: tmp_path / "x.xplane.pb")
+    monkeypatch.setattr(profile_trace, "step_profiles", lambda path: [profile, profile])
+    record = tpu_check.read_trace(tmp_path, {"to_host_gbps": 10.0, "to_device_gbps": 10.0})
+    assert record["exposed_copy_s"] == pytest.approx(0.05) and record["compute_s"] == pytest.approx(0.5)
+    assert record["in_step_to_host_gbps"] == pytest.approx(10.0) and record["in_step_to_device_gbps"] == pytest.approx(
+        5.0
+    )
+    assert record["link_s"] == pytest.approx(0.2)  # 1 GB each way at the probe's 10 GB/s
+    assert record["exposed_floor_s"] == pytest.approx(0.0)  # 0.1 s of stores under 0.2 s, 0.1 of reloads under 0.3
