@@ -85,7 +85,8 @@ def frontier(points: list[tuple[float, float, str]]) -> list[tuple[float, float,
 
 
 def plot_frontier(results: list[dict], path: Path) -> str:
-    """Draw tokens/s against the measured HBM peak per case into `path`; what was done."""
+    """Draw tokens/s against the measured HBM peak per case of the latest run into `path`; what
+    was done."""
     try:
         import matplotlib
 
@@ -94,11 +95,14 @@ def plot_frontier(results: list[dict], path: Path) -> str:
     except ImportError:
         command = f"python benchmarks/tpu_check.py --plot {path.with_suffix('.json')}"
         return f"no PNG: matplotlib is not installed here (the bench extra); run `{command}` where it is"
-    cases = [r for r in case_records(results) if r.get("status") == "ok" and r.get("hbm_peak_bytes")]
-    runs = list(dict.fromkeys(r.get("run", "") for r in case_records(results)))
-    label_of = (
-        (lambda r: f"{r['preset']} ({runs.index(r.get('run', '')) + 1})") if len(runs) > 1 else (lambda r: r["preset"])
-    )
+    # the latest run only: a frontier compares cases of the same code
+    latest = ([r.get("run", "") for r in case_records(results)] or [""])[-1]
+    cases = [
+        r
+        for r in case_records(results)
+        if r.get("run", "") == latest and r.get("status") == "ok" and r.get("hbm_peak_bytes")
+    ]
+    label_of = lambda r: r["preset"]
     figure, axes = plt.subplots(figsize=(8, 5))
     markers = "os^Dvp"
     for index, shape in enumerate(sorted({shape_of(r) for r in cases}, key=lambda s: s[::-1])):
@@ -112,7 +116,8 @@ def plot_frontier(results: list[dict], path: Path) -> str:
     dates = sorted({r.get("date", "") for r in cases})
     axes.set_xlabel("HBM peak, measured (GiB)")
     axes.set_ylabel("tokens/s")
-    axes.set_title(f"Llama-shaped 386M, seq 2048 unless named, one TPU v5e ({', '.join(dates)})", fontsize=10)
+    run = f"{latest.split(':')[0]}, " if latest else ""
+    axes.set_title(f"Llama-shaped 386M, seq 2048 unless named, one TPU v5e ({run}{', '.join(dates)})", fontsize=10)
     axes.legend(fontsize=8)
     axes.grid(alpha=0.3)
     figure.tight_layout()
