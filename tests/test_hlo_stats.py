@@ -158,6 +158,26 @@ def test_a_tpu_product_batched_over_experts_counts_one_window_tap_per_output():
     assert matmul_flops(hlo) == 2 * 8 * 512 * 256 * 128
 
 
+# As XLA:TPU (libtpu 0.0.42) wrote a layer's projection of 8 rows x 2048 tokens in a v5e step:
+# the 8 rows a spatial dimension of the kernel, the input's one element padded by 7 on each side
+PADDED_BATCH_CONVOLUTION = """HloModule jit_step, is_scheduled=true
+
+ENTRY %main (x: bf16[2048,2048,1], w: bf16[8,2048,2048]) -> bf16[8,2048,2048] {
+  %x = bf16[2048,2048,1]{1,0,2:T(8,128)(2,1)} parameter(0)
+  %w = bf16[8,2048,2048]{1,2,0:T(8,128)(2,1)} parameter(1)
+  ROOT %conv = bf16[8,2048,2048]{1,2,0:T(8,128)(2,1)} convolution(%x, %w), window={size=8 pad=7_7 rhs_reversal=1}, \
+dim_labels=fb0_0oi->0fb
+}
+"""
+
+
+def test_a_product_batched_as_a_padded_spatial_dimension_counts_one_tap_per_output():
+    """Each of the 8 outputs along the padded dimension reads one of its 8 taps (the rest land on
+    padding): 2 x 8 x 2048 x 2048 x 2048, not 8 times as much (a v5e plan counted 89.6 TFLOP for a
+    full_remat step of 33)."""
+    assert matmul_flops(PADDED_BATCH_CONVOLUTION) == 2 * 8 * 2048 * 2048 * 2048
+
+
 @needs_libtpu
 def test_tpu_grouped_kernels_count_their_routed_rows():
     """The forward product of Pallas megablox `gmm` and both of its backward products (`gmm` on

@@ -76,16 +76,17 @@ class FlopModule(HloModule):
     def convolution_flops(line: str, shape: str, lhs_dims: list[int]) -> float:
         """TPU programs express matmuls as convolutions: 2 x output elements x the input
         features each output reads (the lhs `f` dimension over the feature groups) x the window
-        taps that land on an input element. A base-dilated input (`lhs_dilate=N`) has N - 1
-        holes between its elements, so of a window of `size` taps at most ceil(size / N) read
-        one: a batch-as-spatial convolution (`size=N stride=N-1 lhs_dilate=N`, how XLA:TPU
-        writes a product batched over N experts or heads) reads one tap per output, not N."""
+        taps that land on an input element (`window_taps`). XLA:TPU writes a product batched over
+        N experts or heads with the batch as a spatial dimension, its taps mostly on holes or
+        padding: base-dilated (`size=N stride=N-1 lhs_dilate=N`) or padded (`size=N pad=N-1_N-1`
+        over an input of one element); each output reads one tap there, not N."""
         labels = _DIM_LABELS.search(line)
         if labels is None or len(labels["lhs"]) != len(lhs_dims):
             return 0.0
         groups = _FEATURE_GROUPS.search(line)
         reduced = lhs_dims[labels["lhs"].index("f")] // (int(groups["n"]) if groups else 1)
-        return 2.0 * float(np.prod(array_dims(shape), dtype=np.int64)) * reduced * window_taps(line)
+        spatial = [lhs_dims[labels["lhs"].index(str(d))] for d in range(len(labels["lhs"]) - 2)]
+        return 2.0 * float(np.prod(array_dims(shape), dtype=np.int64)) * reduced * window_taps(line, spatial)
 
     def line_flops(self, line: str, bound: bool = False) -> float:
         """The line's own FLOPs plus those of what it calls (loop bodies times their trip count,
@@ -113,16 +114,45 @@ class FlopModule(HloModule):
         return self._flops[name, bound]
 
 
-def window_taps(line: str) -> int:
-    """The taps of a convolution's window that read an input element, per output element: per
-    spatial dimension ceil(size / lhs_dilate) (padding at the edges is not discounted)."""
+def window_taps(line: str, spatial: list[int] | None = None) -> float:
+    """The taps of a convolution's window that read an input element, per output element, over
+    its spatial dimensions of sizes `spatial` (the lhs's, in dimension order): per dimension the
+    (output, tap) pairs that land on an input element rather than on padding or a base-dilation
+    hole, over the outputs. Without `spatial`, ceil(size / lhs_dilate) per dimension (no padding
+    discounted)."""
     window = _WINDOW.search(line)
     if window is None:
-        return 1
+        return 1.0
     fields = dict(field.split("=", 1) for field in window["window"].split() if "=" in field)
     sizes = [int(n) for n in fields.get("size", "1").split("x")]
-    dilations = [int(n) for n in fields.get("lhs_dilate", "x".join("1" * len(sizes))).split("x")]
-    return int(np.prod([-(-size // dilation) for size, dilation in zip(sizes, dilations, strict=True)]))
+    ones = "x".join("1" * len(sizes))
+    dilations = [int(n) for n in fields.get("lhs_dilate", ones).split("x")]
+    if spatial is None or len(spatial) != len(sizes):
+        return float(np.prod([-(-size // dilation) for size, dilation in zip(sizes, dilations, strict=True)]))
+    strides = [int(n) for n in fields.get("stride", ones).split("x")]
+    window_dilations = [int(n) for n in fields.get("rhs_dilate", ones).split("x")]
+    pads = [
+        tuple(int(n) for n in pad.split("_")) for pad in fields.get("pad", "x".join(["0_0"] * len(sizes))).split("x")
+    ]
+    taps = 1.0
+    for n, size, stride, dilation, window_dilation, (low, high) in zip(
+        spatial, sizes, strides, dilations, window_dilations, pads, strict=True
+    ):
+        taps *= _dimension_taps(n, size, stride, dilation, window_dilation, low, high)
+    return taps
+
+
+def _dimension_taps(n: int, size: int, stride: int, dilation: int, window_dilation: int, low: int, high: int) -> float:
+    """One spatial dimension's taps per output that read one of its `n` input elements: the
+    input's elements sit at `low + i * dilation` of the padded, base-dilated extent; output `o`'s
+    taps at `o * stride + k * window_dilation`."""
+    extent = (n - 1) * dilation + 1 + low + high
+    outputs = (extent - ((size - 1) * window_dilation + 1)) // stride + 1
+    if outputs <= 0 or n <= 0:
+        return 0.0
+    position = np.arange(outputs)[:, None] * stride + np.arange(size)[None, :] * window_dilation - low
+    hits = (position >= 0) & (position % dilation == 0) & (position // dilation < n)
+    return float(hits.sum()) / outputs
 
 
 def grouped_flops(operands: list[str], shape: str) -> float:
