@@ -166,7 +166,7 @@ def compile_configuration(configuration: Configuration, args: argparse.Namespace
     step = compile_config_step(config, target, policy, mesh, options, costs)
     plan = read_plan(step, config, target, policy, configuration.name)
     summary = plan.transfer_summary
-    matmul = plan.flops / plan.peak_flops
+    matmul = plan.flops / plan.matmul_rate
     reading = {
         "config": configuration.name,
         "compile_seconds": step.seconds,

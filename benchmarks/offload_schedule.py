@@ -108,7 +108,7 @@ def main() -> int:
                 per_step = p["transfers"]["per_step"]
                 summary = TransferSummary(**per_step)
                 link, exposed = summary.link_seconds, summary.exposed_seconds
-                matmul = p["flops"] / p["peak_flops"]
+                matmul = p["flops"] / p["matmul_rate"]
                 goal = summary.goal_seconds(matmul)
                 reference = reference or (exposed, p["device_bytes"])
                 table.add_row(

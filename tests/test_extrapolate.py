@@ -49,7 +49,7 @@ def synthetic_plan(depths: dict[str, int], copies_differ: bool = False) -> Memor
         compile_seconds=10.0,
         collectives=CollectiveTraffic({"all-gather": 64.0 * layers}, 1e-7 * layers),
         model_flops=0.0,
-        peak_flops=H200.bf16_peak_flops,
+        matmul_rate=H200.matmul_rate,
     )
 
 

@@ -290,7 +290,7 @@ def _baseline(
         float(first.host_bytes),
         estimate.matmul_seconds,
         estimate.collective_seconds,
-        {group: flops / target.bf16_peak_flops for group, flops in forward.items()},
+        {group: flops / target.matmul_rate for group, flops in forward.items()},
         {kind.name: kind.num_layers * micro_steps for kind in model.layer_kinds()},
     )
 

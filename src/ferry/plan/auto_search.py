@@ -129,7 +129,7 @@ def _prediction(
     seconds: float,
     target: Target,
 ) -> Prediction:
-    compute = baseline.matmul_seconds + recompute / target.bf16_peak_flops
+    compute = baseline.matmul_seconds + recompute / target.matmul_rate
     exposed = exposed_copy_seconds(baseline, copies, target) + seconds
     estimate = StepEstimate(compute, exposed, baseline.collective_seconds, 0.0)
     return Prediction(values, baseline.hbm_bytes - freed, baseline.host_bytes + host, estimate)

@@ -1,9 +1,10 @@
 """A step-time ESTIMATE from the compiled program, not a measurement: its matrix products at the
-target's dense peak, the host-copy time the compute scheduled under the copies cannot hide
-(`ferry.plan.transfers`), and its collectives' bytes over the target's interconnect. Collectives
-may overlap compute (best: the longer of the two) or not (worst: the sum); the middle of the two
-is what presets and auto's candidates are ranked by. Elementwise work, kernel efficiency and
-launch overheads are not counted, so a real step is slower than the best."""
+target's matmul rate (`Target.matmul_rate`), the host-copy time the compute scheduled under the
+copies cannot hide (`ferry.plan.transfers`), and its collectives' bytes over the target's
+interconnect. Collectives may overlap compute (best: the longer of the two) or not (worst: the
+sum); the middle of the two is what presets and auto's candidates are ranked by. Where a chip was
+measured (v5e), the rate carries its elementwise work, kernels and overheads as a fraction of the
+peak; elsewhere it is the peak, so a real step is slower than the best."""
 
 import dataclasses
 from typing import Any
@@ -48,7 +49,7 @@ def collective_traffic(hlo_text: str, target: Target) -> CollectiveTraffic:
 class StepEstimate:
     """One step's time on one device, estimated from its compiled program (see the module)."""
 
-    matmul_seconds: float  # the program's matmul FLOPs (recompute included) at the dense peak
+    matmul_seconds: float  # the program's matmul FLOPs (recompute included) at the target's matmul rate
     exposed_copy_seconds: float  # host copies the compute scheduled under them does not hide
     collective_seconds: float
     model_flops: float  # per device per step, MaxText's convention (`ferry.train.step_flops`): no recompute

@@ -37,7 +37,7 @@ class MemoryPlan:
     verification: Any = None  # `ferry.plan.verify.Verification`: the compiled program checked against the plan
     collectives: CollectiveTraffic = CollectiveTraffic({}, 0.0)
     model_flops: float = 0.0  # per device per step, MaxText's convention (`ferry.train.step_flops`)
-    peak_flops: float = 0.0  # the target's dense bf16 peak, per device
+    matmul_rate: float = 0.0  # FLOP/s per device the estimate runs matmuls at (`Target.matmul_rate`)
     extrapolated: str | None = None  # how `ferry.plan.extrapolate` made it from shallow compiles; None: compiled whole
     pipeline_bytes: int = 0  # offloaded values a pipelined schedule keeps in HBM (`TransferSchedule.pipeline_bytes`)
     scheduler_costs: str = "xla"  # who timed the ops for XLA's scheduler: ferry's cost model or XLA's estimates
@@ -66,7 +66,7 @@ class MemoryPlan:
     def estimate(self) -> StepEstimate:
         """The step time this program implies on the target: an estimate (`ferry.plan.estimate`)."""
         exposed = self.transfer_summary.exposed_seconds
-        return StepEstimate(self.flops / self.peak_flops, exposed, self.collectives.seconds, self.model_flops)
+        return StepEstimate(self.flops / self.matmul_rate, exposed, self.collectives.seconds, self.model_flops)
 
     def to_json(self) -> dict[str, Any]:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

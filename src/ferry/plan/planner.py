@@ -188,7 +188,7 @@ def out_of_memory_plan(
         transfer_summary=TransferSummary(0, 0, 0.0, 0.0, 0.0),
         compile_seconds=over.seconds,
         model_flops=model_flops,
-        peak_flops=target.bf16_peak_flops,
+        matmul_rate=target.matmul_rate,
         compile_oom=over.oom.describe(),
     )
 
@@ -269,7 +269,7 @@ def _read_plan(
         verification=verification,
         collectives=collective_traffic(hlo, target),
         model_flops=model_flops_per_device(config, target),
-        peak_flops=target.bf16_peak_flops,
+        matmul_rate=target.matmul_rate,
         pipeline_bytes=schedule.pipeline_bytes,
     )
 

@@ -95,7 +95,8 @@ def estimate_table(plans: list[MemoryPlan]) -> Table:
     target = plans[0].target
     table = Table(
         title=f"step-time ESTIMATE on {target} (per device; from the compiled program, not measured)",
-        caption="estimate: matmuls at the dense bf16 peak + host copies left exposed + collectives over the "
+        caption="estimate: matmuls at the target's matmul rate (its dense bf16 peak, times the compute fraction "
+        "measured on a v5e chip) + host copies left exposed + collectives over the "
         "interconnect (targets.py); best overlaps collectives with compute, worst adds them, middle is halfway "
         f"(ranked by it, then the worst); model TFLOPs by MaxText's convention; speed-up: {REFERENCE}'s middle "
         "estimate over the preset's",

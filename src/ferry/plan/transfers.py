@@ -80,8 +80,8 @@ def time_transfers(
     for transfer in transfers:
         link[transfer.computation] += transfer.transfer_seconds
         executions[transfer.computation] = transfer.executions
-    compute = {name: overlapped[name] / target.bf16_peak_flops for name in link}
-    all_compute = {name: work[name] / target.bf16_peak_flops for name in link}
+    compute = {name: overlapped[name] / target.matmul_rate for name in link}
+    all_compute = {name: work[name] / target.matmul_rate for name in link}
     return transfers, TransferSummary(
         bytes_to_host=sum(t.bytes * t.executions for t in transfers if t.direction == "to host"),
         bytes_to_device=sum(t.bytes * t.executions for t in transfers if t.direction == "to device"),
@@ -118,7 +118,7 @@ def _timed(copy: HostCopy, target: Target, tensor: str) -> Transfer:
         executions=copy.executions,
         hiding_flops=copy.hiding_flops,
         transfer_seconds=copy.bytes / target.host_link_bandwidth,
-        compute_seconds=copy.hiding_flops / target.bf16_peak_flops,
+        compute_seconds=copy.hiding_flops / target.matmul_rate,
         engine=engine(copy, target),
     )
 
