@@ -83,6 +83,16 @@ def compilation_cache(directory: Path):
         cc.reset_cache()
 
 
+def pytest_configure(config):
+    # JAX writes the executables of compile-only devices (the planner's TPU and H200 targets) to the
+    # cache but cannot read them back without a client of that platform: it says so and compiles
+    # again, as it would without a cache.
+    config.addinivalue_line(
+        "filterwarnings",
+        "ignore:Error reading persistent compilation cache entry.*PjRtCompiler must be constructed with a Client",
+    )
+
+
 def pytest_unconfigure(config):
     """The session's compilation cache goes with the process that made it (its workers have ended)."""
     if os.environ["FERRY_TESTS_JAX_CACHE_OWNER"] == str(os.getpid()):
