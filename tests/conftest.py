@@ -4,6 +4,7 @@ would load them."""
 import contextlib
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -18,6 +19,19 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # What ferry caches under $XDG_CACHE_HOME (the scheduler's cost profiles, raw sources' tokens) goes
 # to a directory of this test session, not the user's cache.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="ferry-tests-cache-")
+# One persistent JAX compilation cache for the test session: its worker processes (xdist starts
+# them with this process's environment) and the launchers, scripts and helper processes they start
+# compile each program once; a cached executable is the same code. A fresh directory per session,
+# so nothing compiled by another version of ferry or jax is read. A size limit (far above what the
+# suite writes) makes JAX lock the directory around each read and write: without one, a process
+# could read an entry another is still writing.
+os.environ.setdefault("FERRY_TESTS_JAX_CACHE_OWNER", str(os.getpid()))  # the session's first process
+os.environ["FERRY_TESTS_JAX_CACHE"] = os.environ.get("FERRY_TESTS_JAX_CACHE") or tempfile.mkdtemp(
+    prefix="ferry-tests-jax-cache-"
+)
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["FERRY_TESTS_JAX_CACHE"]
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.1"
+os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(64 * 2**30)
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -67,6 +81,22 @@ def compilation_cache(directory: Path):
         for name, value in saved.items():
             jax.config.update(name, value)
         cc.reset_cache()
+
+
+def pytest_configure(config):
+    # JAX writes the executables of compile-only devices (the planner's TPU and H200 targets) to the
+    # cache but cannot read them back without a client of that platform: it says so and compiles
+    # again, as it would without a cache.
+    config.addinivalue_line(
+        "filterwarnings",
+        "ignore:Error reading persistent compilation cache entry.*PjRtCompiler must be constructed with a Client",
+    )
+
+
+def pytest_unconfigure(config):
+    """The session's compilation cache goes with the process that made it (its workers have ended)."""
+    if os.environ["FERRY_TESTS_JAX_CACHE_OWNER"] == str(os.getpid()):
+        shutil.rmtree(os.environ["FERRY_TESTS_JAX_CACHE"], ignore_errors=True)
 
 
 def load_model_config(name: str, **overrides):
