@@ -39,6 +39,7 @@ def test_accelerators_keep_a_persistent_compilation_cache_an_exported_one_wins()
 
 def test_the_compilation_cache_receives_the_programs_compiled_after_the_platform_is_applied(tmp_path):
     code = (
+        "import os; os.environ.pop('JAX_COMPILATION_CACHE_DIR', None); "  # the test session's own cache
         "import jax, jax.numpy as jnp; from ferry.platform import PlatformConfig, apply_platform; "
         "jax.config.update('jax_persistent_cache_min_compile_time_secs', 0); "
         f"apply_platform(PlatformConfig('cpu', compilation_cache={str(tmp_path / 'cache')!r})); "
