@@ -114,29 +114,24 @@ class FlopModule(HloModule):
         return self._flops[name, bound]
 
 
-def window_taps(line: str, spatial: list[int] | None = None) -> float:
+def window_taps(line: str, spatial: list[int]) -> float:
     """The taps of a convolution's window that read an input element, per output element, over
     its spatial dimensions of sizes `spatial` (the lhs's, in dimension order): per dimension the
     (output, tap) pairs that land on an input element rather than on padding or a base-dilation
-    hole, over the outputs. Without `spatial`, ceil(size / lhs_dilate) per dimension (no padding
-    discounted)."""
+    hole, over the outputs."""
     window = _WINDOW.search(line)
     if window is None:
         return 1.0
     fields = dict(field.split("=", 1) for field in window["window"].split() if "=" in field)
     sizes = [int(n) for n in fields.get("size", "1").split("x")]
     ones = "x".join("1" * len(sizes))
-    dilations = [int(n) for n in fields.get("lhs_dilate", ones).split("x")]
-    if spatial is None or len(spatial) != len(sizes):
-        return float(np.prod([-(-size // dilation) for size, dilation in zip(sizes, dilations, strict=True)]))
-    strides = [int(n) for n in fields.get("stride", ones).split("x")]
-    window_dilations = [int(n) for n in fields.get("rhs_dilate", ones).split("x")]
+    read = lambda key: [int(n) for n in fields.get(key, ones).split("x")]
     pads = [
         tuple(int(n) for n in pad.split("_")) for pad in fields.get("pad", "x".join(["0_0"] * len(sizes))).split("x")
     ]
     taps = 1.0
     for n, size, stride, dilation, window_dilation, (low, high) in zip(
-        spatial, sizes, strides, dilations, window_dilations, pads, strict=True
+        spatial, sizes, read("stride"), read("lhs_dilate"), read("rhs_dilate"), pads, strict=True
     ):
         taps *= _dimension_taps(n, size, stride, dilation, window_dilation, low, high)
     return taps
