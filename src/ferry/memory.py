@@ -9,6 +9,7 @@ import jax
 import psutil
 
 from ferry.errors import FerryError
+from ferry.train.state_memory import HOST, StatePlacement
 
 
 class InsufficientMemoryError(FerryError, RuntimeError):
@@ -25,10 +26,11 @@ class StateBytes:
     host: int
 
     @classmethod
-    def of(cls, params_on_host: bool, optimizer_on_host: bool) -> "StateBytes":
-        master, moments = 4, 8
-        host = master * params_on_host + moments * optimizer_on_host
-        return cls(device=4 + 2 + master * (not params_on_host) + moments * (not optimizer_on_host), host=host)
+    def of(cls, placement: StatePlacement) -> "StateBytes":
+        """The bytes of a state placed as `placement` (`offload.optimizer`, `offload.params`) says."""
+        master = 4 if placement.params == HOST else 0
+        moments = 8 if placement.optimizer == HOST else 0
+        return cls(device=4 + 2 + (4 - master) + (8 - moments), host=master + moments)
 
     def describe(self) -> str:
         where = f"{self.device} B per parameter on the device"
