@@ -19,8 +19,6 @@ test with tiny shapes only, the timings mean nothing there.
 """
 
 import argparse
-import json
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -29,8 +27,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks.* from anywhere
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))  # run from a checkout without installing
 
+from benchmarks.kernel_timing import largest_difference, machine, median_ms, write_report  # noqa: E402
 from ferry.nn.kernels.splash import SplashAttention  # noqa: E402
 from ferry.nn.kernels.xla import XlaAttention  # noqa: E402
 
@@ -88,26 +88,6 @@ def forward_backward(attend: Attention) -> Callable[..., tuple[jax.Array, ...]]:
     return jax.jit(jax.grad(objective, argnums=(0, 1, 2)))
 
 
-def median_ms(fn: Callable[..., tuple[jax.Array, ...]], args: tuple[jax.Array, ...], repeats: int) -> float:
-    """Median wall time of `fn(*args)` over `repeats` calls, after one warm-up (the compile)."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - started) * 1e3)
-    return statistics.median(times)
-
-
-def largest_difference(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> float:
-    """The largest |a - b| over the gradients, relative to the largest |b|."""
-    worst = 0.0
-    for x, y in zip(a, b, strict=True):
-        x, y = x.astype(jnp.float32), y.astype(jnp.float32)
-        worst = max(worst, float(jnp.max(jnp.abs(x - y)) / jnp.maximum(jnp.max(jnp.abs(y)), 1e-30)))
-    return worst
-
-
 def run(
     batch: int,
     seq: int,
@@ -150,12 +130,7 @@ def run(
     return {
         "shape": {"batch": batch, "seq": seq, "heads": heads, "kv_heads": kv_heads, "qk_dim": qk_dim, "v_dim": v_dim},
         "dtype": dtype,
-        "backend": jax.default_backend(),
-        "device": str(jax.devices()[0].device_kind),
-        "jax": jax.__version__,
-        "interpret": interpret,
-        "repeats": repeats,
-        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        **machine(interpret, repeats),
         "results": results,
         "best_splash": best,
         "goal_ms": GOAL_MS,
@@ -205,10 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         args.only, args.dtype,
     )  # fmt: skip
     print(table(report), flush=True)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.out}")
+    write_report(report, args.out)
     return 0
 
 

@@ -16,9 +16,7 @@ interpret mode: a smoke test with tiny shapes only, its timings mean nothing.
 """
 
 import argparse
-import json
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,7 +26,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks.* from anywhere
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))  # ferry without installing
 
-from benchmarks.attention_tpu import largest_difference, median_ms  # noqa: E402
+from benchmarks.kernel_timing import largest_difference, machine, median_ms, write_report  # noqa: E402
 from ferry.nn.moe.megablox import TILING, megablox_matmul  # noqa: E402
 
 CANDIDATE_TILES = (
@@ -129,12 +127,7 @@ def run(tokens: int, experts: int, top_k: int, dim: int, hidden: int, tiles: lis
         "shape": {"tokens": tokens, "experts": experts, "top_k": top_k, "dim": dim, "hidden": hidden},
         "group_sizes": [int(g) for g in group_sizes],
         "default_tile": list(TILING),
-        "backend": jax.default_backend(),
-        "device": str(jax.devices()[0].device_kind),
-        "jax": jax.__version__,
-        "interpret": interpret,
-        "repeats": repeats,
-        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        **machine(interpret, repeats),
         "products": products,
     }
 
@@ -180,10 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         args.tokens, args.experts, args.top_k, args.dim, args.hidden, args.tiles, args.repeats, interpret
     )  # fmt: skip
     print(table(report), flush=True)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.out}")
+    write_report(report, args.out)
     return 0
 
 

@@ -3,6 +3,7 @@ device and expert-parallel on a mesh), the capacity factor, the per-device size 
 buffers, and the auxiliary-loss-free bias update."""
 
 import functools
+import json
 
 import equinox as eqx
 import jax
@@ -371,3 +372,24 @@ def test_megablox_refuses_a_mesh_whose_tensor_axis_would_replicate_the_experts_o
     moe = functools.partial(dropless_moe, kernel="megablox")
     with jax.sharding.use_abstract_mesh(mesh), pytest.raises(MeshError, match="tensor=2.*moe_matmul=ragged_dot"):
         jax.eval_shape(moe, x, indices, weights, experts)
+
+
+def test_moe_benchmark_runs_on_tiny_shapes_in_interpret_mode(tmp_path, capsys):
+    """benchmarks/moe_tpu.py's own entry point, off a TPU (interpret mode, tiny widths: its
+    timings mean nothing here; every tile's gradients must still equal ragged_dot's)."""
+    from benchmarks.moe_tpu import main
+
+    out = tmp_path / "moe.json"
+    argv = ["--tokens", "64", "--experts", "4", "--top-k", "2", "--dim", "256", "--hidden", "128"]
+    argv += ["--tiles", "64,128,128", "128,128,128", "--repeats", "1", "--out", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["interpret"] and sum(report["group_sizes"]) == 64 * 2
+    for label in ("up", "down"):
+        product = report["products"][label]
+        assert set(product["results"]) == {"ragged_dot", "megablox_64x128x128", "megablox_128x128x128"}
+        assert product["best"] in ("megablox_64x128x128", "megablox_128x128x128")
+        for result in product["results"].values():
+            # bfloat16 operands and outputs: within half a bfloat16 ulp (2^-8) of the largest gradient
+            assert result["ms"] > 0 and result["gradient_difference"] <= 2**-8
+    assert "fastest tile" in capsys.readouterr().out
