@@ -4,6 +4,7 @@ buffers, and the auxiliary-loss-free bias update."""
 
 import functools
 import json
+import re
 
 import equinox as eqx
 import jax
@@ -17,7 +18,7 @@ from ferry.nn.moe import DeepSeekMoE, Experts, dropless_moe, route, tile_layout
 from ferry.nn.moe.megablox import megablox_matmul
 from ferry.offload import record_tags
 from ferry.sharding import MESH_AXES, MeshError
-from tests.conftest import run_python
+from tests.conftest import needs_libtpu, run_python
 from tests.moe_reference import dense_moe
 
 
@@ -393,3 +394,29 @@ def test_moe_benchmark_runs_on_tiny_shapes_in_interpret_mode(tmp_path, capsys):
             # bfloat16 operands and outputs: within half a bfloat16 ulp (2^-8) of the largest gradient
             assert result["ms"] > 0 and result["gradient_difference"] <= 2**-8
     assert "fastest tile" in capsys.readouterr().out
+
+
+def _tpu_kernels(hlo: str) -> list[str]:
+    """The Mosaic kernels a compiled TPU program calls, as their serialized bodies (which hold
+    each kernel's block shapes)."""
+    lines = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+    return [re.search(r'"body":"([^"]*)"', line).group(1) for line in lines]
+
+
+@needs_libtpu
+def test_a_v5e_program_at_deepseek_widths_runs_the_tile_measured_for_them():
+    """Deviceless, for a v5e: the gradient kernels of an expert product 2048 -> 7168 (DeepSeek-V3's
+    `down`) are compiled with TUNED's tile, not MaxText's default."""
+    from ferry.nn.moe.megablox import TILING, TUNED
+    from tests.test_hlo_stats import compiled_text
+
+    shapes = (((512, 2048), "bfloat16"), ((2, 2048, 7168), "bfloat16"), ((2,), "int32"))
+
+    def kernels(tile):
+        loss = lambda x, w, sizes: jnp.sum(megablox_matmul(x, w, sizes, False, tile).astype(jnp.float32))
+        return _tpu_kernels(compiled_text("v5e", jax.grad(loss, (0, 1)), *shapes))
+
+    chosen = kernels(None)
+    assert len(chosen) == 2  # the input and the weight gradient (the forward's output is unused)
+    assert TUNED[2048, 7168] != TILING
+    assert chosen == kernels(TUNED[2048, 7168]) and chosen != kernels(TILING)
