@@ -179,6 +179,21 @@ def test_a_product_batched_as_a_padded_spatial_dimension_counts_one_tap_per_outp
 
 
 @needs_libtpu
+def test_a_v5e_projection_into_heads_counts_its_product_once():
+    """Compiled for a v5e without one: a projection into 8 heads of 64, which XLA:TPU writes with
+    the heads as a padded spatial dimension of the kernel (`size=1x8 pad=0_0x7_7`), costs
+    2 x 8 x 512 x 512 x 512, not 8 times as much."""
+    hlo = compiled_text(
+        "v5e",
+        lambda x, w: jnp.einsum("bsd,dhk->bshk", x, w),
+        ((8, 512, 512), "bfloat16"),
+        ((512, 8, 64), "bfloat16"),
+    )
+    assert "pad=0_0x7_7" in hlo
+    assert matmul_flops(hlo) == 2 * 8 * 512 * 512 * 8 * 64
+
+
+@needs_libtpu
 def test_tpu_grouped_kernels_count_their_routed_rows():
     """The forward product of Pallas megablox `gmm` and both of its backward products (`gmm` on
     the transposed weights, `tgmm`), compiled for v5p, count 2 x rows x 256 x 128 each (their
