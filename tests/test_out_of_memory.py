@@ -128,6 +128,8 @@ def test_plan_llama_tiny_for_one_v5e_chip(tmp_path):
     (plan,) = record["plans"]
     assert plan["target"] == "v5e" and plan["fits"] and plan["host_bytes"] > 0 and plan["compile_oom"] is None
     assert "OOM" not in out
+    # its step-time estimate runs the compiled matmuls at the rate measured on a v5e chip, not the peak
+    assert plan["matmul_rate"] == TARGETS["v5e"].matmul_rate < TARGETS["v5e"].bf16_peak_flops
 
 
 @needs_libtpu
