@@ -102,11 +102,10 @@ def plot_frontier(results: list[dict], path: Path) -> str:
         for r in case_records(results)
         if r.get("run", "") == latest and r.get("status") == "ok" and r.get("hbm_peak_bytes")
     ]
-    label_of = lambda r: r["preset"]
     figure, axes = plt.subplots(figsize=(8, 5))
     markers = "os^Dvp"
     for index, shape in enumerate(sorted({shape_of(r) for r in cases}, key=lambda s: s[::-1])):
-        points = [(r["hbm_peak_bytes"] / GIB, r["tokens_per_s"], label_of(r)) for r in cases if shape_of(r) == shape]
+        points = [(r["hbm_peak_bytes"] / GIB, r["tokens_per_s"], r["preset"]) for r in cases if shape_of(r) == shape]
         label = f"global batch {shape[0]}" + ("" if shape[1] == SEQ else f", seq {shape[1]}")
         axes.scatter([p[0] for p in points], [p[1] for p in points], marker=markers[index % len(markers)], label=label)
         for x, y, label in points:

@@ -72,8 +72,7 @@ def check_fits(
         raise InsufficientMemoryError(
             f"model {model_name} has {size}: {state} need {on_host / 2**30:,.1f} GiB of host memory for this "
             f"host's {devices} device(s), but it has {host_ram / 2**30:,.1f} GiB available. Keep part of the "
-            f"state on the device (offload.params=device or offload.optimizer=device), or {suggestion[0].lower()}"
-            f"{suggestion[1:]}"
+            f"state on the device (offload.params=device or offload.optimizer=device). {suggestion}"
         )
 
 
