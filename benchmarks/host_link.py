@@ -142,9 +142,62 @@ def measure_traced(chunks: int = 8, chunk_bytes: int = 256 * 2**20, directory: P
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class Concurrency:
+    """The link when `ways` copies of `total_bytes / ways` each are in flight at once, per direction."""
+
+    ways: int
+    to_host_gbps: float
+    to_device_gbps: float
+    copies: int  # host copies the trace shows, both directions
+
+    def describe(self) -> str:
+        return (
+            f"{self.ways:3d} at once: device->host {self.to_host_gbps:5.1f} GB/s, "
+            f"host->device {self.to_device_gbps:5.1f} GB/s ({self.copies} copies)"
+        )
+
+
+def split_round_trip(x: jax.Array) -> jax.Array:
+    """Every slice of `x` to host at once, then (after a barrier) every one back at once; a scalar."""
+    stored = [_to_host(x[i] * 2) for i in range(x.shape[0])]
+    stored = jax.lax.optimization_barrier(stored)
+    return sum(_to_device(s)[-1, -1].astype(jnp.float32) for s in stored)
+
+
+def measure_concurrency(
+    ways: tuple[int, ...] = (1, 2, 4, 8, 16), total_bytes: int = 2**30, directory: Path | None = None
+) -> list[Concurrency]:
+    """Does the link move more when several copies are in flight? The same bytes split `ways`
+    ways, each split's copies issued together in one program, rates read from a trace: one copy
+    may not fill the link that several fill (an offloaded layer's tensors can be split so)."""
+    from ferry.xla.profile_trace import newest_xplane, step_profiles
+
+    results = []
+    for n in ways:
+        x = _chunks(n, total_bytes // n)
+        probe = jax.jit(split_round_trip)
+        jax.block_until_ready(probe(x))
+        folder = Path(directory or tempfile.mkdtemp(prefix="ferry-link-")) / f"ways{n}"
+        with jax.profiler.trace(str(folder)):
+            jax.block_until_ready(probe(x))
+        copies = [c for p in step_profiles(newest_xplane(folder)) for c in p.copies]
+        stores = [c for c in copies if c.direction == "to host"]
+        reloads = [c for c in copies if c.direction == "to device"]
+        results.append(Concurrency(n, _rate(stores), _rate(reloads), len(copies)))
+    return results
+
+
 def _rate(copies) -> float:
     """Bytes over the time any of `copies` was in flight, in GB/s."""
     from ferry.xla.profile_trace import busy_ns
 
     busy = busy_ns((c.start_ns, c.end_ns) for c in copies)
     return sum(c.bytes for c in copies) / busy if busy else float("nan")  # bytes per ns = GB/s
+
+
+if __name__ == "__main__":  # python benchmarks/host_link.py: the probe, then the link by concurrency
+    print(measure_traced().describe(), flush=True)
+    print(measure_wall_clock().describe(), flush=True)
+    for row in measure_concurrency():
+        print(row.describe(), flush=True)
