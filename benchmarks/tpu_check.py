@@ -67,6 +67,8 @@ COMMAND = "python benchmarks/tpu_check.py"
 TARGET = "v5e"  # the planner's name for the chip offload=auto plans for
 # placements of your own, `--case LABEL=override,override,...`: LABEL -> its offload overrides
 CUSTOM: dict[str, list[str]] = {}
+# `--extra override ...`: added to every case and to auto's plan (e.g. `platform.xla_flags.*`)
+EXTRA: list[str] = []
 
 
 def case_overrides(
@@ -95,6 +97,7 @@ def case_overrides(
         "checkpoint.final=false",
         "log.tensorboard=false",
         f"run.dir={run_dir}",
+        *EXTRA,
     ]
 
 
@@ -126,6 +129,10 @@ def run_case(
     record: dict = {"preset": case, "global_batch": batch, "seq_len": seq, "date": datetime.date.today().isoformat()}
     if case == JAX_OFFLOAD:
         record["tensors_of"] = JAX_OFFLOAD_TENSORS
+    if case in CUSTOM:
+        record["overrides"] = CUSTOM[case]
+    if EXTRA:
+        record["extra"] = list(EXTRA)
     started = time.perf_counter()
     if case == "auto":  # the planner chooses (timing its best candidates on the chip), then the pick runs
         plan_dir = root / "plan"
@@ -177,6 +184,7 @@ def plan_command(batch: int, plan_dir: Path, seq: int = SEQ) -> list[str]:
         f"train.global_batch_size={batch}",
         f"train.seq_len={seq}",
         f"run.dir={plan_dir}",
+        *EXTRA,
     ]
 
 
@@ -355,6 +363,9 @@ def main() -> int:
         help="a placement of your own, run after the presets at each batch, e.g. "
         "mlp_out=offload=minimal,offload.tensors.mlpwi_0=offload",
     )
+    parser.add_argument(
+        "--extra", nargs="+", default=[], metavar="OVERRIDE", help="overrides added to every case and auto's plan"
+    )
     parser.add_argument("--plot", type=Path, default=None, help="only draw the PNG and print the table of a JSON")
     parser.add_argument("--link-child", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -373,6 +384,7 @@ def main() -> int:
         if not label or not overrides or label in CASES:
             parser.error(f"--case {spec!r}: give LABEL=override,override,... with a label that is not a preset")
         CUSTOM[label] = overrides.split(",")
+    EXTRA.extend(args.extra)
     started = time.perf_counter()
     deadline = started + args.budget_s
     results: list[dict] = []
