@@ -113,3 +113,16 @@ def test_the_trace_reads_exposed_time_the_floor_and_the_in_step_link_rate(monkey
     )
     assert record["link_s"] == pytest.approx(0.2)  # 1 GB each way at the probe's 10 GB/s
     assert record["exposed_floor_s"] == pytest.approx(0.0)  # 0.1 s of stores under 0.2 s, 0.1 of reloads under 0.3
+
+
+def test_extra_overrides_reach_every_case_and_autos_plan(monkeypatch, tmp_path):
+    """`--extra`: the same overrides in a preset's run, a placement of one's own and auto's plan."""
+    extra = ["offload.peel=3", "platform.xla_flags.xla_tpu_host_transfer_overlap_limit=24"]
+    monkeypatch.setattr(tpu_check, "EXTRA", extra)
+    monkeypatch.setattr(tpu_check, "CUSTOM", {"mine": ["offload=minimal", "offload.tensors.mlpwi_0=offload"]})
+    for case in ("minimal_offloaded", "mine"):
+        overrides = tpu_check.case_overrides(case, 16, tmp_path / "run", False)
+        assert overrides[-len(extra) :] == extra
+        config = load_config(compose_node("train", [o for o in overrides if not o.startswith("platform=")], CONFIGS))
+        assert config.offload.peel == 3 and config.platform.xla_flags["xla_tpu_host_transfer_overlap_limit"] == 24
+    assert tpu_check.plan_command(16, tmp_path)[-len(extra) :] == extra
