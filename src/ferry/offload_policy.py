@@ -103,6 +103,11 @@ class Policy(Mapping[str, Placement]):
         return cast(tuple[tuple[str, Placement], ...], self.placements)
 
     @property
+    def copies_to_host(self) -> bool:
+        """Does this policy offload any tensor (so the step copies to pinned host)?"""
+        return not self.keep_all and any(place == "offload" for _, place in self.pairs)
+
+    @property
     def peeled(self) -> bool:
         """Does this policy peel its scanned stacks of two layers or more (`peels`)?"""
         return self.peel > 0 and self.pipelined_by_ferry

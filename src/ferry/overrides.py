@@ -21,7 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 from ferry.config_schema import ConfigError
 
 # mappings whose entries a user names freely (validated later against the model or XLA)
-OPEN_MAPPINGS = ("offload.tensors.", "platform.xla_flags.", "platform.env.")
+OPEN_MAPPINGS = ("offload.tensors.", "platform.xla_flags.", "platform.host_offload_flags.", "platform.env.")
 
 
 def config_groups(config_dir: Path) -> dict[str, list[str]]:

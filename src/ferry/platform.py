@@ -44,7 +44,9 @@ class PlatformConfig:
     `xla`, its own fixed estimates. `scheduler_costs_cached`: keep ferry's priced profiles on disk
     (`ProfileCache`), so a program compiled again (a re-plan, a restarted run) is not priced again
     and, where XLA autotunes, compiles once. `compilation_cache`: the directory of JAX's persistent
-    compilation cache (`~` and `$VARS` expanded; an exported `JAX_COMPILATION_CACHE_DIR` wins)."""
+    compilation cache (`~` and `$VARS` expanded; an exported `JAX_COMPILATION_CACHE_DIR` wins).
+    `host_offload_flags`: flags added to `xla_flags` for a run that copies to pinned host
+    (`for_host_copies`): the scheduler settings that let its copies overlap compute."""
 
     name: str = "cpu"
     xla_flags: Mapping[str, object] = dataclasses.field(default_factory=dict)
@@ -55,6 +57,7 @@ class PlatformConfig:
     # JAX's persistent compilation cache: a program compiled before (a restarted or resumed run,
     # the same model under another preset) is read from here instead of compiled; null: none
     compilation_cache: str | None = None
+    host_offload_flags: Mapping[str, object] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.name not in _FLAG_VARIABLE:
@@ -75,6 +78,13 @@ class PlatformConfig:
                 f"platform.cpu_devices={self.cpu_devices} is more than {MAX_CPU_DEVICES}: virtual CPU devices share "
                 f"this host's cores and memory, so use at most {MAX_CPU_DEVICES} to try a mesh"
             )
+
+    def for_host_copies(self, copies: bool) -> "PlatformConfig":
+        """This platform for a run that does (or does not) copy to pinned host: `host_offload_flags`
+        joined to `xla_flags` where it does, the run's own `xla_flags` winning on a name both set."""
+        if not copies or not self.host_offload_flags:
+            return self
+        return dataclasses.replace(self, xla_flags={**self.host_offload_flags, **self.xla_flags})
 
     @property
     def flag_variable(self) -> str:

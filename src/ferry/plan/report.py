@@ -153,7 +153,9 @@ class PlanCompiler:
     def compile_policy(self, policy: Policy, name: str, state: StatePlacement | None = None) -> MemoryPlan:
         """The plan of `policy` with the train state placed by `state` (default: the run's)."""
         state = self.config.offload.state_placement if state is None else state
-        key = (policy.keep_all, tuple(policy.placement(tensor) for tensor in sorted(self.tagged)), state)
+        placements = tuple(policy.placement(tensor) for tensor in sorted(self.tagged))
+        # the engine, pipelining and peel compile other programs of the same placements
+        key = (policy.keep_all, placements, policy.engine, policy.pipelined, policy.peel, state)
         if key not in self.compiled:
             self.compiled[key] = self.compile_new(policy, name, state)
         return dataclasses.replace(self.compiled[key], policy=name)
@@ -184,7 +186,8 @@ class PlanCompiler:
         )
         costs = platform.scheduler_costs == "ferry"
         cache = ProfileCache.of(platform) if costs else None
-        flags = dict(platform.xla_flags)
+        # the flags a run of this policy gets: a policy that copies to host adds the platform's host-offload ones
+        flags = dict(platform.for_host_copies(policy.copies_to_host or state.streams).xla_flags)
         return plan_memory(at, target, policy, name, self.capacity, flags, self.host_capacity, costs, cache)
 
 

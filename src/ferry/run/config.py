@@ -182,17 +182,19 @@ def load_config(node: Mapping) -> FerryConfig:
     notes += data.ignored()
     if train.learning_rate == 0:
         notes.append("train.learning_rate=0: the parameters will not change (the optimizer's steps are all zero)")
+    offload = from_dict(OffloadConfig, node.get("offload", {}), "offload")
+    platform = from_dict(PlatformConfig, node.get("platform", {}), "platform")
     return FerryConfig(
         model_name=str(model.get("name", "custom")),
         model=model_settings,
         train=train,
-        offload=from_dict(OffloadConfig, node.get("offload", {}), "offload"),
+        offload=offload,
         data=data,
         run=from_dict(RunConfig, node.get("run", {}), "run"),
         checkpoint=from_dict(CheckpointConfig, node.get("checkpoint", {}), "checkpoint"),
         log=from_dict(LogConfig, node.get("log", {}), "log"),
         profile=from_dict(ProfileConfig, node.get("profile", {}), "profile"),
-        platform=from_dict(PlatformConfig, node.get("platform", {}), "platform"),
+        platform=platform.for_host_copies(offload.copies_to_host),
         mesh=from_dict(MeshConfig, node.get("mesh", {}), "mesh"),
         distributed=from_dict(DistributedConfig, node.get("distributed", {}), "distributed"),
         mode=str(node.get("mode", "train")),

@@ -216,6 +216,13 @@ class OffloadConfig:
     def state_placement(self) -> StatePlacement:
         return StatePlacement(self.optimizer, self.params)
 
+    @property
+    def copies_to_host(self) -> bool:
+        """May a run under this preset copy to pinned host (an offloaded tensor, state on host, or
+        `auto`, whose candidates may)?"""
+        offloads = "offload" in (self.default, *self.tensors.values())
+        return self.name == "auto" or self.state_placement.streams or (offloads and not self.keep_all)
+
     def policy(self, tagged: frozenset[str] = frozenset()) -> Policy:
         """The policy for a model that tags `tagged` (needed only when `default` is set)."""
         placements = dict(self.tensors)

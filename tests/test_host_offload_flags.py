@@ -1,0 +1,73 @@
+"""`platform.host_offload_flags`: a TPU run that copies to pinned host gets libtpu's host-offload
+scheduling flags; a run that copies nothing keeps its flags as they were."""
+
+import pytest
+from rich.console import Console
+
+from ferry.offload import Policy
+from ferry.overrides import compose_node
+from ferry.plan import report
+from ferry.plan.memory_plan import MemoryPlan
+from ferry.plan.transfers import TransferSummary
+from ferry.run.config import load_config
+from ferry.train.state_memory import DEVICE_STATE
+from ferry.xla.targets import TARGETS
+from tests.conftest import CONFIGS, load_platform
+
+MODEL = ("model=llama_tiny", "platform=tpu")
+
+
+def config_of(*overrides: str):
+    return load_config(compose_node("train", [*MODEL, *overrides], CONFIGS))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("offload=minimal_offloaded",),
+        ("offload=qkv_offload",),
+        ("offload=full_remat", "offload.optimizer=host"),
+        ("offload=minimal", "offload.tensors.mlpwi_0=offload"),
+    ],
+)
+def test_a_run_that_copies_to_host_gets_them(overrides):
+    flags = config_of(*overrides).platform.xla_flags
+    expected = load_platform("tpu").host_offload_flags
+    assert expected and all(flags[name] == value for name, value in expected.items())
+    assert flags["xla_tpu_enable_latency_hiding_scheduler"] is True  # the platform's own flags stay
+
+
+@pytest.mark.parametrize("preset", ["full_remat", "minimal", "save_all"])
+def test_a_run_that_copies_nothing_keeps_its_flags(preset):
+    assert config_of(f"offload={preset}").platform.xla_flags == load_platform("tpu").xla_flags
+
+
+def test_the_runs_own_flag_wins_and_another_platform_has_none():
+    flags = config_of(
+        "offload=minimal_offloaded", "platform.xla_flags.xla_tpu_host_transfer_overlap_limit=4"
+    ).platform.xla_flags
+    assert flags["xla_tpu_host_transfer_overlap_limit"] == 4
+    cpu = load_config(compose_node("train", ["model=llama_tiny", "offload=minimal_offloaded"], CONFIGS))
+    assert not cpu.platform.host_offload_flags and "xla_tpu_host_transfer_overlap_limit" not in cpu.platform.xla_flags
+
+
+def test_a_plan_compiles_each_policy_with_the_flags_its_run_would_get(monkeypatch):
+    """mode=plan target=v5e: a preset that copies is compiled with the host-offload flags, one
+    that does not without them (the flags a run of each gets), each program once."""
+    seen = []
+    plan = MemoryPlan(
+        target="v5e", mesh="one", policy="p", argument_bytes=0, output_bytes=0, alias_bytes=0, temp_bytes=0,
+        host_bytes=0, flops=1.0, matmuls=1, capacity_bytes=1, host_capacity_bytes=None, compile_options=(),
+        transfers=(), transfer_summary=TransferSummary(0, 0, 0.0, 0.0, 0.0), compile_seconds=0.0,
+    )  # fmt: skip
+    monkeypatch.setattr(report, "plan_memory", lambda *args: seen.append(args[5]) or plan)
+    config = load_config(compose_node("train", ["model=llama_tiny", "mode=plan", "target=v5e"], CONFIGS))
+    compiler = report.PlanCompiler(config, TARGETS["v5e"], load_platform("tpu"), frozenset({"mlpwi_0"}), Console())
+    host = load_platform("tpu").host_offload_flags
+    offloads, remats = Policy.from_dict({"mlpwi_0": "offload"}), Policy.from_dict({"mlpwi_0": "remat"})
+    peeled = Policy.from_dict({"mlpwi_0": "offload"}, peel=1)
+    for policy in (offloads, remats, offloads, peeled):
+        compiler.compile_policy(policy, "p", DEVICE_STATE)
+    assert len(seen) == 3  # the same policy compiles once; another peel is another program
+    assert all(seen[0][name] == value for name, value in host.items()) and seen[2] == seen[0]
+    assert not set(host) & set(seen[1]) and seen[1]["xla_tpu_enable_latency_hiding_scheduler"] is True
