@@ -1,18 +1,29 @@
 """`platform.host_offload_flags`: a TPU run that copies to pinned host gets libtpu's host-offload
 scheduling flags; a run that copies nothing keeps its flags as they were."""
 
+import dataclasses
+
+import jax
 import pytest
+import yaml
 from rich.console import Console
 
+from ferry.config_schema import from_dict
 from ferry.offload import Policy
 from ferry.overrides import compose_node
 from ferry.plan import report
+from ferry.plan.auto import Tried, auto_plan
+from ferry.plan.auto_measure import candidate_offload
+from ferry.plan.auto_search import Prediction
+from ferry.plan.estimate import StepEstimate
 from ferry.plan.memory_plan import MemoryPlan
 from ferry.plan.transfers import TransferSummary
 from ferry.run.config import load_config
+from ferry.run.policy_check import one_device_mesh
+from ferry.train.config import OffloadConfig
 from ferry.train.state_memory import DEVICE_STATE
 from ferry.xla.targets import TARGETS
-from tests.conftest import CONFIGS, load_platform
+from tests.conftest import CONFIGS, load_platform, load_preset
 
 MODEL = ("model=llama_tiny", "platform=tpu")
 
@@ -71,3 +82,34 @@ def test_a_plan_compiles_each_policy_with_the_flags_its_run_would_get(monkeypatc
     assert len(seen) == 3  # the same policy compiles once; another peel is another program
     assert all(seen[0][name] == value for name, value in host.items()) and seen[2] == seen[0]
     assert not set(host) & set(seen[1]) and seen[1]["xla_tpu_enable_latency_hiding_scheduler"] is True
+
+
+def test_auto_compiles_writes_and_times_its_candidates_with_the_runs_peel(tmp_path):
+    """offload=auto chooses placements; the run's pipelining, peel and engine (`offload.peel=1`)
+    go into every candidate it compiles, into the candidates it times, and into offload_auto.yaml."""
+    config = load_config(
+        compose_node(
+            "train", ["model=llama_tiny", "mode=plan", "target=v5e", "offload=auto", "offload.peel=1"], CONFIGS
+        )
+    )
+    compiled = []
+
+    def compile_policy(policy, name):
+        compiled.append(policy)
+        return MemoryPlan(
+            target="v5e", mesh="one", policy=name, argument_bytes=1, output_bytes=0, alias_bytes=0,
+            temp_bytes=len(compiled), host_bytes=0, flops=1e9, matmuls=1, capacity_bytes=2**40,
+            host_capacity_bytes=None, compile_options=(), transfers=(),
+            transfer_summary=TransferSummary(0, 0, 0.0, 0.0, 0.0), compile_seconds=0.0, matmul_rate=1e12,
+        )  # fmt: skip
+
+    plan, choices, tried = auto_plan(config, TARGETS["v5e"], one_device_mesh(jax.devices()[0]), compile_policy)
+    assert compiled and all(p.peel == 1 and p.pipelined and p.engine == "ferry" for p in compiled)
+    values = {"mlpwi_0": "offload", "offload.optimizer": "device", "offload.params": "device"}
+    estimate = StepEstimate(1.0, 0.0, 0.0, 0.0)
+    search = Tried(values, Prediction((), 0.0, 0.0, estimate), dataclasses.replace(plan, policy="auto"))
+    node = candidate_offload(1, search, config, load_preset)
+    assert node["peel"] == 1 and node["tensors"] == {"mlpwi_0": "offload"}
+    written = yaml.safe_load(report.write_plan([plan], choices, tmp_path, config)[1].read_text())
+    assert written["peel"] == 1 and written["pipelined"] is True and written["engine"] == "ferry"
+    assert from_dict(OffloadConfig, written, "offload_auto.yaml").peel == 1  # still a preset a run trains with

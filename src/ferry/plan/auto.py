@@ -252,7 +252,9 @@ def auto_plan(
     all_device = tuple(d.options[0].value for d in decisions)
 
     def compile_candidate(values: tuple[str, ...]) -> MemoryPlan:
-        policy = Policy.from_dict({d.name: v for d, v in zip(decisions, values, strict=True) if d.tensor})
+        placements = {d.name: v for d, v in zip(decisions, values, strict=True) if d.tensor}
+        offload = config.offload  # the run's pipelining, peel and engine: auto chooses placements
+        policy = Policy.from_dict(placements, pipelined=offload.pipelined, peel=offload.peel, engine=offload.engine)
         return compile_values(policy, {d.name: v for d, v in zip(decisions, values, strict=True) if not d.tensor})
 
     first = _all_device_plan(decisions, config, known) or compile_candidate(all_device)

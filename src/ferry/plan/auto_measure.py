@@ -143,7 +143,9 @@ def candidate_offload(
         node = dataclasses.asdict(preset)
     else:
         tensors = {name: value for name, value in candidate.values.items() if name not in STATE_DECISIONS}
-        node = {"name": f"auto_candidate_{number}", "tensors": tensors}
+        offload = config.offload
+        node = {"name": f"auto_candidate_{number}", "tensors": tensors, "pipelined": offload.pipelined}
+        node |= {"peel": offload.peel, "engine": offload.engine}
     return node | {"optimizer": state.optimizer, "params": state.params, "auto": {}, "measured": {}}
 
 

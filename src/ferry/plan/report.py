@@ -339,6 +339,9 @@ def write_plan(
         f"# offload=auto for {plans[-1].target} ({plans[-1].mesh}), chosen by mode=plan: {how}\n"
         f"name: auto_{plans[-1].target}\nkeep_all: false\ndefault: null\n{state}tensors:\n{tensors}\n"
     )
+    if config is not None:  # the run's pipelining, peel and engine, which the candidates compiled with
+        offload = config.offload
+        text += f"pipelined: {str(offload.pipelined).lower()}\npeel: {offload.peel}\nengine: {offload.engine}\n"
     if measured is not None:  # read by no run: every candidate timed, and why this one
         text += yaml.safe_dump({"measured": measured.record()}, sort_keys=False, width=1000)
     preset.write_text(text)
