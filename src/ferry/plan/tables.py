@@ -138,7 +138,8 @@ def transfer_table(plan: MemoryPlan) -> Table:
         caption += (
             f" (at least {format_seconds(summary.floor_seconds)} in any order: a loop iteration's copies outlast "
             "all its matrix work, and no copy outlives its iteration; offload.peel takes a stack's end layers out of "
-            'its loop, where their copies may overlap the loss head: README, "Peeling the stack\'s ends")'
+            "its loop, where their copies may overlap the loss head: docs/concepts/schedule.md, "
+            '"Peeling the stack\'s ends")'
         )
     if summary.kernel_copies:
         caption += (
