@@ -14,7 +14,7 @@ every batch takes about 20 minutes on a v5e VM, 40 to 65 s a case):
 
     python benchmarks/tpu_check.py                               # writes benchmarks/results/tpu_v5e.json
     python benchmarks/tpu_check.py --batches 8 --presets full_remat minimal_offloaded
-    python benchmarks/tpu_check.py --plot benchmarks/results/tpu_v5e.json   # the PNG and the README table
+    python benchmarks/tpu_check.py --plot benchmarks/results/tpu_v5e.json --run "run 4:"   # the README's PNG
 
 A case that does not fit is ferry's one-line refusal, recorded as `oom` with the bytes it
 needed. Cases run batch 8 first, then 16, then 4, while the time budget (`--budget-s`) lasts;
@@ -367,6 +367,7 @@ def main() -> int:
         "--extra", nargs="+", default=[], metavar="OVERRIDE", help="overrides added to every case and auto's plan"
     )
     parser.add_argument("--plot", type=Path, default=None, help="only draw the PNG and print the table of a JSON")
+    parser.add_argument("--run", default=None, help="with --plot: the run to draw (a label's start); default: latest")
     parser.add_argument("--link-child", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.link_child:
@@ -377,7 +378,7 @@ def main() -> int:
     if args.plot:
         results = json.loads(args.plot.read_text())
         print(markdown_table(results))
-        print(plot_frontier(results, args.plot.with_suffix(".png")))
+        print(plot_frontier(results, args.plot.with_suffix(".png"), args.run))
         return 0
     for spec in args.case:
         label, _, overrides = spec.partition("=")

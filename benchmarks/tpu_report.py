@@ -86,9 +86,9 @@ def frontier(points: list[tuple[float, float, str]]) -> list[tuple[float, float,
     return kept
 
 
-def plot_frontier(results: list[dict], path: Path) -> str:
-    """Draw tokens/s against the measured HBM peak per case of the latest run into `path`; what
-    was done."""
+def plot_frontier(results: list[dict], path: Path, run: str | None = None) -> str:
+    """Draw tokens/s against the measured HBM peak per case of one run (the latest, or the last
+    whose label starts with `run`) into `path`; what was done."""
     try:
         import matplotlib
 
@@ -98,7 +98,10 @@ def plot_frontier(results: list[dict], path: Path) -> str:
         command = f"python benchmarks/tpu_check.py --plot {path.with_suffix('.json')}"
         return f"no PNG: matplotlib is not installed here (the bench extra); run `{command}` where it is"
     # the latest run only: a frontier compares cases of the same code
-    latest = ([r.get("run", "") for r in case_records(results)] or [""])[-1]
+    labels = [r.get("run", "") for r in case_records(results) if run is None or r.get("run", "").startswith(run)]
+    if not labels:
+        return f"no PNG: no run's label starts with {run!r}"
+    latest = labels[-1]
     cases = [
         r
         for r in case_records(results)
@@ -123,4 +126,4 @@ def plot_frontier(results: list[dict], path: Path) -> str:
     axes.grid(alpha=0.3)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
-    return f"wrote {path}"
+    return f"wrote {path} ({latest or 'the unlabelled run'})"

@@ -126,3 +126,16 @@ def test_extra_overrides_reach_every_case_and_autos_plan(monkeypatch, tmp_path):
         config = load_config(compose_node("train", [o for o in overrides if not o.startswith("platform=")], CONFIGS))
         assert config.offload.peel == 3 and config.platform.xla_flags["xla_tpu_host_transfer_overlap_limit"] == 24
     assert tpu_check.plan_command(16, tmp_path)[-len(extra) :] == extra
+
+
+def test_the_plot_draws_the_run_it_is_asked_for(tmp_path):
+    """`--plot --run`: the README's PNG is one run's frontier, though later runs follow it."""
+    pytest.importorskip("matplotlib")
+    from benchmarks.tpu_report import plot_frontier
+
+    case = {"global_batch": 8, "status": "ok", "tokens_per_s": 100.0, "hbm_peak_bytes": 8 * GIB, "date": "2026-12-06"}
+    results = [{"run": "run 4: presets", "preset": "full_remat", **case}, {"run": "run 5", "preset": "mo", **case}]
+    assert plot_frontier(results, tmp_path / "a.png", "run 4:").endswith("(run 4: presets)")
+    assert plot_frontier(results, tmp_path / "c.png").endswith("(run 5)") and (tmp_path / "a.png").exists()
+    assert plot_frontier(results, tmp_path / "b.png", "run 9").startswith("no PNG: no run's label starts with")
+    assert not (tmp_path / "b.png").exists()
