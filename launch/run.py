@@ -103,7 +103,7 @@ def main(argv: list[str]) -> int:
             return plan(config, console, node)
         if config.platform.name == "gpu":
             check_gpu_jax("platform=gpu")  # before the CUDA backend starts
-        variables = apply_platform(config.platform)  # before JAX starts its backend
+        variables = apply_platform(config.run_platform)  # before JAX starts its backend
         processes = distributed.initialize(config.distributed)  # likewise
         console.print(
             f"platform {config.platform.name}: "

@@ -42,7 +42,7 @@ def config_of(*overrides: str):
     ],
 )
 def test_a_run_that_copies_to_host_gets_them(overrides):
-    flags = config_of(*overrides).platform.xla_flags
+    flags = config_of(*overrides).run_platform.xla_flags
     expected = load_platform("tpu").host_offload_flags
     assert expected and all(flags[name] == value for name, value in expected.items())
     assert flags["xla_tpu_enable_latency_hiding_scheduler"] is True  # the platform's own flags stay
@@ -50,16 +50,16 @@ def test_a_run_that_copies_to_host_gets_them(overrides):
 
 @pytest.mark.parametrize("preset", ["full_remat", "minimal", "save_all"])
 def test_a_run_that_copies_nothing_keeps_its_flags(preset):
-    assert config_of(f"offload={preset}").platform.xla_flags == load_platform("tpu").xla_flags
+    assert config_of(f"offload={preset}").run_platform.xla_flags == load_platform("tpu").xla_flags
 
 
 def test_the_runs_own_flag_wins_and_another_platform_has_none():
     flags = config_of(
         "offload=minimal_offloaded", "platform.xla_flags.xla_tpu_host_transfer_overlap_limit=4"
-    ).platform.xla_flags
+    ).run_platform.xla_flags
     assert flags["xla_tpu_host_transfer_overlap_limit"] == 4
     cpu = load_config(compose_node("train", ["model=llama_tiny", "offload=minimal_offloaded"], CONFIGS))
-    assert not cpu.platform.host_offload_flags and "xla_tpu_host_transfer_overlap_limit" not in cpu.platform.xla_flags
+    assert not cpu.platform.host_offload_flags and cpu.run_platform == cpu.platform
 
 
 def test_a_plan_compiles_each_policy_with_the_flags_its_run_would_get(monkeypatch):

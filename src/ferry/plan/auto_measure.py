@@ -177,7 +177,8 @@ def subprocess_measurer(
     (`measure_in_subprocess`) as a run of the resolved config `node` with the candidate's offload
     and the target's `platform`."""
     timer = StepTimer(settings.warmup_steps, settings.steps)
-    platform_node = dataclasses.asdict(platform) | {"xla_flags": dict(platform.xla_flags), "env": dict(platform.env)}
+    mappings = {"xla_flags": platform.xla_flags, "env": platform.env, "host_offload_flags": platform.host_offload_flags}
+    platform_node = dataclasses.asdict(platform) | {key: dict(value) for key, value in mappings.items()}
 
     def measure_one(number: int, candidate: Tried) -> Measurement:
         offload = candidate_offload(number, candidate, config, load_preset)

@@ -262,8 +262,8 @@ def main(argv: list[str]) -> int:
     request = json.loads(request_path.read_text())
     try:
         config = load_config(request["config"])
-        apply_platform(config.platform)
-        check_platform(config.platform)
+        apply_platform(config.run_platform)
+        check_platform(config.run_platform)
         timer = StepTimer(request["warmup_steps"], request["steps"])
         record = measure_train_step(config, timer).to_json()
     except FerryError as error:

@@ -129,6 +129,12 @@ class FerryConfig:
                 "copy the offload_auto.yaml it writes into configs/offload/ and train with that preset"
             )
 
+    @property
+    def run_platform(self) -> PlatformConfig:
+        """The platform this run applies: `platform.host_offload_flags` joined to its flags where
+        its offload copies to pinned host (`OffloadConfig.copies_to_host`)."""
+        return self.platform.for_host_copies(self.offload.copies_to_host)
+
 
 def check_peel(offload: OffloadConfig, model: Any) -> None:
     """`offload.peel` takes layers out of a pipelined scanned stack's loop: refused where it would
@@ -182,19 +188,17 @@ def load_config(node: Mapping) -> FerryConfig:
     notes += data.ignored()
     if train.learning_rate == 0:
         notes.append("train.learning_rate=0: the parameters will not change (the optimizer's steps are all zero)")
-    offload = from_dict(OffloadConfig, node.get("offload", {}), "offload")
-    platform = from_dict(PlatformConfig, node.get("platform", {}), "platform")
     return FerryConfig(
         model_name=str(model.get("name", "custom")),
         model=model_settings,
         train=train,
-        offload=offload,
+        offload=from_dict(OffloadConfig, node.get("offload", {}), "offload"),
         data=data,
         run=from_dict(RunConfig, node.get("run", {}), "run"),
         checkpoint=from_dict(CheckpointConfig, node.get("checkpoint", {}), "checkpoint"),
         log=from_dict(LogConfig, node.get("log", {}), "log"),
         profile=from_dict(ProfileConfig, node.get("profile", {}), "profile"),
-        platform=platform.for_host_copies(offload.copies_to_host),
+        platform=from_dict(PlatformConfig, node.get("platform", {}), "platform"),
         mesh=from_dict(MeshConfig, node.get("mesh", {}), "mesh"),
         distributed=from_dict(DistributedConfig, node.get("distributed", {}), "distributed"),
         mode=str(node.get("mode", "train")),
