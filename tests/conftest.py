@@ -1,7 +1,6 @@
 """Shared fixtures: the tiny model and the offload presets, loaded from configs/ as a user's run
 would load them."""
 
-import contextlib
 import importlib.util
 import os
 import shutil
@@ -20,11 +19,11 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # to a directory of this test session, not the user's cache.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="ferry-tests-cache-")
 # One persistent JAX compilation cache for the test session: its worker processes (xdist starts
-# them with this process's environment) and the launchers, scripts and helper processes they start
-# compile each program once; a cached executable is the same code. A fresh directory per session,
-# so nothing compiled by another version of ferry or jax is read. A size limit (far above what the
-# suite writes) makes JAX lock the directory around each read and write: without one, a process
-# could read an entry another is still writing.
+# them with this process's environment), the runs they train in-process, and the launchers, scripts
+# and helper processes they start compile each program once; a cached executable is the same code.
+# A fresh directory per session, so nothing compiled by another version of ferry or jax is read. A
+# size limit (far above what the suite writes) makes JAX lock the directory around each read and
+# write: without one, a process could read an entry another is still writing.
 os.environ.setdefault("FERRY_TESTS_JAX_CACHE_OWNER", str(os.getpid()))  # the session's first process
 os.environ["FERRY_TESTS_JAX_CACHE"] = os.environ.get("FERRY_TESTS_JAX_CACHE") or tempfile.mkdtemp(
     prefix="ferry-tests-jax-cache-"
@@ -60,27 +59,6 @@ needs_libtpu = pytest.mark.skipif(
     reason='the planner needs libtpu for TPU targets: pip install -e ".[plan]"',
 )
 GPU_FLAGS = {"xla_gpu_enable_latency_hiding_scheduler": True}  # the scheduler gpu.yaml turns on; XLA defaults else
-
-
-@contextlib.contextmanager
-def compilation_cache(directory: Path):
-    """A persistent compilation cache in `directory` for the block, in this process: runs that
-    compile the same programs (the init, the eval step, the checkpoint fingerprints, a resumed
-    run's step) compile each once. Cached executables are the same code."""
-    import jax
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-    saved = {name: getattr(jax.config, name) for name in names}
-    cc.set_cache_dir(str(directory))
-    jax.config.update(names[1], 0)
-    cc.reset_cache()
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            jax.config.update(name, value)
-        cc.reset_cache()
 
 
 def pytest_configure(config):

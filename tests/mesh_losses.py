@@ -5,8 +5,8 @@
 
 Each run composes the Hydra config from the common and its own overrides and goes through
 `prepare` and `train`; the virtual CPU devices are created once, before JAX starts. Runs on the
-same mesh compile the same init and checkpoint fingerprints: a persistent compilation cache in
-DIR compiles each once.
+same mesh compile the same init and checkpoint fingerprints: the test session's persistent
+compilation cache (`JAX_COMPILATION_CACHE_DIR`, inherited from tests/conftest.py) compiles each once.
 """
 
 import argparse
@@ -22,7 +22,6 @@ from ferry.platform import PlatformConfig, apply_platform
 from ferry.run.config import load_config
 from ferry.run.preflight import prepare
 from ferry.run.training import train
-from tests.conftest import compilation_cache
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -36,7 +35,7 @@ def main() -> None:
     args = parser.parse_args()
     apply_platform(PlatformConfig("cpu", cpu_devices=args.cpu_devices))
     losses = []
-    with compilation_cache(args.root / "jax_cache"), initialize_config_dir(str(CONFIGS), version_base=None):
+    with initialize_config_dir(str(CONFIGS), version_base=None):
         for index, run in enumerate(args.run):
             overrides = shlex.split(args.common) + shlex.split(run) + [f"run.dir={args.root / str(index)}"]
             cfg = compose("train", overrides=[*overrides, f"platform.cpu_devices={args.cpu_devices}"])

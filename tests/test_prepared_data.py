@@ -23,7 +23,7 @@ from ferry.data.tokenizer import ByteTokenizer, load_tokenizer
 from ferry.run.preemption import SigtermStop
 from ferry.run.preflight import prepare
 from ferry.run.training import train
-from tests.conftest import ROOT, compilation_cache, compose_config
+from tests.conftest import ROOT, compose_config
 
 # 300 documents of 40 to 240 bytes, in one file, separated by blank lines
 DOCUMENTS = [f"doc {i}: " + "lorem ipsum dolor sit amet " * (1 + i % 8) for i in range(300)]
@@ -284,14 +284,7 @@ def hf_tokenizer_file(tmp_path_factory):
     return path
 
 
-@pytest.fixture
-def shared_compiles(tmp_path):
-    """The three runs compile the same programs: a persistent compilation cache compiles each once."""
-    with compilation_cache(tmp_path / "jax_cache"):
-        yield
-
-
-def test_training_on_prepared_documents_resumes_bit_for_bit(big_text, tmp_path, monkeypatch, shared_compiles):
+def test_training_on_prepared_documents_resumes_bit_for_bit(big_text, tmp_path, monkeypatch):
     """A run on a prepared corpus with document masking, preempted after step 2 and resumed,
     logs the losses of the uninterrupted run exactly."""
     directory = tmp_path / "prepared"

@@ -18,7 +18,7 @@ from ferry.data.tokenizer import ByteTokenizer
 from ferry.run.data_identity import data_difference
 from ferry.run.preflight import prepare
 from ferry.run.training import train
-from tests.conftest import SMALL_RUN, compilation_cache, compose_config
+from tests.conftest import SMALL_RUN, compose_config
 from tests.test_bad_inputs import run_cases, tree_digest
 from tests.test_prepared_data import DOCUMENTS, text_config
 
@@ -113,8 +113,7 @@ def test_allow_data_change_resumes_and_says_what_changes(finished_run, tmp_path)
     console = Console(file=out, width=300)
     allow = ("data.seed=1", "run.allow_data_change=true")
     config = compose_config(*SMALL_RUN, "train.steps=6", *allow, f"run.dir={run_dir}")
-    with compilation_cache(tmp_path / "jax_cache"):
-        train(prepare(config, console), "config: test\n", console)
+    train(prepare(config, console), "config: test\n", console)
     output = out.getvalue()
     assert "run.allow_data_change=true: resuming step 4 on other data (data.seed: 0 -> 1)" in output, output
     assert "resuming from step 4" in output

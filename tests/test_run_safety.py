@@ -30,7 +30,7 @@ from ferry.run.checkpoint import Checkpoints, RunCheckpointError, array_checksum
 from ferry.run.lock import LOCK_FILE, acquire
 from ferry.run.preflight import prepare
 from ferry.run.training import train
-from tests.conftest import ROOT, compilation_cache, compose_config
+from tests.conftest import ROOT, compose_config
 from tests.launcher_cases import load_launcher
 from tests.old_default import OLD_DEFAULT
 from tests.test_bad_inputs import COMMON, run_cases, tree_digest
@@ -41,14 +41,6 @@ def run_in_process(run_dir, *overrides):
     console = Console(file=out, width=200)
     train(prepare(compose_config(*COMMON, *overrides, f"run.dir={run_dir}"), console), "config: test\n", console)
     return out.getvalue()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def shared_compiles(tmp_path_factory):
-    """The runs here compile the same programs (the init, the eval step, the checkpoint
-    fingerprints): a persistent compilation cache compiles each once."""
-    with compilation_cache(tmp_path_factory.mktemp("jax_cache")):
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from ferry.run.disk_space import DiskSpaceError, check_checkpoint_space
 from ferry.run.lock import LOCK_FILE, RunDirectoryError, acquire
 from ferry.run.preflight import prepare
 from ferry.run.training import train
-from tests.conftest import ROOT, SMALL_RUN, compilation_cache, compose_config, run_launcher, run_python
+from tests.conftest import ROOT, SMALL_RUN, compose_config, run_launcher, run_python
 from tests.test_bad_inputs import tree_digest
 
 # Six steps of the small run, each logged, checkpoints at 2, 4 and 6.
@@ -95,8 +95,7 @@ def test_a_disk_that_fills_during_a_save_stops_the_run_at_that_save(tmp_path):
     first = {r["step"]: r for r in records(saved / "metrics.jsonl") if "loss" in r}
     assert 4 <= max(first) <= 6
 
-    with compilation_cache(tmp_path / "jax_cache"):
-        output = run_in_process(saved, *FAULT_RUN)
+    output = run_in_process(saved, *FAULT_RUN)
     assert "resuming from step 2" in output
     resumed = {r["step"]: r for r in records(saved / "metrics.jsonl") if "loss" in r}
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]

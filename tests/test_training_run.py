@@ -30,7 +30,7 @@ from ferry.run.preflight import prepare
 from ferry.run.training import train
 from ferry.train.optimizer import make_optimizer
 from ferry.train.state_layout import state_layout
-from tests.conftest import compilation_cache, compose_config, start_launcher
+from tests.conftest import compose_config, start_launcher
 
 STEPS = 8
 COMMON = (
@@ -110,14 +110,6 @@ def poison_batch_loss(monkeypatch, step):
         return loss * jnp.where(jnp.all(batch[0] == row), jnp.nan, 1.0), stats
 
     monkeypatch.setattr(step_module, "batch_loss", poisoned)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def shared_compiles(tmp_path_factory):
-    """The runs here compile the same programs (the init, the eval step, a resumed run's step):
-    a persistent compilation cache compiles each once."""
-    with compilation_cache(tmp_path_factory.mktemp("jax_cache")):
-        yield
 
 
 @pytest.fixture(scope="module")
