@@ -119,16 +119,8 @@ def measure_wall_clock(chunks: int = 8, chunk_bytes: int = 256 * 2**20, repeats:
 def measure_traced(chunks: int = 8, chunk_bytes: int = 256 * 2**20, directory: Path | None = None) -> LinkBandwidth:
     """The link from a profiler trace of the probe: per direction, the bytes its copies moved over
     the time any of them was in flight, in each phase."""
-    from ferry.xla.profile_trace import newest_xplane, step_profiles
-
     x = _chunks(chunks, chunk_bytes)
-    probe = jax.jit(round_trip)
-    jax.block_until_ready(probe(x))
-    directory = Path(directory or tempfile.mkdtemp(prefix="ferry-link-"))
-    with jax.profiler.trace(str(directory)):
-        jax.block_until_ready(probe(x))
-    profiles = step_profiles(newest_xplane(directory))
-    copies = sorted((c for p in profiles for c in p.copies), key=lambda c: c.start_ns)
+    copies = sorted(_traced_copies(round_trip, x, directory), key=lambda c: c.start_ns)
     if len(copies) < 4 * chunks:
         raise RuntimeError(f"the trace shows {len(copies)} host copies of the probe, expected {4 * chunks}")
     first, swap, last = copies[:chunks], copies[chunks : 3 * chunks], copies[3 * chunks : 4 * chunks]
@@ -171,21 +163,26 @@ def measure_concurrency(
     """Does the link move more when several copies are in flight? The same bytes split `ways`
     ways, each split's copies issued together in one program, rates read from a trace: one copy
     may not fill the link that several fill (an offloaded layer's tensors can be split so)."""
-    from ferry.xla.profile_trace import newest_xplane, step_profiles
-
     results = []
     for n in ways:
-        x = _chunks(n, total_bytes // n)
-        probe = jax.jit(split_round_trip)
-        jax.block_until_ready(probe(x))
-        folder = Path(directory or tempfile.mkdtemp(prefix="ferry-link-")) / f"ways{n}"
-        with jax.profiler.trace(str(folder)):
-            jax.block_until_ready(probe(x))
-        copies = [c for p in step_profiles(newest_xplane(folder)) for c in p.copies]
+        copies = _traced_copies(split_round_trip, _chunks(n, total_bytes // n), directory)
         stores = [c for c in copies if c.direction == "to host"]
         reloads = [c for c in copies if c.direction == "to device"]
         results.append(Concurrency(n, _rate(stores), _rate(reloads), len(copies)))
     return results
+
+
+def _traced_copies(probe, x: jax.Array, directory: Path | None = None) -> list:
+    """The host copies of one run of `probe(x)` (compiled and run once before), from a profiler
+    trace written under `directory` (a fresh temporary one by default)."""
+    from ferry.xla.profile_trace import newest_xplane, step_profiles
+
+    compiled = jax.jit(probe)
+    jax.block_until_ready(compiled(x))
+    folder = Path(tempfile.mkdtemp(prefix="ferry-link-", dir=directory))
+    with jax.profiler.trace(str(folder)):
+        jax.block_until_ready(compiled(x))
+    return [c for p in step_profiles(newest_xplane(folder)) for c in p.copies]
 
 
 def _rate(copies) -> float:
