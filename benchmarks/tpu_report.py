@@ -57,7 +57,7 @@ def markdown_table(results: list[dict]) -> str:
         exposed = r.get("exposed_copy_s")
         # the floor: the link's time for the step's bytes less all its compute (the
         # stores-before-reloads split of `exposed_floor_s` assumes an order a peeled stack does not keep)
-        floor = r.get("exposed_floor_step_s", r.get("exposed_floor_s"))
+        floor = max(0.0, r["link_s"] - r["compute_s"]) if "link_s" in r and "compute_s" in r else None
         mfu = r.get("mfu")
         cells = [
             shape_label(r),
