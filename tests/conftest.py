@@ -29,14 +29,14 @@ os.environ["FERRY_TESTS_JAX_CACHE"] = os.environ.get("FERRY_TESTS_JAX_CACHE") or
     prefix="ferry-tests-jax-cache-"
 )
 os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["FERRY_TESTS_JAX_CACHE"]
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.1"
+os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(64 * 2**30)
 # The suite compiles tiny programs for the CPU backend hundreds of times, and LLVM's optimisation of
 # the code it generates is most of each compile while buying nothing at these sizes: level 0 halves
 # a compile (the DeepSeek launch test's step 17.6 s -> 8.8 s). Every process of the session,
 # launchers included, compiles alike, so a comparison within the suite compares like with like.
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
-os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.1"
-os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(64 * 2**30)
 
 import pytest
 from hydra import compose, initialize_config_dir
