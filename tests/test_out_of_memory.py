@@ -130,6 +130,9 @@ def test_plan_llama_tiny_for_one_v5e_chip(tmp_path):
     assert "OOM" not in out
     # its step-time estimate runs the compiled matmuls at the rate measured on a v5e chip, not the peak
     assert plan["matmul_rate"] == TARGETS["v5e"].matmul_rate < TARGETS["v5e"].bf16_peak_flops
+    # it copies to host, so libtpu compiled it with the host-offload flags a run of it gets
+    options = dict(plan["compile_options"])
+    assert options["xla_tpu_host_transfer_overlap_limit"] == 24 and options["xla_max_concurrent_host_send_recv"] == 100
 
 
 @needs_libtpu
