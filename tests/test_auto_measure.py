@@ -67,11 +67,12 @@ def test_measuring_is_on_where_the_targets_accelerator_is_and_refused_where_aske
     assert not resolve_measure(AutoMeasureConfig(measure=False), "tpu", "tpu")[0]
     with pytest.raises(ConfigError, match="offload.auto.measure=true .* has no accelerator"):
         resolve_measure(AutoMeasureConfig(measure=True), "tpu", None)
-    files = {"/dev/vfio/0"}
-    assert accelerator_present({}, files.__contains__) == "tpu"
-    assert accelerator_present({}, {"/dev/nvidia0"}.__contains__) == "gpu"
-    assert accelerator_present({"JAX_PLATFORMS": "cpu"}, files.__contains__) is None
-    assert accelerator_present({}, set().__contains__) is None
+    from tests.test_cpu_only import matching
+
+    assert accelerator_present({}, matching("/dev/vfio/2", "/dev/vfio/vfio"), list) == "tpu"  # the v5e VM
+    assert accelerator_present({}, matching("/dev/nvidia0"), list) == "gpu"
+    assert accelerator_present({"JAX_PLATFORMS": "cpu"}, matching("/dev/vfio/2"), list) is None
+    assert accelerator_present({}, matching("/dev/vfio/vfio"), list) is None
     with pytest.raises(ConfigError, match="offload.auto.steps must be at least 1"):
         from_dict(OffloadConfig, {"auto": {"steps": 0}}, "offload")
 

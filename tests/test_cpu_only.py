@@ -1,5 +1,6 @@
 """CPU runs on a machine without an accelerator print no plugin's traceback (`ferry.cpu_only`)."""
 
+import fnmatch
 import os
 import re
 import subprocess
@@ -7,18 +8,30 @@ import sys
 
 import pytest
 
-from ferry.cpu_only import cpu_only, keep_jax_to_the_cpu
+from ferry.cpu_only import cpu_only, device_accelerator, keep_jax_to_the_cpu
 from tests.conftest import ROOT
 
 NOISE = ("Traceback", "plugin configuration error", "E0000", "cuInit")
 
 
-def test_device_files_decide():
-    assert cpu_only(lambda path: False)
-    for device in ("/dev/accel0", "/dev/vfio/0", "/dev/nvidia0"):
-        assert not cpu_only(lambda path, device=device: path == device)
-    assert not keep_jax_to_the_cpu({"JAX_PLATFORMS": "cuda"}, lambda path: False)  # the user's choice stands
-    assert not keep_jax_to_the_cpu({}, lambda path: path == "/dev/nvidia0")  # a GPU machine: JAX picks
+def matching(*paths: str):
+    """`glob.glob` on a machine with these device files."""
+    return lambda pattern: fnmatch.filter(paths, pattern)
+
+
+def test_device_files_and_pci_ids_decide():
+    """A TPU VM's chip under any number (a v5e VM's was /dev/vfio/2, which the check of /dev/vfio/0
+    alone missed: importing ferry kept JAX to the CPU there), or a Google PCI device."""
+    none = lambda: []  # noqa: E731
+    assert cpu_only(matching("/dev/vfio/vfio", "/dev/nvidiactl"), lambda: ["0x8086"])
+    for device in ("/dev/accel0", "/dev/vfio/0", "/dev/vfio/2", "/dev/nvidia0", "/dev/nvidia3"):
+        assert not cpu_only(matching(device), none), device
+    assert device_accelerator(matching("/dev/vfio/2", "/dev/vfio/vfio"), none) == "tpu"
+    assert device_accelerator(matching("/dev/vfio/vfio"), lambda: ["0x8086", "0x1ae0"]) == "tpu"
+    assert device_accelerator(matching("/dev/nvidia0", "/dev/nvidiactl"), lambda: ["0x10de"]) == "gpu"
+    assert not keep_jax_to_the_cpu({"JAX_PLATFORMS": "cuda"}, matching(), none)  # the user's choice stands
+    assert not keep_jax_to_the_cpu({}, matching("/dev/nvidia0"), none)  # a GPU machine: JAX picks
+    assert not keep_jax_to_the_cpu({}, matching("/dev/vfio/2"), none)  # the v5e VM
 
 
 def without_platform_choice() -> dict:

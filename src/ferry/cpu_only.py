@@ -6,30 +6,54 @@ CUDA plugin's traceback ("Jax plugin configuration error ... cuInit(0) failed") 
 `E0000` lines before every CPU run: the README's layer example and the CPU benchmarks included.
 Importing ferry sets `JAX_PLATFORMS=cpu` there (or `jax_platforms`, where JAX is already
 imported and its backends not yet chosen), as the tests do. A machine with a TPU or NVIDIA
-device file, a `JAX_PLATFORMS` the user set, and the launcher's `platform=` (which sets
+device (`device_accelerator`), a `JAX_PLATFORMS` the user set, and the launcher's `platform=` (which sets
 `jax_platforms` itself, `ferry.platform.apply_platform`) are left as they are; the plugins still
 serve deviceless compiles (`mode=plan`).
 """
 
+import glob
 import os
 import sys
 from collections.abc import Callable, MutableMapping
+from pathlib import Path
 
-# the device files of the accelerators ferry runs on (as `ferry.plan.measure.accelerator_present`)
-DEVICE_FILES = ("/dev/accel0", "/dev/vfio/0", "/dev/nvidia0")
+GOOGLE_PCI_VENDOR = "0x1ae0"  # a TPU chip's PCI vendor id, as /sys/bus/pci/devices/*/vendor reads it
 
 
-def cpu_only(exists: Callable[[str], bool] = os.path.exists) -> bool:
-    """No TPU (`/dev/accel0`, `/dev/vfio/0` on v5e and newer) or NVIDIA GPU (`/dev/nvidia0`) here."""
-    return not any(exists(path) for path in DEVICE_FILES)
+def pci_vendors() -> list[str]:
+    """The vendor id of every PCI device of this machine (none where /sys does not list them)."""
+    return [Path(path).read_text().strip() for path in glob.glob("/sys/bus/pci/devices/*/vendor")]
+
+
+def device_accelerator(
+    devices: Callable[[str], list[str]] = glob.glob, vendors: Callable[[], list[str]] = pci_vendors
+) -> str | None:
+    """The accelerator this machine has, judged without starting JAX: `tpu` where a TPU's device
+    file is (`/dev/accel<n>`, or `/dev/vfio/<n>` on v5e and newer) or a Google PCI device, `gpu`
+    where an NVIDIA GPU's is (`/dev/nvidia<n>`), else None. Any number: a v5e VM's chip was
+    `/dev/vfio/2` (2026-12-06), which the check of `/dev/vfio/0` alone missed, so importing ferry
+    kept JAX to the CPU there and `offload=auto` timed nothing on the chip. `devices` lists the
+    paths a glob pattern matches, `vendors` the PCI vendor ids."""
+    if devices("/dev/accel[0-9]*") or devices("/dev/vfio/[0-9]*") or GOOGLE_PCI_VENDOR in vendors():
+        return "tpu"
+    if devices("/dev/nvidia[0-9]*"):
+        return "gpu"
+    return None
+
+
+def cpu_only(devices: Callable[[str], list[str]] = glob.glob, vendors: Callable[[], list[str]] = pci_vendors) -> bool:
+    """No TPU or NVIDIA GPU here (`device_accelerator`)."""
+    return device_accelerator(devices, vendors) is None
 
 
 def keep_jax_to_the_cpu(
-    environ: MutableMapping[str, str] | None = None, exists: Callable[[str], bool] = os.path.exists
+    environ: MutableMapping[str, str] | None = None,
+    devices: Callable[[str], list[str]] = glob.glob,
+    vendors: Callable[[], list[str]] = pci_vendors,
 ) -> bool:
     """Choose JAX's CPU backend on a CPU-only machine where nothing chose a platform; whether it did."""
     environ = os.environ if environ is None else environ
-    if "JAX_PLATFORMS" in environ or not cpu_only(exists):
+    if "JAX_PLATFORMS" in environ or not cpu_only(devices, vendors):
         return False
     jax = sys.modules.get("jax")
     if jax is None:

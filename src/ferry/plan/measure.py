@@ -12,6 +12,7 @@ command `python -m ferry.plan.measure REQUEST RESULT`), each candidate's memory 
 """
 
 import dataclasses
+import glob
 import json
 import os
 import statistics
@@ -27,6 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from ferry.cpu_only import device_accelerator, pci_vendors
 from ferry.data.segments import DocumentMask
 from ferry.errors import FerryError
 from ferry.run.config import FerryConfig
@@ -273,20 +275,17 @@ def main(argv: list[str]) -> int:
 
 
 def accelerator_present(
-    environ: Mapping[str, str] | None = None, exists: Callable[[str], bool] = os.path.exists
+    environ: Mapping[str, str] | None = None,
+    devices: Callable[[str], list[str]] = glob.glob,
+    vendors: Callable[[], list[str]] = pci_vendors,
 ) -> str | None:
     """The accelerator this machine has, judged without starting JAX (a planning process keeps
-    to the CPU): `tpu` where a TPU's device file is (`/dev/accel0`, or `/dev/vfio/0` on v5e and
-    newer), `gpu` where an NVIDIA GPU's is (`/dev/nvidia0`); None on a CPU-only machine, or where
-    `JAX_PLATFORMS` names only the CPU."""
+    to the CPU): `ferry.cpu_only.device_accelerator`'s, or None where `JAX_PLATFORMS` names only
+    the CPU."""
     environ = os.environ if environ is None else environ
     if environ.get("JAX_PLATFORMS", "").strip() == "cpu":
         return None
-    if exists("/dev/accel0") or exists("/dev/vfio/0"):
-        return "tpu"
-    if exists("/dev/nvidia0"):
-        return "gpu"
-    return None
+    return device_accelerator(devices, vendors)
 
 
 if __name__ == "__main__":
