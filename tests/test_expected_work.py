@@ -91,3 +91,45 @@ def test_expert_parallelism_moves_the_experts_work_and_adds_none():
     # the ring's worst case against what runs: 2.89x with one dense and one MoE layer (the dense
     # layer, attention and the head are counted once in both); 3.5x with two MoE layers and MTP
     assert group.flops_bound > 2.5 * group.flops
+
+
+def splash_forward_jaxpr(kernel, batch: int, seq: int, heads: int, kv_heads: int, head_dim: int):
+    q = jax.ShapeDtypeStruct((batch, seq, heads, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((batch, seq, kv_heads, head_dim), jnp.bfloat16)
+    return jax.make_jaxpr(lambda q, k, v: kernel.forward(q, k, v, 0.1, None))(q, kv, kv).jaxpr
+
+
+@pytest.mark.parametrize(("block", "computed"), [(1024, 3 / 4), (512, 10 / 16)])
+def test_a_kernels_work_is_its_grid_and_splash_counts_the_causal_blocks(block, computed):
+    """A Pallas kernel's body is one block's work, run once per point of its grid (before, splash
+    attention's forward counted as one block: 0.5 of its 34 GFLOP at this shape). Splash computes
+    the block pairs the causal mask leaves a query (3 of 2 x 2 blocks of 1024 at seq 2048, 10 of
+    4 x 4 of 512), each whole: that share of both products, q k^T and p v, over every pair."""
+    from ferry.nn.kernels.splash import SplashAttention
+
+    batch, seq, heads, kv_heads, head_dim = 2, 2048, 16, 8, 128
+    jaxpr = splash_forward_jaxpr(SplashAttention(block=block), batch, seq, heads, kv_heads, head_dim)
+    every_pair = 2 * (2.0 * batch * heads * seq * seq * head_dim)
+    assert total_dot_flops(jaxpr) == pytest.approx(computed * every_pair)
+
+
+def test_auto_prices_rematerialising_splashs_output_by_the_forward_kernel_it_reruns():
+    """On a TPU target the attention is splash's kernel: rematerialising `attention_out` runs its
+    forward again in the backward pass, which auto now counts (it counted one block's work, about
+    nothing, so at batch 16 of the v5e shape it kept choosing the attention output to recompute)."""
+    from ferry.models.registry import abstract_model
+    from ferry.nn.kernels.splash import SplashAttention
+    from ferry.plan.auto import tensor_costs
+    from ferry.plan.planner import for_target
+    from tests.conftest import compose_config
+
+    v5e = TARGETS["v5e"]
+    config = compose_config(
+        "model=llama_tiny", "train.seq_len=256", "train.global_batch_size=2", "mode=plan", "target=v5e"
+    )
+    costs, _ = tensor_costs(config, v5e, compile_only_mesh(v5e, config.mesh))
+    model = for_target(config.model, v5e)
+    kernel = splash_forward_jaxpr(SplashAttention(), 2, 256, model.num_heads, model.num_kv_heads, model.head_dim)
+    assert abstract_model(model).config.attention in ("auto", "splash")
+    assert costs["attention_out"].recompute_flops == pytest.approx(model.num_layers * total_dot_flops(kernel))
+    assert costs["attention_out"].recompute_flops > 0

@@ -84,16 +84,29 @@ def _share(eqn: Any) -> float:
     return expected_fraction(str(eqn.source_info.name_stack))
 
 
+def _loop_trips(eqn: Any) -> int:
+    """How often a scan's body runs per run of the scan (once for any other equation)."""
+    return eqn.params["length"] if eqn.primitive.name == "scan" else 1
+
+
+def _kernel_trips(eqn: Any) -> int:
+    """How often a Pallas kernel's body, one block's work, runs: its grid (splash attention's
+    forward at batch 2, seq 2048 counted 0.5 of its 34 GFLOP as one block). Work, not ops: the
+    kernel's matmuls are not counted as ops: the compiled program has one custom call for them."""
+    return math.prod(eqn.params["grid_mapping"].grid) if eqn.primitive.name == "pallas_call" else 1
+
+
 def total_dot_flops(jaxpr: Any, share: float = 1.0) -> float:
     """Matmul FLOPs of every equation of a jaxpr, needed or not, a scan's body counted by its
-    length; of work the model marked as run in part (`ferry.expected_work`), what runs."""
+    length and a kernel's by its grid; of work the model marked as run in part
+    (`ferry.expected_work`), what runs."""
     total = 0.0
     for eqn in jaxpr.eqns:
         runs = share * _share(eqn)
         if eqn.primitive.name in _MATMULS:
             total += runs * dot_flops(eqn)
-        repeat = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
-        total += repeat * sum(total_dot_flops(inner, runs) for inner in _inner_jaxprs(eqn))
+        trips = _loop_trips(eqn) * _kernel_trips(eqn)
+        total += sum(total_dot_flops(inner, trips * runs) for inner in _inner_jaxprs(eqn))
     return total
 
 
@@ -118,6 +131,8 @@ def _walk(jaxpr: Any, needed_out: list[bool], found: _Needed, times: float, shar
         elif name in _MATMULS:
             found.matmuls += times
             found.matmul_flops += times * runs * dot_flops(eqn)
+        elif name == "pallas_call":  # its body writes the outputs through refs: any one needs all its work
+            found.matmul_flops += times * total_dot_flops(inner[0], runs * _kernel_trips(eqn))
         elif (
             name not in _LOOPS
             and len(inner) == 1
@@ -126,9 +141,8 @@ def _walk(jaxpr: Any, needed_out: list[bool], found: _Needed, times: float, shar
         ):
             ins = _walk(inner[0], outs, found, times, runs)
         else:
-            repeat = eqn.params.get("length", 1) if name == "scan" else 1
             for sub in inner:
-                _walk(sub, [True] * len(sub.outvars), found, times * repeat, runs)
+                _walk(sub, [True] * len(sub.outvars), found, times * _loop_trips(eqn), runs)
         needed.update(v for v, n in zip(eqn.invars, ins, strict=True) if n and isinstance(v, jex.Var))
     return [isinstance(v, jex.Var) and v in needed for v in jaxpr.invars]
 

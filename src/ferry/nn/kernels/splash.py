@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float
 
 from ferry.errors import FerryError
+from ferry.expected_work import expected_work
 from ferry.nn.kernels.flash import FlashAttention, SegmentIds
 from ferry.sharding import activation_spec, context_mesh
 
@@ -130,6 +131,13 @@ class SplashAttention(FlashAttention):
         make = splash.make_splash_mqa_single_device if self.gqa == "mqa" else splash.make_splash_mha_single_device
         return make(mask, block_sizes=self.block_sizes(seq), save_residuals=True, interpret=self.interpret)
 
+    def _causal_work(self, seq: int) -> Any:
+        """The share of the kernel's grid that runs: the block pairs the causal mask leaves a query
+        to attend to (n (n + 1) / 2 of n x n blocks, each computed whole), marked for the planner's
+        FLOP count (`ferry.expected_work`); packed documents skip more, unknown before the data."""
+        blocks = seq // (self.block or block_size(seq))
+        return expected_work(blocks * (blocks + 1) // 2, blocks * blocks)
+
     # ---------------------------------------------------------------------------------------
     # Layout: ferry's (batch, seq, heads, dim) <-> the kernel's (batch, [kv_heads,] heads, seq, dim)
 
@@ -200,7 +208,8 @@ class SplashAttention(FlashAttention):
             kernel = self._kernel(kq.shape[-2], kq.shape[-3])
 
             def one(q: Array, k: Array, v: Array, ids: Array) -> tuple[Array, Array]:
-                out, (lse,) = kernel(q, k, v, _segments(ids, segment_ids is not None))
+                with self._causal_work(kq.shape[-2]):
+                    out, (lse,) = kernel(q, k, v, _segments(ids, segment_ids is not None))
                 return out, lse
 
             out, lse = self._per_example(one, kq, kk, kv, kids)
@@ -243,18 +252,19 @@ class SplashAttention(FlashAttention):
             def one(q: Array, k: Array, v: Array, ids: Array, out: Array, lse: Array, d_out: Array) -> tuple:
                 segments = _segments(ids, segment_ids is not None)
                 residuals = (q, k, v, segments, None, out, lse, dq_info, dkv_info)
-                grads = splash_kernel._splash_attention_bwd(  # noqa: SLF001 (see the module docstring)
-                    False,
-                    options["mask_value"],
-                    options["is_mqa"],
-                    options["block_sizes"],
-                    None,
-                    options["mask_function"],
-                    options["attn_logits_soft_cap"],
-                    self.interpret,
-                    residuals,
-                    d_out,
-                )
+                with self._causal_work(kq.shape[-2]):
+                    grads = splash_kernel._splash_attention_bwd(  # noqa: SLF001 (see the module docstring)
+                        False,
+                        options["mask_value"],
+                        options["is_mqa"],
+                        options["block_sizes"],
+                        None,
+                        options["mask_function"],
+                        options["attn_logits_soft_cap"],
+                        self.interpret,
+                        residuals,
+                        d_out,
+                    )
                 return grads[3:6]
 
             dq, dk, dv = self._per_example(one, kq, kk, kv, kids, kout, klse, kd_out)
