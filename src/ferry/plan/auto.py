@@ -1,7 +1,7 @@
 """`offload=auto`: choose where each tagged tensor waits for the backward pass (device, offload,
 remat), and any further placement choice (`Decision`), for the shortest estimated step
 (`ferry.plan.estimate`; the middle estimate, then the worst: `banded_rank`) that fits the
-target's HBM and its pinned host pool, each with `HEADROOM` to spare.
+target's HBM with its `hbm_headroom` to spare and its pinned host pool with `HEADROOM`.
 
 The compiler decides: the all-on-device policy is compiled first; it gives the HBM, the matmul time
 and the collective time every other candidate is predicted from. Each option of a decision frees
@@ -55,7 +55,7 @@ from ferry.train.state_memory import (
     float_params,
     state_copies,
 )
-from ferry.xla.targets import Target
+from ferry.xla.targets import TARGETS, Target
 
 MAX_CHECKS = 6  # candidates compiled after the all-on-device one, at most
 
@@ -132,7 +132,7 @@ def _tensor_costs(config: FerryConfig, target: Target, mesh: Any) -> tuple[dict[
     return costs, forward
 
 
-HEADROOM = 0.05  # of HBM and of the pinned host pool, left free by auto's choice
+HEADROOM = 0.05  # of the pinned host pool left free by auto's choice; of HBM, the target's `hbm_headroom`
 
 
 def tensor_decisions(costs: dict[str, TensorCost], micro_steps: int) -> list[Decision]:
@@ -193,10 +193,16 @@ def state_decisions(config: FerryConfig, target: Target, mesh: Any) -> tuple[Dec
     return tuple(decisions)
 
 
+def hbm_limit(plan: MemoryPlan) -> float:
+    """The HBM a candidate may take: the device's less its target's `hbm_headroom`."""
+    return (1 - TARGETS[plan.target].hbm_headroom) * plan.capacity_bytes
+
+
 def fits_with_headroom(plan: MemoryPlan) -> bool:
-    """HBM and the pinned host pool (where its size is known) each keep `HEADROOM` free."""
+    """HBM keeps the target's `hbm_headroom` free and the pinned host pool (where its size is
+    known) `HEADROOM`."""
     host = plan.host_capacity_bytes is None or plan.host_bytes <= (1 - HEADROOM) * plan.host_capacity_bytes
-    return plan.compile_oom is None and plan.device_bytes <= (1 - HEADROOM) * plan.capacity_bytes and host
+    return plan.compile_oom is None and plan.device_bytes <= hbm_limit(plan) and host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,7 +244,7 @@ def auto_plan(
     compile_choice: Callable[[Policy, dict[str, str]], MemoryPlan] | None = None,
     known: Sequence[tuple[Policy, MemoryPlan]] = (),
 ) -> tuple[MemoryPlan, list[Choice], list[Tried]]:
-    """The fastest-estimated candidate whose compiled step fits both memories with `HEADROOM`
+    """The fastest-estimated candidate whose compiled step fits both memories with their headroom
     (see the module), its choices, and every candidate compiled on the way. `extra` decisions
     (not tensors) reach the compile through `compile_choice(policy, {decision: value})`; without
     them `compile_policy(policy, "auto")` compiles. `known`: presets this plan already compiled
@@ -330,7 +336,7 @@ def _search(
     nearest it, until none is predicted faster than the fastest that fits or `MAX_CHECKS` are
     spent; each compiled candidate is added to `tried`."""
     names = tuple(d.name for d in decisions)
-    hbm_limit = (1 - HEADROOM) * first.capacity_bytes
+    device_limit = hbm_limit(first)
     host_limit = None if first.host_capacity_bytes is None else (1 - HEADROOM) * first.host_capacity_bytes
     for _ in range(MAX_CHECKS):
         best = fastest([t for t in tried if t.fits])
@@ -344,7 +350,7 @@ def _search(
             for t in tried
         ]
         candidate = fastest_fitting(
-            baseline, decisions, target, hbm_limit, host_limit, exclude, anchors, fastest_seconds
+            baseline, decisions, target, device_limit, host_limit, exclude, anchors, fastest_seconds
         )
         if candidate is None and best is None:  # nothing is predicted to fit: compile the least HBM, the closest
             least = tuple(max(d.options, key=lambda o: (o.freed_bytes, -o.host_bytes)).value for d in decisions)

@@ -225,9 +225,11 @@ def verification_table(plan: MemoryPlan) -> Table:
 def candidate_table(tried: list[Tried]) -> Table:
     """The candidates offload=auto weighed, in order (the presets compiled beside it, then its
     own): what it predicted, what each compiled to."""
+    headroom = TARGETS[tried[0].plan.target].hbm_headroom if tried else 0.0
     table = Table(
         title="offload=auto: candidates compiled (per device; step times are ESTIMATES)",
-        caption=f"fits: HBM and the pinned host pool each keep {HEADROOM:.0%} free; "
+        caption=f"fits: HBM keeps {headroom:.0%} free (the target's hbm_headroom), "
+        f"the pinned host pool {HEADROOM:.0%}; "
         f"the fastest is the least middle estimate (halfway between best and worst; within {MIN_GAIN:.1%} of the "
         "least counts as a tie), then the least worst",
     )
