@@ -143,6 +143,9 @@ def run_case(
             return record | {"status": "plan failed", "message": output[-4000:]}
         pick = preset_overrides(plan_dir / "offload_auto.yaml")
         record["auto_pick"] = [o.split("offload.tensors.", 1)[1] for o in pick if o.startswith("offload.tensors.")]
+        record["auto_measured"] = auto_measured(plan_dir / "offload_auto.yaml")
+        says = (line for line in output.splitlines() if "offload.auto.measure" in line)
+        record["auto_measure_says"] = next(says, None)  # whether it timed its candidates, and why
         overrides = case_overrides(case, batch, run_dir, check_policy, pick, seq)
         command = [sys.executable, str(ROOT / "launch" / "run.py"), *overrides]
     returncode, output = timed_output(command, max(timeout - (time.perf_counter() - started), 30))
@@ -206,6 +209,14 @@ def preset_overrides(path: Path) -> list[str]:
             overrides.append(f"offload.{key}={value}")
     overrides += [f"offload.tensors.{name}={place}" for name, place in (preset.get("tensors") or {}).items()]
     return overrides
+
+
+def auto_measured(path: Path) -> dict | None:
+    """What auto timed on the chip and why it picked (offload_auto.yaml's `measured:`); None where
+    it timed nothing."""
+    import yaml
+
+    return yaml.safe_load(path.read_text()).get("measured")
 
 
 def timed_output(command: list[str], timeout: float) -> tuple[int | None, str]:

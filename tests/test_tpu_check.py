@@ -92,6 +92,14 @@ def test_auto_pick_becomes_a_run(tmp_path):
         "mlpwo": "remat",
     }
     assert "mode=plan" in tpu_check.plan_command(16, tmp_path) and "target=v5e" in tpu_check.plan_command(16, tmp_path)
+    assert tpu_check.auto_measured(tmp_path / "offload_auto.yaml") is None  # it timed nothing
+    with (tmp_path / "offload_auto.yaml").open("a") as timed:
+        timed.write("measured:\n  pick: 2\n  reason: the fastest measured\n  candidates: []\n")
+    assert tpu_check.auto_measured(tmp_path / "offload_auto.yaml") == {
+        "pick": 2,
+        "reason": "the fastest measured",
+        "candidates": [],
+    }
 
 
 def test_the_trace_reads_exposed_time_the_floor_and_the_in_step_link_rate(monkeypatch, tmp_path):
