@@ -15,7 +15,7 @@ from ferry.plan.replay import total_dot_flops
 from ferry.sharding import MeshConfig
 from ferry.xla.hlo_flops import matmul_count, matmul_flops
 from ferry.xla.targets import TARGETS
-from tests.conftest import GPU_FLAGS, needs_cuda_plugin
+from tests.conftest import GPU_FLAGS, needs_cuda_plugin, needs_libtpu
 from tests.test_scheduler_costs import planned
 
 H200 = TARGETS["h200"]
@@ -113,6 +113,7 @@ def test_a_kernels_work_is_its_grid_and_splash_counts_the_causal_blocks(block, c
     assert total_dot_flops(jaxpr) == pytest.approx(computed * every_pair)
 
 
+@needs_libtpu
 def test_auto_prices_rematerialising_splashs_output_by_the_forward_kernel_it_reruns():
     """On a TPU target the attention is splash's kernel: rematerialising `attention_out` runs its
     forward again in the backward pass, which auto now counts (it counted one block's work, about
