@@ -147,3 +147,26 @@ def test_the_plot_draws_the_run_it_is_asked_for(tmp_path):
     assert plot_frontier(results, tmp_path / "c.png").endswith("(run 5)") and (tmp_path / "a.png").exists()
     assert plot_frontier(results, tmp_path / "b.png", "run 9").startswith("no PNG: no run's label starts with")
     assert not (tmp_path / "b.png").exists()
+
+
+def test_auto_is_not_started_with_less_budget_than_its_plan_needs(monkeypatch, tmp_path):
+    """A case is started only with the budget it needs: auto's plan ran 110 to 190 s on the chip,
+    and started with 60 s left it was killed unfinished; a preset needs 20 s."""
+    ran = []
+
+    def run_case(case, batch, *args):
+        ran.append(case)
+        return {"preset": case, "global_batch": batch, "status": "ok", "tokens_per_s": 1.0, "hbm_peak_bytes": GIB}
+
+    monkeypatch.setattr(tpu_check, "run_case", run_case)
+    out = tmp_path / "check.json"
+    argv = ["tpu_check.py", "--batches", "16", "--no-link", "--presets", "full_remat", "auto", "--out", str(out)]
+    for budget, started in (("100", ["full_remat"]), ("400", ["full_remat", "auto"])):
+        ran.clear()
+        monkeypatch.setattr("sys.argv", [*argv, "--budget-s", budget])
+        assert tpu_check.main() == 0
+        assert ran == started, budget
+    monkeypatch.setattr("sys.argv", [*argv, "--budget-s", "100"])
+    tpu_check.main()
+    skipped = [r for r in json.loads(out.read_text()) if r["status"].startswith("skipped")]
+    assert [r["preset"] for r in skipped] == ["auto"]
