@@ -193,16 +193,27 @@ def state_decisions(config: FerryConfig, target: Target, mesh: Any) -> tuple[Dec
     return tuple(decisions)
 
 
+def hbm_headroom(plan: MemoryPlan) -> float:
+    """The share of HBM auto leaves free on the plan's target (`Target.hbm_headroom`)."""
+    return TARGETS[plan.target].hbm_headroom
+
+
 def hbm_limit(plan: MemoryPlan) -> float:
-    """The HBM a candidate may take: the device's less its target's `hbm_headroom`."""
-    return (1 - TARGETS[plan.target].hbm_headroom) * plan.capacity_bytes
+    """The HBM a candidate may take: the device's less its target's headroom."""
+    return (1 - hbm_headroom(plan)) * plan.capacity_bytes
+
+
+def host_limit(plan: MemoryPlan) -> float | None:
+    """The pinned host a candidate may take: the pool less `HEADROOM` (None: no pool is sized)."""
+    return None if plan.host_capacity_bytes is None else (1 - HEADROOM) * plan.host_capacity_bytes
 
 
 def fits_with_headroom(plan: MemoryPlan) -> bool:
     """HBM keeps the target's `hbm_headroom` free and the pinned host pool (where its size is
     known) `HEADROOM`."""
-    host = plan.host_capacity_bytes is None or plan.host_bytes <= (1 - HEADROOM) * plan.host_capacity_bytes
-    return plan.compile_oom is None and plan.device_bytes <= hbm_limit(plan) and host
+    host = host_limit(plan)
+    host_fits = host is None or plan.host_bytes <= host
+    return plan.compile_oom is None and plan.device_bytes <= hbm_limit(plan) and host_fits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,8 +347,7 @@ def _search(
     nearest it, until none is predicted faster than the fastest that fits or `MAX_CHECKS` are
     spent; each compiled candidate is added to `tried`."""
     names = tuple(d.name for d in decisions)
-    device_limit = hbm_limit(first)
-    host_limit = None if first.host_capacity_bytes is None else (1 - HEADROOM) * first.host_capacity_bytes
+    device_limit, pool_limit = hbm_limit(first), host_limit(first)
     for _ in range(MAX_CHECKS):
         best = fastest([t for t in tried if t.fits])
         fastest_seconds = None if best is None else best.plan.estimate.middle_seconds
@@ -350,7 +360,7 @@ def _search(
             for t in tried
         ]
         candidate = fastest_fitting(
-            baseline, decisions, target, device_limit, host_limit, exclude, anchors, fastest_seconds
+            baseline, decisions, target, device_limit, pool_limit, exclude, anchors, fastest_seconds
         )
         if candidate is None and best is None:  # nothing is predicted to fit: compile the least HBM, the closest
             least = tuple(max(d.options, key=lambda o: (o.freed_bytes, -o.host_bytes)).value for d in decisions)

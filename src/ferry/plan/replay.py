@@ -90,9 +90,10 @@ def _loop_trips(eqn: Any) -> int:
 
 
 def _kernel_trips(eqn: Any) -> int:
-    """How often a Pallas kernel's body, one block's work, runs: its grid (splash attention's
-    forward at batch 2, seq 2048 counted 0.5 of its 34 GFLOP as one block). Work, not ops: the
-    kernel's matmuls are not counted as ops: the compiled program has one custom call for them."""
+    """How often a Pallas kernel's body, one block's work, runs: its grid (counted once, splash
+    attention's forward at batch 2, seq 2048 was 0.5 of its 34 GFLOP). It multiplies the work
+    only: the body's matmuls are not counted as matmul ops, the compiled program runs one custom
+    call for them."""
     return math.prod(eqn.params["grid_mapping"].grid) if eqn.primitive.name == "pallas_call" else 1
 
 

@@ -8,6 +8,7 @@ from ferry.plan.auto import (
     Choice,
     Tried,
     fits_with_headroom,
+    hbm_headroom,
 )
 from ferry.plan.auto_measure import MeasuredPick
 from ferry.plan.auto_search import MIN_GAIN
@@ -225,7 +226,7 @@ def verification_table(plan: MemoryPlan) -> Table:
 def candidate_table(tried: list[Tried]) -> Table:
     """The candidates offload=auto weighed, in order (the presets compiled beside it, then its
     own): what it predicted, what each compiled to."""
-    headroom = TARGETS[tried[0].plan.target].hbm_headroom if tried else 0.0
+    headroom = hbm_headroom(tried[0].plan) if tried else 0.0
     table = Table(
         title="offload=auto: candidates compiled (per device; step times are ESTIMATES)",
         caption=f"fits: HBM keeps {headroom:.0%} free (the target's hbm_headroom), "

@@ -135,7 +135,7 @@ class SplashAttention(FlashAttention):
         """The share of the kernel's grid that runs: the block pairs the causal mask leaves a query
         to attend to (n (n + 1) / 2 of n x n blocks, each computed whole), marked for the planner's
         FLOP count (`ferry.expected_work`); packed documents skip more, unknown before the data."""
-        blocks = seq // (self.block or block_size(seq))
+        blocks = seq // self.block_sizes(seq).block_q
         return expected_work(blocks * (blocks + 1) // 2, blocks * blocks)
 
     # ---------------------------------------------------------------------------------------
