@@ -34,6 +34,7 @@ from ferry.nn.kernels.xla import XlaAttention
 from ferry.offload import record_tags
 from ferry.plan.planner import compile_config_step, compile_only_mesh
 from ferry.train.step import LossSettings, batch_loss
+from ferry.xla.hlo_flops import matmul_flops
 from ferry.xla.targets import TARGETS
 from tests.conftest import (
     GPU_FLAGS,
@@ -313,6 +314,18 @@ def test_v5e_program_reruns_the_forward_kernel_only_where_its_residuals_are_reco
     backward is one fused kernel (dq with dkv, the default), or two where that is turned off."""
     kernels = splash_kernels(compiled_step("v5e", preset, *V5E).as_text())
     assert kernels == {"fwd": forward_kernels, "dkv": 1}
+
+
+@needs_libtpu
+def test_v5e_programs_kernels_are_priced_in_the_jaxpr_only():
+    """Splash's causal share (`ferry.expected_work`) prices its kernels where auto traces the
+    layer's jaxpr. The compiled TPU program's kernels carry neither that scope nor a cost estimate
+    (their lines have no op name), so the plan's compiled FLOP count leaves them out, marked or
+    not: nothing is discounted twice."""
+    hlo = compiled_step("v5e", "full_remat", *V5E).as_text()
+    kernels = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+    assert kernels and not any("ferry_runs_" in line or "cost_estimate" in line for line in kernels)
+    assert matmul_flops(hlo) == matmul_flops(hlo, bound=True)
 
 
 @needs_libtpu
