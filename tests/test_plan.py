@@ -18,6 +18,7 @@ from ferry.models.registry import abstract_model
 from ferry.nn.attention import QUERY_CHUNK
 from ferry.plan.auto import (
     MAX_CHECKS,
+    PEEL,
     auto_plan,
     fastest,
     fits_with_headroom,
@@ -391,13 +392,47 @@ def test_the_estimate_reads_the_compiled_collectives_and_counts_model_flops_as_m
 
 
 def test_auto_reports_the_least_hbm_candidate_when_nothing_fits():
-    """Below what full_remat needs, no placement fits: auto compiles the one freeing the most HBM
-    (every tensor rematerialised, the layer input offloaded) and reports it as the closest."""
+    """Below what full_remat needs, no placement fits: auto compiles the all-on-device program as
+    a loop and its peeled twin (`offload.peel`: 1 of llama_tiny's 2 layers after the first), then
+    the placement freeing the most HBM (every tensor rematerialised, the layer input offloaded),
+    and reports the least of them as the closest."""
     measured, choices, tried = auto_choice(H200, 0.01, seq_len=64)
-    assert not fits_with_headroom(measured) and len(tried) == 2 and measured is tried[1].plan
-    placements = {c.name: c.placement for c in choices}
+    assert not fits_with_headroom(measured) and len(tried) == 3
+    assert tried[1].values == tried[0].values | {PEEL: "1"}  # the twin, numbered after the loop
+    assert tried[1].plan.device_bytes != tried[0].plan.device_bytes  # another program
+    placements = {name: value for name, value in tried[2].values.items() if not name.startswith("offload.")}
     assert placements.pop("decoder_layer_input") == "offload" and set(placements.values()) == {"remat"}
-    assert measured.device_bytes < tried[0].plan.device_bytes
+    closest = min(tried, key=lambda t: t.plan.device_bytes)
+    assert measured.device_bytes == closest.plan.device_bytes < tried[0].plan.device_bytes
+    chosen = {c.name: c.placement for c in choices}
+    assert chosen.get(PEEL, "0") == closest.values.get(PEEL, "0")
+    assert all(chosen[name] == value for name, value in closest.values.items())
+
+
+def test_auto_peels_the_stack_where_only_its_peeled_twin_fits(tmp_path):
+    """Between the all-on-device program's HBM as a loop and peeled, the peeled twin is the pick
+    (nothing recomputed or copied beats it), and the preset auto writes trains with its peel."""
+    import yaml
+
+    from ferry.config_schema import from_dict
+    from ferry.plan.report import write_plan
+    from ferry.run.config import check_peel
+    from ferry.train.config import OffloadConfig
+
+    _, _, over = auto_choice(H200, 0.01, seq_len=64)
+    loop, twin = (t.plan.device_bytes for t in over[:2])
+    assert twin < loop
+    measured, choices, tried = auto_choice(H200, (loop + twin) / 2 / (1 - H200.hbm_headroom) / 2**30, seq_len=64)
+    assert fits_with_headroom(measured) and not fits_with_headroom(tried[0].plan)
+    assert measured.device_bytes == twin and tried[1].values[PEEL] == "1"
+    chosen = {c.name: c.placement for c in choices}
+    assert chosen.pop(PEEL) == "1" and chosen.pop("mlpwo") == "remat" and set(chosen.values()) == {"device"}
+    written = yaml.safe_load(
+        write_plan([measured], choices, tmp_path, compose_config("model=llama_tiny"))[1].read_text()
+    )
+    preset = from_dict(OffloadConfig, written, "offload_auto.yaml")
+    assert preset.peel == 1 and PEEL not in preset.tensors
+    check_peel(preset, compose_config("model=llama_tiny").model)  # a run takes it
 
 
 def test_auto_moves_the_train_state_to_host_when_only_that_fits(tmp_path):

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ferry.config_schema import ConfigError
-from ferry.plan.auto import STATE_DECISIONS, Tried, state_of
+from ferry.plan.auto import PEEL, STATE_DECISIONS, Tried, departures, state_of
 from ferry.plan.auto_search import banded_rank
 from ferry.plan.measure import MeasureError, Measurement, StepTimer, measure_in_subprocess
 from ferry.platform import PlatformConfig
@@ -39,7 +39,7 @@ class MeasuredCandidate:
         return {
             "candidate": self.number,
             "from": self.source,
-            "off_device": {k: v for k, v in self.values.items() if v != "device"},
+            "off_device": departures(self.values),
             "predicted_step_s": self.predicted_seconds,
             "measured_step_s": m.step_seconds,
             "step_times_s": list(m.step_times),
@@ -126,7 +126,7 @@ def measure_candidates(
 
 
 def describe(candidate: Tried) -> str:
-    moved = [f"{name}={value}" for name, value in candidate.values.items() if value != "device"]
+    moved = [f"{name}={value}" for name, value in departures(candidate.values).items()]
     return f"{candidate.plan.policy}: " + (", ".join(moved) or "all on device")
 
 
@@ -142,10 +142,11 @@ def candidate_offload(
         preset = config.offload if source == config.offload.name else load_preset(source)
         node = dataclasses.asdict(preset)
     else:
-        tensors = {name: value for name, value in candidate.values.items() if name not in STATE_DECISIONS}
+        others = (*STATE_DECISIONS, PEEL)
+        tensors = {name: value for name, value in candidate.values.items() if name not in others}
         offload = config.offload
         node = {"name": f"auto_candidate_{number}", "tensors": tensors, "pipelined": offload.pipelined}
-        node |= {"peel": offload.peel, "engine": offload.engine}
+        node |= {"peel": int(candidate.values.get(PEEL, offload.peel)), "engine": offload.engine}
     return node | {"optimizer": state.optimizer, "params": state.params, "auto": {}, "measured": {}}
 
 

@@ -16,6 +16,7 @@ from ferry.config_schema import ConfigError
 from ferry.models.registry import abstract_model
 from ferry.offload import Policy
 from ferry.plan.auto import (
+    PEEL,
     STATE_DECISIONS,
     Choice,
     Tried,
@@ -332,16 +333,17 @@ def write_plan(
     if not choices:
         return [path]
     preset = run_dir / "offload_auto.yaml"
-    tensors = "\n".join(f"  {c.name}: {c.placement}" for c in choices if c.name not in STATE_DECISIONS)
+    tensors = "\n".join(f"  {c.name}: {c.placement}" for c in choices if c.name not in (*STATE_DECISIONS, PEEL))
     state = "".join(f"{STATE_DECISIONS[c.name][0]}: {c.placement}\n" for c in choices if c.name in STATE_DECISIONS)
     how = "the fastest of its best candidates timed on this machine" if measured and measured.pick else "estimated"
     text = (
         f"# offload=auto for {plans[-1].target} ({plans[-1].mesh}), chosen by mode=plan: {how}\n"
         f"name: auto_{plans[-1].target}\nkeep_all: false\ndefault: null\n{state}tensors:\n{tensors}\n"
     )
-    if config is not None:  # the run's pipelining, peel and engine, which the candidates compiled with
+    if config is not None:  # the run's pipelining and engine, which the candidates compiled with; the peel chosen
         offload = config.offload
-        text += f"pipelined: {str(offload.pipelined).lower()}\npeel: {offload.peel}\nengine: {offload.engine}\n"
+        peel = next((c.placement for c in choices if c.name == PEEL), offload.peel)
+        text += f"pipelined: {str(offload.pipelined).lower()}\npeel: {peel}\nengine: {offload.engine}\n"
     if measured is not None:  # read by no run: every candidate timed, and why this one
         text += yaml.safe_dump({"measured": measured.record()}, sort_keys=False, width=1000)
     preset.write_text(text)

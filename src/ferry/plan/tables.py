@@ -7,6 +7,7 @@ from ferry.plan.auto import (
     HEADROOM,
     Choice,
     Tried,
+    departures,
     fits_with_headroom,
     hbm_headroom,
 )
@@ -249,7 +250,7 @@ def candidate_table(tried: list[Tried]) -> Table:
     for column in (*columns, "fits"):
         table.add_column(column, justify="left" if column in ("from", "off device", "fits") else "right")
     for number, t in enumerate(tried, 1):
-        moved = [f"{name}={value}" for name, value in t.values.items() if value != "device"]
+        moved = [f"{name}={value}" for name, value in departures(t.values).items()]
         table.add_row(
             str(number),
             t.plan.policy,  # a preset this plan compiled anyway, or auto's own candidate
@@ -278,7 +279,7 @@ def measured_table(measured: MeasuredPick) -> Table:
         table.add_column(column, justify="left" if column in ("from", "off device", "verdict") else "right")
     for c in measured.candidates:
         m = c.measurement
-        moved = ", ".join(f"{k}={v}" for k, v in c.values.items() if v != "device") or "(all on device)"
+        moved = ", ".join(f"{k}={v}" for k, v in departures(c.values).items()) or "(all on device)"
         chosen = measured.pick is not None and c.number == measured.pick.number
         table.add_row(
             str(c.number),

@@ -158,15 +158,19 @@ class AutoMeasureConfig:
     `warmup_steps` untimed then `steps` timed steps, and the fastest measured that fits the device
     is chosen. The estimate does not time the chip's scheduler: on a TPU v5e it ranked offload
     presets above full_remat that ran 0.74x as fast. `measure`: null measures where an accelerator
-    is present (a TPU's or an NVIDIA GPU's device file), and not on a CPU-only machine."""
+    is present (a TPU's or an NVIDIA GPU's device file), and not on a CPU-only machine. `peel`:
+    the end layers the search may also take out of each stack's loop (`offload.peel`), where the
+    run leaves its peel at 0 (0: never): on the v5e chip `minimal` at batch 16 is 16.1 GiB as a
+    loop, over the chip, and 13.56 GiB with 3 layers peeled, 1.108x full_remat's speed."""
 
     measure: bool | None = None
     candidates: int = 3
     warmup_steps: int = 1
     steps: int = 3
+    peel: int = 3
 
     def __post_init__(self) -> None:
-        for name, least in (("candidates", 1), ("warmup_steps", 0), ("steps", 1)):
+        for name, least in (("candidates", 1), ("warmup_steps", 0), ("steps", 1), ("peel", 0)):
             if getattr(self, name) < least:
                 raise ConfigError(f"offload.auto.{name} must be at least {least}, got {getattr(self, name)}")
 
