@@ -8,6 +8,9 @@ Without `offload=`, the run uses offload=auto's choice where `mode=plan offload=
 step for this accelerator under run.root, else minimal (the fastest measured preset), or full_remat
 where minimal's compiled step does not fit; one start-up line says which and why
 (`ferry.default_policy`). `--cfg job` prints the resolved config and exits without starting JAX.
+`mode=compile target=v5e platform=tpu offload=<preset> ...` compiles the run's step for that TPU on
+this machine's CPU into JAX's compilation cache, so the run on the chip starts without compiling
+(`ferry.run.precompile`); `mode=plan target=...` plans presets for a target.
 
 Exit status: 0 done (or stopped cleanly by SIGTERM), 2 refused (one line saying what and how to fix
 it; nothing was changed), 3 stopped at a non-finite loss (the last good state checkpointed), 130
@@ -52,6 +55,7 @@ from ferry.run.config import FerryConfig, load_config  # noqa: E402
 from ferry.run.config_paths import check_config_paths  # noqa: E402
 from ferry.run.directory import resolve_run_dir  # noqa: E402
 from ferry.run.nonfinite import NonFiniteLossError  # noqa: E402
+from ferry.run.precompile import check_compile_target, precompile  # noqa: E402
 from ferry.run.preflight import PreparedRun, prepare  # noqa: E402
 from ferry.run.training import train  # noqa: E402
 from ferry.train.config import OffloadConfig  # noqa: E402
@@ -101,6 +105,13 @@ def main(argv: list[str]) -> int:
         check_config_paths(config)
         if config.mode == "plan":
             return plan(config, console, node)
+        if config.mode == "compile":
+            if not names_preset(argv):  # a run without offload= chooses its preset at start-up
+                raise ConfigError("mode=compile compiles one preset's step: name it, e.g. offload=full_remat")
+            check_compile_target(config)
+            check_plan_extra(config.target or "", mode="compile")
+            precompile(config, console)
+            return 0
         if config.platform.name == "gpu":
             check_gpu_jax("platform=gpu")  # before the CUDA backend starts
         variables = apply_platform(config.run_platform)  # before JAX starts its backend
@@ -204,9 +215,9 @@ def interrupted(prepared: PreparedRun | None) -> str:
     return f"interrupted before the first checkpoint of {prepared.run_dir}; the same command starts the run over"
 
 
-def check_plan_extra(target: str, find_spec: Callable[[str], object] | None = None) -> None:
-    """`mode=plan` compiles for GPUs with the CUDA plugin and for TPUs with libtpu: refuse an
-    unknown target, and at once when the one the target needs is not installed."""
+def check_plan_extra(target: str, find_spec: Callable[[str], object] | None = None, mode: str = "plan") -> None:
+    """`mode=plan` (and `mode=compile`) compile for GPUs with the CUDA plugin and for TPUs with
+    libtpu: refuse an unknown target, and at once when the one the target needs is not installed."""
     import importlib.util
 
     from ferry.xla.targets import TARGETS
@@ -222,7 +233,7 @@ def check_plan_extra(target: str, find_spec: Callable[[str], object] | None = No
         found = False
     if not found:
         raise ConfigError(
-            f'mode=plan target={target} compiles with {package}, which is not installed: pip install -e ".[plan]"'
+            f'mode={mode} target={target} compiles with {package}, which is not installed: pip install -e ".[plan]"'
         )
 
 

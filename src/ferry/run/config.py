@@ -101,20 +101,22 @@ class FerryConfig:
     notes: tuple[str, ...] = ()  # what was adjusted or looks wrong, printed once at start-up
 
     def __post_init__(self) -> None:
-        if self.mode not in ("train", "plan"):
-            raise ConfigError(f"mode is {self.mode!r}; use train or plan")
+        if self.mode not in ("train", "plan", "compile"):
+            raise ConfigError(f"mode is {self.mode!r}; use train, plan or compile")
         if self.mode == "plan" and self.target is None:
             raise ConfigError("mode=plan needs a target: target=h100|h200|b200|gb200|v5p|v5e|v6e")
+        if self.mode == "compile" and self.target is None:
+            raise ConfigError("mode=compile compiles a run's step for the TPU it will train on: add target=v5p|v5e|v6e")
         if self.mode == "train" and self.target is not None:
             raise ConfigError(
                 f"target={self.target} is the hardware mode=plan compiles for; a training run uses this machine's. "
                 f"Add mode=plan to plan for {self.target}, or drop target= to train here"
             )
-        if self.mode == "train" and self.plan != PlanConfig():
+        if self.mode != "plan" and self.plan != PlanConfig():
             changed = [f.name for f in dataclasses.fields(PlanConfig) if getattr(self.plan, f.name) != f.default]
             raise ConfigError(
                 f"plan.{changed[0]} is read by mode=plan only; add mode=plan target=<target> to plan, or drop "
-                "the plan.* keys to train"
+                f"the plan.* keys to {self.mode}"
             )
         if self.profile.start_step is not None and self.profile.start_step > self.train.steps:
             raise ConfigError(
@@ -123,7 +125,7 @@ class FerryConfig:
                 f"so nothing would be profiled; choose a step from 1 to {self.train.steps}"
             )
         check_peel(self.offload, self.model)
-        if self.mode == "train" and self.offload.name == "auto":
+        if self.mode != "plan" and self.offload.name == "auto":
             raise ConfigError(
                 "offload=auto is chosen for a target by the planner: run mode=plan target=<target> offload=auto, "
                 "copy the offload_auto.yaml it writes into configs/offload/ and train with that preset"

@@ -18,6 +18,7 @@ from ferry.data.placement import BatchPlacement
 from ferry.distributed import is_main_process
 from ferry.memory import CompiledMemory, check_step_fits
 from ferry.run.checkpoint import Checkpoints
+from ferry.run.config import FerryConfig
 from ferry.run.directory import write_start_files
 from ferry.run.loggers import RunLoggers
 from ferry.run.loop import RunBatches, TrainingLoop
@@ -30,10 +31,10 @@ from ferry.run.preflight import PreparedRun
 from ferry.run.profiling import StepProfiler
 from ferry.run.summary import run_summary
 from ferry.schedule import schedule_table
-from ferry.train.compiled_step import compile_step
+from ferry.train.compiled_step import StepBody, compile_step
 from ferry.train.config import TrainConfig
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer
-from ferry.train.state_layout import initial_state
+from ferry.train.state_layout import StateLayout, initial_state
 from ferry.train.step import LossSettings, make_eval_step, train_step_body
 from ferry.train.train_state import TrainState
 from ferry.xla.compile_oom import StepOverHbm
@@ -151,12 +152,8 @@ def compile_checked(
     """The train step, compiled from the state's layout alone; refused, before any state is
     allocated or anything written, when its memory does not fit the device: by XLA at compile
     time (libtpu), or by its memory analysis against the device's free memory."""
-    config, tc = prepared.config, prepared.config.train
-    micro_steps = tc.micro_steps(config.mesh.data_parallel)
-    schedule = learning_rate_schedule(tc)
-    layout = prepared.layout
-    stream = layout.streamed_update(tc)
-    body = train_step_body(optimizer, settings, schedule, micro_steps, layout.sharding, tc.on_nonfinite, stream)
+    config = prepared.config
+    body = run_step_body(config, prepared.layout, settings, optimizer)
     scheduler = scheduler_target(config.platform, jax.devices()[0].device_kind)
     costs_cache = ProfileCache.of(config.platform)
     try:
@@ -167,6 +164,17 @@ def compile_checked(
     if memory is not None:
         check_step_fits(memory, step_fit_advice(config))
     return train_step, memory
+
+
+def run_step_body(
+    config: FerryConfig, layout: StateLayout, settings: LossSettings, optimizer: optax.GradientTransformation
+) -> StepBody:
+    """The train step a run compiles (`mode=compile` compiles the same for a TPU beforehand)."""
+    tc = config.train
+    micro_steps = tc.micro_steps(config.mesh.data_parallel)
+    stream = layout.streamed_update(tc)
+    schedule = learning_rate_schedule(tc)
+    return train_step_body(optimizer, settings, schedule, micro_steps, layout.sharding, tc.on_nonfinite, stream)
 
 
 def starting_state(
