@@ -1,5 +1,6 @@
 """ferry on one TPU chip in one command (within `--budget-s`, 530 s by default; every case at
-every batch takes about 20 minutes on a v5e VM, 40 to 65 s a case):
+every batch takes longer on a v5e VM: a preset's case 22 to 30 s with its step compiled ahead, 40 to
+65 s without, and `offload=auto` 2 to 4 minutes a batch, its plan and timed candidates):
 
 1. the gradient self-check (`train.check_policy`) at the benchmark's shape, and what it cost;
 2. the host link inside a compiled program: device->host, host->device and both at once;
@@ -19,9 +20,17 @@ every batch takes about 20 minutes on a v5e VM, 40 to 65 s a case):
 A case that does not fit is ferry's one-line refusal, recorded as `oom` with the bytes it
 needed. Cases run batch 8 first, then 16, then 4, while the time budget (`--budget-s`) lasts;
 those left are recorded as skipped. The parent process never opens the chip, so each child can.
+
+Each preset's step is compiled ahead on the CPU (`mode=compile`, `--compile-workers` at a time,
+while the chip runs the cases before it), into the compilation cache its run then loads: a case
+takes about 20 s on the chip instead of 40 to 65. A step the compile finds over HBM is recorded
+as `oom` from that refusal, and its case does not run. (Run 6 on the v5e chip: every batch-8 case
+loaded its step, 22 to 30 s a case; the first two batch-16 cases compiled theirs on the chip again,
+37 and 45 s, though their compiles ahead had finished: not explained yet.)
 """
 
 import argparse
+import concurrent.futures
 import datetime
 import json
 import re
@@ -76,6 +85,10 @@ EXTRA: list[str] = []
 # less, its plan was killed unfinished (run 5: 68 s in, with 60 s of budget left)
 AUTO_LEAST_S = 300
 CASE_LEAST_S = 20
+# `mode=compile` processes side by side on the chip machine's CPU (13 cores on the v5e VM; XLA
+# compiles on one core, and the chip's own case needs a few)
+COMPILE_WORKERS = 4
+COMPILE_TIMEOUT_S = 300
 
 
 def least_time(case: str) -> float:
@@ -187,6 +200,54 @@ def run_case(
         shutil.rmtree(root, ignore_errors=True)
 
 
+def compile_command(case: str, batch: int, seq: int = SEQ) -> list[str]:
+    """`mode=compile` of a case: its run's step compiled for the chip on the CPU (`ferry.run.precompile`),
+    into the compilation cache its run loads; the run's own overrides, so the program is the same."""
+    overrides = case_overrides(case, batch, Path(tempfile.gettempdir()) / "ferry-compile-only", False, seq=seq)
+    return [sys.executable, str(ROOT / "launch" / "run.py"), *overrides, "mode=compile", f"target={TARGET}"]
+
+
+class Compiles:
+    """Each (case, batch)'s `mode=compile`, in the order given, `workers` at a time; `stop` kills
+    those still compiling when the cases are done."""
+
+    def __init__(self, keys: list[tuple[str, int]], seq: int, workers: int):
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(workers, 1))
+        self.children: list[subprocess.Popen] = []
+        self.futures = {
+            key: self.pool.submit(timed_output, compile_command(*key, seq), COMPILE_TIMEOUT_S, self.children)
+            for key in keys
+        }
+
+    def get(self, key: tuple[str, int]) -> concurrent.futures.Future | None:
+        return self.futures.get(key)
+
+    def stop(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for child in self.children:
+            child.kill()
+
+
+def compiled_ahead(future: concurrent.futures.Future | None, timeout: float) -> dict:
+    """What a case's compile ahead said, for its record: its seconds, and a refusal where its step
+    is over HBM (the case then does not run); nothing where it was not asked for or not done in time
+    (the run compiles for itself)."""
+    if future is None:
+        return {}
+    try:
+        returncode, output = future.result(timeout=max(timeout, 1.0))
+    except concurrent.futures.TimeoutError:
+        return {"compiled_ahead": "not done in time"}
+    found = re.search(r"compiled the train step for .* in ([\d.]+) s", output)
+    if returncode == 0 and found:
+        return {"compiled_ahead_s": float(found[1])}
+    if returncode == 2:
+        refused = refusal(output, returncode)
+        if refused["status"] == "oom":
+            return refused | {"refused_by": "mode=compile (the step compiled for the chip on the CPU)"}
+    return {"compiled_ahead": f"failed (exit {returncode}): " + output[-600:]}
+
+
 def plan_command(batch: int, plan_dir: Path, seq: int = SEQ) -> list[str]:
     """`mode=plan offload=auto` for this chip at `batch`: what a user runs before training."""
     return [
@@ -231,12 +292,17 @@ def auto_measured(path: Path) -> dict | None:
     return yaml.safe_load(path.read_text()).get("measured")
 
 
-def timed_output(command: list[str], timeout: float) -> tuple[int | None, str]:
+def timed_output(
+    command: list[str], timeout: float, children: list[subprocess.Popen] | None = None
+) -> tuple[int | None, str]:
     """Run `command`; (its exit status, None if it ran past `timeout`, and its output, each line
-    prefixed with the seconds since it started: where a case's time goes)."""
+    prefixed with the seconds since it started: where a case's time goes). `children`: where the
+    process is listed, for whoever may stop it early."""
     started = time.perf_counter()
     lines = []
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT) as child:
+        if children is not None:
+            children.append(child)
         for line in child.stdout:
             lines.append(f"[{time.perf_counter() - started:6.1f}s] {line}")
             if time.perf_counter() - started > timeout:
@@ -377,6 +443,12 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=530, help="start no case after this many seconds")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--no-link", action="store_true")
+    parser.add_argument(
+        "--compile-workers",
+        type=int,
+        default=COMPILE_WORKERS,
+        help="mode=compile processes at a time, compiling the cases' steps ahead on the CPU (0: each run compiles)",
+    )
     parser.add_argument("--keep", type=Path, default=None, help="copy each case's output, metrics and trace here")
     parser.add_argument(
         "--case",
@@ -412,6 +484,8 @@ def main() -> int:
     started = time.perf_counter()
     deadline = started + args.budget_s
     results: list[dict] = []
+    order = [(case, batch) for batch in args.batches for case in case_order(args.presets) if case != "auto"]
+    compiles = Compiles(order, args.seq, args.compile_workers) if args.compile_workers else None
     link = {} if args.no_link else measure_link(timeout=120)
     if link:
         results.append({"preset": "host_link", "date": datetime.date.today().isoformat(), **link})
@@ -423,15 +497,24 @@ def main() -> int:
             if left < least_time(case):
                 results.append({"preset": case, "global_batch": batch, "status": "skipped: --budget-s spent"})
                 continue
+            ahead = compiled_ahead(compiles.get((case, batch)) if compiles else None, left)
+            if ahead.get("status") == "oom":  # over HBM: the run would only say so again
+                record = {"preset": case, "global_batch": batch, "seq_len": args.seq, **ahead}
+                results.append(record | {"date": datetime.date.today().isoformat()})
+                print(json.dumps(record), flush=True)
+                continue
             # the first case also runs the gradient self-check, timing what train.check_policy costs
             check = first and case == "minimal_offloaded"
             first = first and not check
             rates = link_rates(link) if link else None
-            record = run_case(case, batch, rates, max(left, 60), check, args.keep, args.seq)
+            left = deadline - time.perf_counter()
+            record = run_case(case, batch, rates, max(left, 60), check, args.keep, args.seq) | ahead
             results.append(record)
             print(json.dumps(record), flush=True)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(results, indent=1) + "\n")  # kept if a later case fails
+    if compiles is not None:
+        compiles.stop()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1) + "\n")
     print(markdown_table(results))

@@ -2,6 +2,7 @@
 records are read as written, a refusal is recorded with the bytes it names, and the report's
 table and frontier say what the records say."""
 
+import concurrent.futures
 import json
 
 import pytest
@@ -161,6 +162,7 @@ def test_auto_is_not_started_with_less_budget_than_its_plan_needs(monkeypatch, t
     monkeypatch.setattr(tpu_check, "run_case", run_case)
     out = tmp_path / "check.json"
     argv = ["tpu_check.py", "--batches", "16", "--no-link", "--presets", "full_remat", "auto", "--out", str(out)]
+    argv += ["--compile-workers", "0"]
     for budget, started in (("100", ["full_remat"]), ("400", ["full_remat", "auto"])):
         ran.clear()
         monkeypatch.setattr("sys.argv", [*argv, "--budget-s", budget])
@@ -170,3 +172,60 @@ def test_auto_is_not_started_with_less_budget_than_its_plan_needs(monkeypatch, t
     tpu_check.main()
     skipped = [r for r in json.loads(out.read_text()) if r["status"].startswith("skipped")]
     assert [r["preset"] for r in skipped] == ["auto"]
+
+
+def done(returncode, output):
+    future = concurrent.futures.Future()
+    future.set_result((returncode, output))
+    return future
+
+
+def test_a_case_compiled_ahead_is_the_same_run_and_its_refusal_skips_the_chip(monkeypatch, tmp_path):
+    """`mode=compile` of a case is its run's command (the same program, so the run loads it from
+    the cache) plus mode and target; the compile's refusal over HBM is the case's record, and the
+    case never reaches the chip; a compile not done in time or failed leaves the run to compile."""
+    command = tpu_check.compile_command("qkv_offload", 8)
+    overrides = tpu_check.case_overrides("qkv_offload", 8, tmp_path, False)
+    assert command[-2:] == ["mode=compile", "target=v5e"] and command[2:-2][:-4] == overrides[:-4]
+    assert compose_config(*[o for o in command[2:] if not o.startswith("platform=")]).target == "v5e"  # valid
+    oom = "[ 20.1s] error: the train step does not fit 1 x TPU v5e: XLA refused to compile it, its HLO "
+    oom += "temporaries need 16.33 GiB per device"
+    assert tpu_check.compiled_ahead(done(0, "[ 30.0s] compiled the train step for 1 x TPU v5e in 27.5 s (...)"), 1) == {
+        "compiled_ahead_s": 27.5
+    }
+    refused = tpu_check.compiled_ahead(done(2, oom), 1)
+    assert (
+        refused["status"] == "oom"
+        and refused["compiled_bytes"] == int(16.33 * GIB)
+        and "mode=compile" in refused["refused_by"]
+    )
+    assert tpu_check.compiled_ahead(done(1, "Traceback"), 1)["compiled_ahead"].startswith("failed (exit 1)")
+    assert tpu_check.compiled_ahead(concurrent.futures.Future(), 0.01) == {"compiled_ahead": "not done in time"}
+    assert tpu_check.compiled_ahead(None, 1) == {}
+
+    class Compiles:  # save_all's compile refuses; full_remat's compiles
+        def __init__(self, keys, seq, workers):
+            assert keys == [("save_all", 16), ("full_remat", 16)] and workers == 2
+
+        def get(self, key):
+            return (
+                done(2, oom) if key[0] == "save_all" else done(0, "compiled the train step for 1 x TPU v5e in 30.0 s")
+            )
+
+        def stop(self):
+            pass
+
+    ran = []
+
+    def run_case(case, batch, *args):
+        ran.append(case)
+        return {"preset": case, "global_batch": batch, "status": "ok", "tokens_per_s": 1.0, "hbm_peak_bytes": GIB}
+
+    monkeypatch.setattr(tpu_check, "Compiles", Compiles)
+    monkeypatch.setattr(tpu_check, "run_case", run_case)
+    out = tmp_path / "check.json"
+    argv = ["tpu_check.py", "--batches", "16", "--no-link", "--presets", "save_all", "full_remat", "--out", str(out)]
+    monkeypatch.setattr("sys.argv", [*argv, "--compile-workers", "2"])
+    assert tpu_check.main() == 0 and ran == ["full_remat"]
+    records = {r["preset"]: r for r in json.loads(out.read_text())}
+    assert records["save_all"]["status"] == "oom" and records["full_remat"]["compiled_ahead_s"] == 30.0
