@@ -237,6 +237,20 @@ def llama_tiny_decisions(seq_len: int = 64):
     return costs, decisions, baseline
 
 
+@functools.cache
+def every_prediction(link: float, collectives: float):
+    """The target and baseline of the search test below at this link and collectives' time, and
+    the prediction of every one of llama_tiny's placements (the same whatever HBM is shed)."""
+    target = dataclasses.replace(H200, host_link_bandwidth=link)
+    costs, decisions, baseline = llama_tiny_decisions()
+    baseline = dataclasses.replace(baseline, collective_seconds=collectives * baseline.matmul_seconds)
+    every = [
+        predict(baseline, decisions, values, target)
+        for values in itertools.product(*[[o.value for o in d.options] for d in decisions])
+    ]
+    return target, baseline, every
+
+
 @pytest.mark.parametrize("shed", [0.2, 0.5, 0.8])
 @pytest.mark.parametrize("link", [64e9, 1e15], ids=["pcie", "fast"])
 @pytest.mark.parametrize("collectives", [0.0, 10.0], ids=["compute-bound", "collective-bound"])
@@ -245,16 +259,11 @@ def test_the_search_finds_the_fastest_predicted_candidate_within_both_memories(s
     never read by the backward pass, is no decision). Where the collectives take 10x the matmul
     time, every candidate's best estimate is theirs (as at the Llama 3.1 405B seed): the middle
     estimate still counts recompute and exposed copies, so the least worst is found."""
-    target = dataclasses.replace(H200, host_link_bandwidth=link)
-    costs, decisions, baseline = llama_tiny_decisions()
-    baseline = dataclasses.replace(baseline, collective_seconds=collectives * baseline.matmul_seconds)
+    costs, decisions, _ = llama_tiny_decisions()
+    target, baseline, every = every_prediction(link, collectives)  # predicted once for the three `shed`
     hbm_limit = baseline.hbm_bytes - shed * sum(c.bytes for c in costs.values())
     host_limit = 0.3 * sum(c.bytes for c in costs.values())
     found = fastest_fitting(baseline, decisions, target, hbm_limit, host_limit)
-    every = [
-        predict(baseline, decisions, values, target)
-        for values in itertools.product(*[[o.value for o in d.options] for d in decisions])
-    ]
     fitting = [p for p in every if p.hbm_bytes <= hbm_limit and p.host_bytes <= host_limit]
     assert found is not None and found.rank == min(p.rank for p in fitting)
     if collectives:  # best estimates tie at the collectives' time: recompute and copies still decide
