@@ -94,7 +94,7 @@ class FerryConfig:
     platform: PlatformConfig = PlatformConfig()
     mesh: MeshConfig = MeshConfig()
     distributed: DistributedConfig = DistributedConfig()
-    mode: str = "train"
+    mode: str = "train"  # train | plan (compile for target=, no chip) | compile (a TPU run's step into the cache)
     target: str | None = None
     plan: PlanConfig = PlanConfig()
     init: InitConfig = InitConfig()

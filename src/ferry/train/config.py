@@ -159,9 +159,10 @@ class AutoMeasureConfig:
     is chosen. The estimate does not time the chip's scheduler: on a TPU v5e it ranked offload
     presets above full_remat that ran 0.74x as fast. `measure`: null measures where an accelerator
     is present (a TPU's or an NVIDIA GPU's device file), and not on a CPU-only machine. `peel`:
-    the end layers the search may also take out of each stack's loop (`offload.peel`), where the
-    run leaves its peel at 0 (0: never): on the v5e chip `minimal` at batch 16 is 16.1 GiB as a
-    loop, over the chip, and 13.56 GiB with 3 layers peeled, 1.108x full_remat's speed."""
+    where the all-on-device candidate is over HBM as a loop and the run leaves `offload.peel` at 0,
+    it is also compiled with this many end layers of each stack out of the loop, a candidate of
+    its own (0: never): on the v5e chip `minimal` at batch 16 is 16.1 GiB as a loop, over the chip,
+    and 13.56 GiB with 3 layers peeled, 1.108x full_remat's speed."""
 
     measure: bool | None = None
     candidates: int = 3
