@@ -186,8 +186,10 @@ def test_a_case_compiled_ahead_is_the_same_run_and_its_refusal_skips_the_chip(mo
     case never reaches the chip; a compile not done in time or failed leaves the run to compile."""
     command = tpu_check.compile_command("qkv_offload", 8)
     overrides = tpu_check.case_overrides("qkv_offload", 8, tmp_path, False)
-    assert command[-2:] == ["mode=compile", "target=v5e"] and command[2:-2][:-4] == overrides[:-4]
-    assert compose_config(*[o for o in command[2:] if not o.startswith("platform=")]).target == "v5e"  # valid
+    assert command[:3] == ["nice", "-n", "10"]  # it yields the CPU to the case on the chip
+    launched = command[5:]  # after nice, python and launch/run.py
+    assert launched[-2:] == ["mode=compile", "target=v5e"] and launched[:-2][:-4] == overrides[:-4]
+    assert compose_config(*[o for o in launched if not o.startswith("platform=")]).target == "v5e"  # valid
     oom = "[ 20.1s] error: the train step does not fit 1 x TPU v5e: XLA refused to compile it, its HLO "
     oom += "temporaries need 16.33 GiB per device"
     assert tpu_check.compiled_ahead(done(0, "[ 30.0s] compiled the train step for 1 x TPU v5e in 27.5 s (...)"), 1) == {
