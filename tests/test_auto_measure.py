@@ -213,3 +213,25 @@ def test_the_launcher_leaves_measuring_off_on_a_cpu(tmp_path):
     assert "offload.auto.measure: off (this machine has no accelerator)" in result.stdout
     written = yaml.safe_load((tmp_path / "run" / "offload_auto.yaml").read_text())
     assert "measured" not in written and set(written["tensors"].values()) >= {"device"}
+
+
+def test_the_measured_step_is_the_runs_own_loss_head_included(monkeypatch):
+    """A candidate is timed on the step its run trains (`run_step_body`), so what auto measures
+    is what the pick runs: with `train.loss_head=logits` the measured step holds the logits too
+    (it once took the default head whatever the config said)."""
+    from ferry.run import training
+
+    class Built(Exception):
+        pass
+
+    seen = []
+
+    def body(optimizer, settings, *rest):
+        seen.append(settings)
+        raise Built  # the step as built is all this asks; nothing compiles
+
+    monkeypatch.setattr(training, "train_step_body", body)
+    config = compose_config("model=llama_tiny", "train.loss_head=logits", "train.seq_len=32")
+    with pytest.raises(Built):
+        measure_train_step(config, StepTimer(0, 1), one_device_mesh(jax.devices()[0]))
+    assert seen[0].head == config.train.head and seen[0].head.kind == "logits"

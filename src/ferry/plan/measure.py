@@ -180,26 +180,22 @@ class _Compiled(NamedTuple):
 
 
 def _compiled(config: FerryConfig, mesh: Mesh, documents: DocumentMask | None) -> _Compiled:
-    """The step a run of `config` trains with, compiled as the run compiles it (its scheduler
-    costs included)."""
+    """The step a run of `config` trains with (`run_step_body`: its loss head and settings too),
+    compiled as the run compiles it (its scheduler costs included)."""
     from ferry.data.placement import BatchPlacement
     from ferry.models.registry import abstract_model
+    from ferry.run.training import run_step_body
     from ferry.train.compiled_step import compile_step
-    from ferry.train.optimizer import learning_rate_schedule, make_optimizer
+    from ferry.train.optimizer import make_optimizer
     from ferry.train.state_layout import run_state_layout
-    from ferry.train.step import LossSettings, train_step_body
+    from ferry.train.step import LossSettings
     from ferry.xla.scheduler_costs import ProfileCache, scheduler_target
 
     tc = config.train
     policy = config.offload.policy(abstract_model(config.model).tagged_names())
     optimizer = make_optimizer(tc)
     layout = run_state_layout(config, mesh)
-    settings = LossSettings(policy, tc.compute_dtype, tc.z_loss_weight, documents=documents)
-    micro_steps = tc.micro_steps(config.mesh.data_parallel)
-    stream = layout.streamed_update(tc)
-    body = train_step_body(
-        optimizer, settings, learning_rate_schedule(tc), micro_steps, layout.sharding, tc.on_nonfinite, stream
-    )
+    body = run_step_body(config, layout, LossSettings.of(tc, policy, documents), optimizer)
     placement = BatchPlacement.on(mesh, (tc.global_batch_size, tc.seq_len + 1))
     scheduler = scheduler_target(config.platform, mesh.devices.flat[0].device_kind)
     with jax.set_mesh(mesh):
