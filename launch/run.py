@@ -246,7 +246,7 @@ def plan(config: FerryConfig, console: Console, node: dict) -> int:
     # run beside a training run (or another plan) there
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     console = Console(width=max(console.width, 150), soft_wrap=console.soft_wrap)  # the tables are wide
-    from ferry.plan.auto_measure import resolve_measure, subprocess_measurer
+    from ferry.plan.auto_measure import resolve_measure, subprocess_compiler, subprocess_measurer
     from ferry.plan.measure import accelerator_present
     from ferry.plan.report import plan_presets, run_plan, target_platform, write_plan
     from ferry.xla.targets import TARGETS
@@ -268,7 +268,7 @@ def plan(config: FerryConfig, console: Console, node: dict) -> int:
         return from_dict(PlatformConfig, yaml_mapping(path), f"platform {name}")
 
     run_dir = resolve_run_dir(config)
-    measure_one = None
+    measure_one = compile_ahead = None
     if "auto" in plan_presets(config):
         target = TARGETS[config.target]
         settings = config.offload.auto
@@ -277,8 +277,10 @@ def plan(config: FerryConfig, console: Console, node: dict) -> int:
         if measure:
             platform = target_platform(config, target, load_platform)
             measure_one = subprocess_measurer(config, node, platform, load_preset, settings)
+            if target.platform == "tpu":  # libtpu compiles for the chip without it (`ferry.run.precompile`)
+                compile_ahead = subprocess_compiler(config, node, platform, load_preset, config.target)
     try:
-        plans, choices, measured = run_plan(config, load_preset, load_platform, console, measure_one)
+        plans, choices, measured = run_plan(config, load_preset, load_platform, console, measure_one, compile_ahead)
     except ValueError as error:  # the planner's checks of the target's device count and topology
         if isinstance(error, FerryError):
             raise

@@ -16,7 +16,7 @@ from rich.console import Console
 
 from ferry.config_schema import ConfigError, from_dict
 from ferry.plan import auto_measure, report
-from ferry.plan.auto_measure import resolve_measure, subprocess_measurer
+from ferry.plan.auto_measure import resolve_measure, subprocess_compiler, subprocess_measurer
 from ferry.plan.auto_search import MIN_GAIN
 from ferry.plan.measure import (
     MeasureError,
@@ -105,40 +105,50 @@ def measured_plan(fastest: int | None):
     each candidate a run of the launcher's config node with the candidate's offload and the target's
     platform), but in this process and on its CPU: the candidate the search ranks `fastest` (from 0)
     takes 1 ms a step by the fake clock, the others 5 ms, except the one it ranks first, which is over
-    the device's memory (given as one byte) and dropped untimed. None: measuring off. Returns the
-    config, run_plan's result, the offload presets timed and the output."""
+    the device's memory (given as one byte) and dropped untimed. None: measuring off. The
+    candidates are compiled ahead first as on a TPU (`subprocess_compiler`), its processes faked.
+    Returns the config, run_plan's result, the offload presets timed (each compiled ahead listed
+    before as "compiled NAME") and the output."""
     config = compose_config(*PLANNED)
     console = Console(file=io.StringIO(), width=250)
     timed = []
 
+    def compile_here(nodes, target):  # what the compiling processes would compile
+        assert target == "v5e" and all(node["mode"] == "train" and node["target"] is None for node in nodes)
+        timed.extend(f"compiled {node['offload']['name']}" for node in nodes)
+        return [f"compiled the train step for 1 x TPU v5e ({node['offload']['name']})" for node in nodes]
+
     def measure_here(node, timer):  # what the measuring process would run, on this CPU
         assert node["platform"]["name"] == "gpu" and node["mode"] == "train"  # as a run on the target
         run = load_config({**node, "platform": {"name": "cpu"}})
-        rank = len(timed)
+        rank = len([t for t in timed if not t.startswith("compiled ")])
         timed.append(run.offload.name)
         clock = fake_clock(1e-3 if rank == fastest else 5e-3)
         capacity = 1 if rank == 0 else None
         timer = dataclasses.replace(timer, clock=clock)
         return measure_train_step(run, timer, one_device_mesh(jax.devices()[0]), capacity_bytes=capacity)
 
-    measure_one = None
+    measure_one = compile_ahead = None
     if fastest is not None:
-        measure_one = subprocess_measurer(
-            config, compose_node(*PLANNED), load_platform("gpu"), load_preset, config.offload.auto
-        )
+        node, platform = compose_node(*PLANNED), load_platform("gpu")
+        measure_one = subprocess_measurer(config, node, platform, load_preset, config.offload.auto)
+        compile_ahead = subprocess_compiler(config, node, platform, load_preset, "v5e")
     with (
         mock.patch.object(auto_measure, "measure_in_subprocess", measure_here),
+        mock.patch.object(auto_measure, "compile_in_subprocesses", compile_here),
         mock.patch.object(report, "plan_memory", plan_once),
     ):
-        result = run_plan(config, load_preset, load_platform, console, measure_one)
+        result = run_plan(config, load_preset, load_platform, console, measure_one, compile_ahead)
     return config, result, timed, console.file.getvalue()
 
 
 @needs_cuda_plugin
 def test_auto_picks_the_fastest_measured_candidate_and_says_why_in_its_preset(tmp_path):
     config, (plans, choices, measured), timed, output = measured_plan(2)
-    assert len(timed) == config.offload.auto.candidates == 3  # the search's best three, best first:
-    assert timed == [f"auto_candidate_{c.number}" if c.source == "auto" else c.source for c in measured.candidates]
+    names = [f"auto_candidate_{c.number}" if c.source == "auto" else c.source for c in measured.candidates]
+    # the search's best three, best first, compiled ahead all at once before any is timed
+    assert timed == [f"compiled {name}" for name in names] + names and len(names) == config.offload.auto.candidates == 3
+    assert "compiling 3 candidates ahead" in output and output.count("compiled the train step for 1 x TPU v5e") == 3
     estimates = [c.predicted_seconds for c in measured.candidates]
     assert estimates == sorted(estimates) or max(estimates) <= (1 + MIN_GAIN) * min(estimates)  # ties: the worst
     first, _, third = measured.candidates

@@ -27,3 +27,22 @@ def test_a_run_that_chooses_its_preset_at_start_up_is_refused(tmp_path):
     step to compile is not known here."""
     done = run_launcher(*COMPILE, f"run.dir={tmp_path}", old_default=False)
     assert done.returncode == 2 and "error: mode=compile compiles one preset's step" in done.stdout
+
+
+@needs_libtpu
+def test_autos_candidates_compile_ahead_side_by_side_each_saying_how_it_went(tmp_path, monkeypatch):
+    """`ferry.plan.compile_ahead`: each run config in its own process, at once; one that cannot be
+    compiled for the chip says why, and costs the others nothing."""
+    from ferry.overrides import compose_node
+    from ferry.plan.compile_ahead import compile_in_subprocesses
+    from tests.conftest import CONFIGS
+
+    monkeypatch.delenv(CACHE_VARIABLE, raising=False)
+    cache = tmp_path / "cache"
+    run = ["model=llama_tiny", "data=synthetic", "offload=minimal"]
+    tpu = ["platform=tpu", f"platform.compilation_cache={cache}"]
+    nodes = [compose_node("train", [*run, *tpu], CONFIGS), compose_node("train", [*run, "platform=cpu"], CONFIGS)]
+    compiled, refused = compile_in_subprocesses(nodes, "v5e", timeout_s=300.0)
+    assert compiled.startswith("compiled the train step for 1 x TPU v5e"), compiled
+    assert refused.startswith("not compiled: mode=compile compiles the run of platform=tpu"), refused
+    assert len(list(cache.glob("jit_step-*-cache"))) == 1

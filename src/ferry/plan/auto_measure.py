@@ -17,6 +17,7 @@ from typing import Any
 from ferry.config_schema import ConfigError
 from ferry.plan.auto import PEEL, STATE_DECISIONS, Tried, departures, state_of
 from ferry.plan.auto_search import banded_rank
+from ferry.plan.compile_ahead import compile_in_subprocesses
 from ferry.plan.measure import MeasureError, Measurement, StepTimer, measure_in_subprocess
 from ferry.platform import PlatformConfig
 from ferry.run.config import FerryConfig
@@ -85,13 +86,20 @@ def measure_candidates(
     measure_one: Callable[[int, Tried], Measurement],
     say: Callable[[str], None] = lambda line: None,
     strict: bool = False,
+    compile_ahead: Callable[[Sequence[tuple[int, Tried]]], list[str]] | None = None,
 ) -> MeasuredPick:
     """Time the search's `count` best candidates that fit (`measure_one(number, candidate)`) and
     pick the fastest median step of those that fit the device. Where this machine cannot run
     them at all (`MeasureError`: the mesh is not its devices, say), the search's pick stands and
-    the record says why; `strict` (offload.auto.measure=true) refuses instead."""
+    the record says why; `strict` (offload.auto.measure=true) refuses instead. `compile_ahead`
+    first compiles them all at once (`subprocess_compiler`), each saying how it went."""
     measured = []
-    for number, candidate in ranked_candidates(tried, count):
+    ranked = ranked_candidates(tried, count)
+    if compile_ahead is not None and ranked:
+        say(f"offload=auto: compiling {len(ranked)} candidates ahead on this machine's CPU, side by side")
+        for (number, _), line in zip(ranked, compile_ahead(ranked), strict=True):
+            say(f"offload=auto: candidate #{number}: {line}")
+    for number, candidate in ranked:
         say(f"offload=auto: timing candidate #{number} ({describe(candidate)}) on this machine")
         try:
             measurement = measure_one(number, candidate)
@@ -178,14 +186,40 @@ def subprocess_measurer(
     (`measure_in_subprocess`) as a run of the resolved config `node` with the candidate's offload
     and the target's `platform`."""
     timer = StepTimer(settings.warmup_steps, settings.steps)
+    run_node = candidate_run(config, node, platform, load_preset)
+    return lambda number, candidate: measure_in_subprocess(run_node(number, candidate), timer)
+
+
+def subprocess_compiler(
+    config: FerryConfig,
+    node: Mapping[str, Any],
+    platform: PlatformConfig,
+    load_preset: Callable[[str], OffloadConfig],
+    target: str,
+) -> Callable[[Sequence[tuple[int, Tried]]], list[str]]:
+    """`compile_ahead` for `measure_candidates` on a TPU: the candidates' run steps, as
+    `subprocess_measurer` runs them, compiled for `target` on the CPU all at once
+    (`ferry.plan.compile_ahead`), so each measuring process loads its step from the cache."""
+    run_node = candidate_run(config, node, platform, load_preset)
+    return lambda numbered: compile_in_subprocesses([run_node(n, c) for n, c in numbered], target)
+
+
+def candidate_run(
+    config: FerryConfig,
+    node: Mapping[str, Any],
+    platform: PlatformConfig,
+    load_preset: Callable[[str], OffloadConfig],
+) -> Callable[[int, Tried], dict[str, Any]]:
+    """The run config node that trains a candidate: the resolved config `node` with the
+    candidate's offload and the target's `platform`."""
     mappings = {"xla_flags": platform.xla_flags, "env": platform.env, "host_offload_flags": platform.host_offload_flags}
     platform_node = dataclasses.asdict(platform) | {key: dict(value) for key, value in mappings.items()}
 
-    def measure_one(number: int, candidate: Tried) -> Measurement:
+    def run_node(number: int, candidate: Tried) -> dict[str, Any]:
         offload = candidate_offload(number, candidate, config, load_preset)
         # a training run of the candidate: no target, no plan.* keys (a run refuses both)
         run = {**node, "offload": offload, "platform": platform_node, "mode": "train", "target": None}
         run.pop("plan", None)
-        return measure_in_subprocess(run, timer)
+        return run
 
-    return measure_one
+    return run_node

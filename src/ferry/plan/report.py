@@ -4,7 +4,7 @@ side, as tables (memory, then the host copies of each offloading preset) and as 
 import dataclasses
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -87,11 +87,13 @@ def run_plan(
     load_platform: Callable[[str], PlatformConfig],
     console: Console,
     measure_one: Callable[[int, Tried], Measurement] | None = None,
+    compile_ahead: Callable[[Sequence[tuple[int, Tried]]], list[str]] | None = None,
 ) -> tuple[list[MemoryPlan], list[Choice], MeasuredPick | None]:
     """One plan per preset (`auto`: the one it chooses, with its choices); every check first
     (target, mesh, presets), then the compiles. With `measure_one` (`ferry.plan.auto_measure`),
-    auto's best candidates are timed on this machine and the fastest that fits is its pick: the
-    third value says how it went (None: not measured)."""
+    auto's best candidates are timed on this machine (compiled first by `compile_ahead`, where
+    given) and the fastest that fits is its pick: the third value says how it went (None: not
+    measured)."""
     target, tagged, policies = _checked(config, load_preset)
     auto = policies.pop("auto", None) is not None
     compiler = PlanCompiler(config, target, target_platform(config, target, load_platform), tagged, console)
@@ -100,7 +102,7 @@ def run_plan(
     tried: list[Tried] = []
     measured: MeasuredPick | None = None
     if auto:
-        auto_result, choices, tried, measured = _auto(compiler, policies, plans, measure_one)
+        auto_result, choices, tried, measured = _auto(compiler, policies, plans, measure_one, compile_ahead)
         plans.append(auto_result)
     _print_plans(console, config, plans, choices, tried, measured)
     return plans, choices, measured
@@ -221,9 +223,10 @@ def _auto(
     policies: dict[str, Policy],
     plans: list[MemoryPlan],
     measure_one: Callable[[int, Tried], Measurement] | None,
+    compile_ahead: Callable[[Sequence[tuple[int, Tried]]], list[str]] | None = None,
 ) -> tuple[MemoryPlan, list[Choice], list[Tried], MeasuredPick | None]:
     """offload=auto's plan, its choices and candidates; with `measure_one`, its best candidates
-    timed and the fastest that fits picked."""
+    (compiled first by `compile_ahead`) timed and the fastest that fits picked."""
     config, target, console = compiler.config, compiler.target, compiler.console
     mesh = compile_only_mesh(target, config.mesh)
 
@@ -239,7 +242,8 @@ def _auto(
     if measure_one is not None:
         strict = config.offload.auto.measure is True
         say = lambda line: console.print(line, highlight=False)
-        measured = measure_candidates(tried, config.offload.auto.candidates, measure_one, say, strict)
+        count = config.offload.auto.candidates
+        measured = measure_candidates(tried, count, measure_one, say, strict, compile_ahead)
         if measured.pick is not None:
             pick = tried[measured.pick.number - 1]
             auto_result = dataclasses.replace(pick.plan, policy="auto")

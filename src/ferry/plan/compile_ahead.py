@@ -1,0 +1,77 @@
+"""offload=auto's candidates compiled for the TPU on this machine's CPU before they are timed on its
+chip (`offload.auto.measure`): each candidate's run step (`ferry.run.precompile`) in a process of
+its own, all at once, at a low CPU priority, into the compilation cache its measuring process then
+loads, instead of compiling one after the other on the chip's host (36 s each at the v5e
+benchmark's shape). A compile that fails costs nothing but its time: the measuring process then
+compiles for itself."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+COMPILE_TIMEOUT_S = 600.0
+NICENESS = 10  # below the process on the chip, which needs the CPU too
+
+
+def compile_in_subprocesses(
+    nodes: Sequence[Mapping[str, Any]], target: str, timeout_s: float = COMPILE_TIMEOUT_S
+) -> list[str]:
+    """Each run config `node`'s train step compiled for `target` in its own process, all at once;
+    one line each: what it compiled in how long, or why it did not."""
+    with tempfile.TemporaryDirectory(prefix="ferry-compile-ahead-") as directory:
+        children = []
+        for number, node in enumerate(nodes):
+            request, result = Path(directory) / f"{number}.json", Path(directory) / f"{number}.out"
+            request.write_text(json.dumps(node))
+            command = [sys.executable, "-m", "ferry.plan.compile_ahead", target, str(request), str(result)]
+            env = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}  # the planning process holds libtpu too
+            child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+            children.append((child, result))
+        return [_outcome(child, result, timeout_s) for child, result in children]
+
+
+def _outcome(child: subprocess.Popen, result: Path, timeout_s: float) -> str:
+    try:
+        output, _ = child.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        return f"not compiled within {timeout_s:.0f} s"
+    if result.exists():
+        return result.read_text()
+    tail = output.decode(errors="replace").strip().splitlines()[-3:]
+    return f"not compiled (exit {child.returncode}): " + " | ".join(tail)[-400:]
+
+
+def main(argv: list[str]) -> int:
+    """`python -m ferry.plan.compile_ahead TARGET REQUEST RESULT`: compile the run config in
+    REQUEST (JSON) for TARGET; write the line saying what was compiled, or why not, to RESULT."""
+    import dataclasses
+    import io
+
+    from rich.console import Console
+
+    from ferry.errors import FerryError
+    from ferry.run.config import load_config
+    from ferry.run.precompile import precompile
+
+    os.nice(NICENESS)
+    target, request, result = argv[0], Path(argv[1]), Path(argv[2])
+    printed = io.StringIO()
+    try:
+        config = load_config(json.loads(request.read_text()))
+        precompile(dataclasses.replace(config, mode="compile", target=target), Console(file=printed, width=1000))
+        lines = [line for line in printed.getvalue().splitlines() if line.startswith("compiled the train step")]
+        result.write_text(lines[-1] if lines else "compiled")
+    except FerryError as error:
+        result.write_text("not compiled: " + " ".join(str(error).split()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
