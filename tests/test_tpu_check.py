@@ -207,7 +207,7 @@ def test_a_case_compiled_ahead_is_the_same_run_and_its_refusal_skips_the_chip(mo
 
     class Compiles:  # save_all's compile refuses; full_remat's compiles
         def __init__(self, keys, seq, workers):
-            assert keys == [("save_all", 16), ("full_remat", 16)] and workers == 2
+            assert keys == [("full_remat", 16), ("save_all", 16)] and workers == 2  # in the order the cases run
 
         def get(self, key):
             return (
@@ -231,3 +231,14 @@ def test_a_case_compiled_ahead_is_the_same_run_and_its_refusal_skips_the_chip(mo
     assert tpu_check.main() == 0 and ran == ["full_remat"]
     records = {r["preset"]: r for r in json.loads(out.read_text())}
     assert records["save_all"]["status"] == "oom" and records["full_remat"]["compiled_ahead_s"] == 30.0
+
+
+def test_full_remat_then_auto_start_each_batch_so_the_budget_reaches_auto(monkeypatch):
+    """Last in a batch, auto (which needs 300 s of budget) never started within the default budget
+    (run 6); now each batch starts with the baseline and auto, and batch 16 comes first."""
+    monkeypatch.setattr(tpu_check, "CUSTOM", {"mine": ["offload=minimal"]})
+    order = tpu_check.case_order(list(tpu_check.CASES))
+    assert order[:2] == ["full_remat", "auto"] and order[-1] == "mine"
+    assert sorted(order[2:-1]) == sorted(c for c in tpu_check.CASES if c not in ("full_remat", "auto"))
+    assert tpu_check.case_order(["qkv_offload"]) == ["qkv_offload", "mine"]
+    assert tpu_check.BATCH_ORDER[0] == 16
