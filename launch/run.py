@@ -110,7 +110,7 @@ def main(argv: list[str]) -> int:
                 raise ConfigError("mode=compile compiles one preset's step: name it, e.g. offload=full_remat")
             check_compile_target(config)
             check_plan_extra(config.target or "", mode="compile")
-            precompile(config, console)
+            console.print(precompile(config, console), highlight=False)
             return 0
         if config.platform.name == "gpu":
             check_gpu_jax("platform=gpu")  # before the CUDA backend starts

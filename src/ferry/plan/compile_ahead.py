@@ -29,8 +29,8 @@ def compile_in_subprocesses(
             request, result = Path(directory) / f"{number}.json", Path(directory) / f"{number}.out"
             request.write_text(json.dumps(node))
             command = [sys.executable, "-m", "ferry.plan.compile_ahead", target, str(request), str(result)]
-            env = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}  # the planning process holds libtpu too
-            child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+            # precompile allows itself beside the planning process's libtpu (ALLOW_MULTIPLE_LIBTPU_LOAD)
+            child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             children.append((child, result))
         return [_outcome(child, result, timeout_s) for child, result in children]
 
@@ -62,12 +62,10 @@ def main(argv: list[str]) -> int:
 
     os.nice(NICENESS)
     target, request, result = argv[0], Path(argv[1]), Path(argv[2])
-    printed = io.StringIO()
     try:
         config = load_config(json.loads(request.read_text()))
-        precompile(dataclasses.replace(config, mode="compile", target=target), Console(file=printed, width=1000))
-        lines = [line for line in printed.getvalue().splitlines() if line.startswith("compiled the train step")]
-        result.write_text(lines[-1] if lines else "compiled")
+        compiling = dataclasses.replace(config, mode="compile", target=target)
+        result.write_text(precompile(compiling, Console(file=io.StringIO())))
     except FerryError as error:
         result.write_text("not compiled: " + " ".join(str(error).split()))
     return 0

@@ -52,7 +52,8 @@ def check_compile_target(config: FerryConfig) -> Target:
 
 def precompile(config: FerryConfig, console: Console) -> str:
     """Compile `config`'s train step for `config.target` into the compilation cache
-    (`check_compile_target`); return the cache's directory."""
+    (`check_compile_target`); return the line saying what was compiled, in how long, and where
+    (`console` takes what preparing the data says)."""
     target = check_compile_target(config)
     variables = config.run_platform.environment(os.environ)  # the run's flags: part of the cache's key
     cache = variables.get(CACHE_VARIABLE) or os.environ[CACHE_VARIABLE]
@@ -76,5 +77,4 @@ def precompile(config: FerryConfig, console: Console) -> str:
         raise over_hbm_refusal(over, config, target.name) from over
     memory = CompiledMemory.of(step.compiled)
     size = "" if memory is None else f" ({memory.describe()}; step peak {memory.device_bytes / 2**30:.2f} GiB)"
-    console.print(f"compiled the train step for {where} in {step.seconds:.1f} s{size}, into {cache}", highlight=False)
-    return cache
+    return f"compiled the train step for {where} in {step.seconds:.1f} s{size}, into {cache}"
