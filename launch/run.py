@@ -246,7 +246,7 @@ def plan(config: FerryConfig, console: Console, node: dict) -> int:
     # run beside a training run (or another plan) there
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     console = Console(width=max(console.width, 150), soft_wrap=console.soft_wrap)  # the tables are wide
-    from ferry.plan.auto_measure import resolve_measure, subprocess_compiler, subprocess_measurer
+    from ferry.plan.auto_measure import candidate_run, resolve_measure, subprocess_compiler, subprocess_measurer
     from ferry.plan.measure import accelerator_present
     from ferry.plan.report import plan_presets, run_plan, target_platform, write_plan
     from ferry.xla.targets import TARGETS
@@ -275,10 +275,10 @@ def plan(config: FerryConfig, console: Console, node: dict) -> int:
         measure, why = resolve_measure(settings, target.platform, accelerator_present())
         console.print(why, highlight=False)
         if measure:
-            platform = target_platform(config, target, load_platform)
-            measure_one = subprocess_measurer(config, node, platform, load_preset, settings)
+            run_node = candidate_run(config, node, target_platform(config, target, load_platform), load_preset)
+            measure_one = subprocess_measurer(run_node, settings)
             if target.platform == "tpu":  # libtpu compiles for the chip without it (`ferry.run.precompile`)
-                compile_ahead = subprocess_compiler(config, node, platform, load_preset, config.target)
+                compile_ahead = subprocess_compiler(run_node, config.target)
     try:
         plans, choices, measured = run_plan(config, load_preset, load_platform, console, measure_one, compile_ahead)
     except ValueError as error:  # the planner's checks of the target's device count and topology

@@ -16,7 +16,7 @@ from rich.console import Console
 
 from ferry.config_schema import ConfigError, from_dict
 from ferry.plan import auto_measure, report
-from ferry.plan.auto_measure import resolve_measure, subprocess_compiler, subprocess_measurer
+from ferry.plan.auto_measure import candidate_run, resolve_measure, subprocess_compiler, subprocess_measurer
 from ferry.plan.auto_search import MIN_GAIN
 from ferry.plan.measure import (
     MeasureError,
@@ -130,9 +130,9 @@ def measured_plan(fastest: int | None):
 
     measure_one = compile_ahead = None
     if fastest is not None:
-        node, platform = compose_node(*PLANNED), load_platform("gpu")
-        measure_one = subprocess_measurer(config, node, platform, load_preset, config.offload.auto)
-        compile_ahead = subprocess_compiler(config, node, platform, load_preset, "v5e")
+        run_node = candidate_run(config, compose_node(*PLANNED), load_platform("gpu"), load_preset)
+        measure_one = subprocess_measurer(run_node, config.offload.auto)
+        compile_ahead = subprocess_compiler(run_node, "v5e")
     with (
         mock.patch.object(auto_measure, "measure_in_subprocess", measure_here),
         mock.patch.object(auto_measure, "compile_in_subprocesses", compile_here),

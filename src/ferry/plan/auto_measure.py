@@ -176,31 +176,20 @@ def resolve_measure(settings: AutoMeasureConfig, target_platform: str, present: 
 
 
 def subprocess_measurer(
-    config: FerryConfig,
-    node: Mapping[str, Any],
-    platform: PlatformConfig,
-    load_preset: Callable[[str], OffloadConfig],
-    settings: AutoMeasureConfig,
+    run_node: Callable[[int, Tried], dict[str, Any]], settings: AutoMeasureConfig
 ) -> Callable[[int, Tried], Measurement]:
     """`measure_one` for `measure_candidates`: each candidate in its own process
-    (`measure_in_subprocess`) as a run of the resolved config `node` with the candidate's offload
-    and the target's `platform`."""
+    (`measure_in_subprocess`) as the run `run_node` makes of it (`candidate_run`)."""
     timer = StepTimer(settings.warmup_steps, settings.steps)
-    run_node = candidate_run(config, node, platform, load_preset)
     return lambda number, candidate: measure_in_subprocess(run_node(number, candidate), timer)
 
 
 def subprocess_compiler(
-    config: FerryConfig,
-    node: Mapping[str, Any],
-    platform: PlatformConfig,
-    load_preset: Callable[[str], OffloadConfig],
-    target: str,
+    run_node: Callable[[int, Tried], dict[str, Any]], target: str
 ) -> Callable[[Sequence[tuple[int, Tried]]], list[str]]:
-    """`compile_ahead` for `measure_candidates` on a TPU: the candidates' run steps, as
-    `subprocess_measurer` runs them, compiled for `target` on the CPU all at once
+    """`compile_ahead` for `measure_candidates` on a TPU: the candidates' runs, as
+    `subprocess_measurer` times them, compiled for `target` on the CPU all at once
     (`ferry.plan.compile_ahead`), so each measuring process loads its step from the cache."""
-    run_node = candidate_run(config, node, platform, load_preset)
     return lambda numbered: compile_in_subprocesses([run_node(n, c) for n, c in numbered], target)
 
 
