@@ -168,6 +168,9 @@ def run_case(
         plan_dir = root / "plan"
         returncode, output = timed_output(plan_command(batch, plan_dir, seq), timeout)
         record["plan_s"] = round(time.perf_counter() - started, 1)
+        if keep is not None:
+            (keep / f"plan-b{batch}").mkdir(parents=True, exist_ok=True)
+            (keep / f"plan-b{batch}" / "output.txt").write_text(output)
         if returncode != 0:
             shutil.rmtree(root, ignore_errors=True)
             return record | {"status": "plan failed", "message": output[-4000:]}
@@ -276,7 +279,7 @@ def preset_overrides(path: Path) -> list[str]:
 
     preset = yaml.safe_load(path.read_text())
     overrides = ["offload=full_remat"]
-    for key in ("name", "keep_all", "default", "optimizer", "params", "pipelined", "peel", "engine"):
+    for key in ("name", "keep_all", "default", "optimizer", "params", "stream_mib", "pipelined", "peel", "engine"):
         if key in preset:
             value = (
                 "null"

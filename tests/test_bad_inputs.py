@@ -128,6 +128,7 @@ BAD_INPUTS = [
     (["offload.default=bogus"], "offload.default=bogus: a placement is one of"),
     (["offload.peel=9"], "offload.peel=9 peels more layers than a stack has"),
     (["offload=save_all", "offload.peel=1"], "offload.peel=1 would do nothing"),
+    (["offload.optimizer=host", "offload.stream_mib=0"], "offload.stream_mib=0: it is the HBM"),
     (["target=h100"], "target=h100 is the hardware mode=plan compiles for"),
     (["profile.start_step=5"], "profile.start_step=5 is after the last step"),
     # an XLA flag XLA does not know, refused before the backend would abort the process on it

@@ -85,13 +85,12 @@ def test_a_plan_compiles_each_policy_with_the_flags_its_run_would_get(monkeypatc
 
 
 def test_auto_compiles_writes_and_times_its_candidates_with_the_runs_peel(tmp_path):
-    """offload=auto chooses placements; the run's pipelining, peel and engine (`offload.peel=1`)
-    go into every candidate it compiles, into the candidates it times, and into offload_auto.yaml."""
-    config = load_config(
-        compose_node(
-            "train", ["model=llama_tiny", "mode=plan", "target=v5e", "offload=auto", "offload.peel=1"], CONFIGS
-        )
-    )
+    """offload=auto chooses placements; the run's pipelining, peel, engine and state stream
+    (`offload.peel=1`, `offload.stream_mib=64`) go into every candidate it compiles, into the
+    candidates it times, and into offload_auto.yaml."""
+    overrides = ["model=llama_tiny", "mode=plan", "target=v5e", "offload=auto", "offload.peel=1"]
+    overrides.append("offload.stream_mib=64")
+    config = load_config(compose_node("train", overrides, CONFIGS))
     compiled = []
 
     def compile_policy(policy, name):
@@ -109,7 +108,9 @@ def test_auto_compiles_writes_and_times_its_candidates_with_the_runs_peel(tmp_pa
     estimate = StepEstimate(1.0, 0.0, 0.0, 0.0)
     search = Tried(values, Prediction((), 0.0, 0.0, estimate), dataclasses.replace(plan, policy="auto"))
     node = candidate_offload(1, search, config, load_preset)
-    assert node["peel"] == 1 and node["tensors"] == {"mlpwi_0": "offload"}
+    assert node["peel"] == 1 and node["tensors"] == {"mlpwi_0": "offload"} and node["stream_mib"] == 64
     written = yaml.safe_load(report.write_plan([plan], choices, tmp_path, config)[1].read_text())
     assert written["peel"] == 1 and written["pipelined"] is True and written["engine"] == "ferry"
-    assert from_dict(OffloadConfig, written, "offload_auto.yaml").peel == 1  # still a preset a run trains with
+    assert written["stream_mib"] == 64
+    preset = from_dict(OffloadConfig, written, "offload_auto.yaml")  # still a preset a run trains with
+    assert preset.peel == 1 and preset.state_placement.stream_mib == 64

@@ -8,7 +8,9 @@ import math
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rich.console import Console
@@ -23,6 +25,7 @@ from ferry.train.state_layout import StateLayout
 from ferry.train.state_memory import (
     StatePlacement,
     StreamedUpdate,
+    float_params,
     state_map,
     state_on_host,
     with_memory_kinds,
@@ -38,6 +41,13 @@ from tests.conftest import (
 )
 
 PLACEMENTS = [StatePlacement("host", "device"), StatePlacement("device", "host"), StatePlacement("host", "host")]
+# llama_tiny's layer holds 0.56 MiB of moved state: at 0.02 MiB each leaf streams alone, in blocks of rows
+SMALL_STREAM = StatePlacement("host", "host", stream_mib=0.02)
+
+
+def placement_id(p: StatePlacement) -> str:
+    streams = "" if p.stream_mib == StatePlacement().stream_mib else f"-stream_{p.stream_mib}MiB"
+    return f"optimizer_{p.optimizer}-params_{p.params}{streams}"
 
 
 def in_hbm(stream: StreamedUpdate) -> StreamedUpdate:
@@ -82,22 +92,51 @@ def train(model_name: str, placement: StatePlacement, steps: int, reference: boo
 
 # both on host moves every kind of leaf; the single moves are the same code on fewer leaves. At
 # a vocabulary of 4,096 the embedding and the head hold more state than a layer: they stream in
-# blocks of rows (`row_blocks`); at 256 they are updated whole.
+# blocks of rows (`stream_pieces`); at 256 they are updated whole. With SMALL_STREAM every leaf
+# of a layer streams on its own, in blocks of its rows.
 @pytest.mark.parametrize("vocab", [pytest.param(256, marks=pytest.mark.slow), 4096])
 @pytest.mark.parametrize(
     "placement",
-    [pytest.param(p, marks=pytest.mark.slow) for p in PLACEMENTS[:2]] + PLACEMENTS[2:],
-    ids=lambda p: f"optimizer_{p.optimizer}-params_{p.params}",
+    [pytest.param(p, marks=pytest.mark.slow) for p in PLACEMENTS[:2]] + [*PLACEMENTS[2:], SMALL_STREAM],
+    ids=placement_id,
 )
 def test_host_resident_state_trains_bit_for_bit_as_in_hbm(placement, vocab):
-    expected, reference = train("llama_tiny", placement, 4, reference=True, vocab_size=vocab)
-    losses, state = train("llama_tiny", placement, 4, vocab_size=vocab)
+    assert_trains_bit_for_bit("llama_tiny", placement, 4, vocab_size=vocab)
+
+
+def assert_trains_bit_for_bit(model_name: str, placement: StatePlacement, steps: int, **overrides):
+    expected, reference = train(model_name, placement, steps, reference=True, **overrides)
+    losses, state = train(model_name, placement, steps, **overrides)
     np.testing.assert_array_equal(np.array(losses), np.array(expected))
     weights = lambda s: jax.tree.leaves(eqx.filter(s.model, eqx.is_array))
     for got, want in zip(weights(state), weights(reference), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     kinds = {leaf.sharding.memory_kind for leaf in jax.tree.leaves(state.opt_state) + jax.tree.leaves(state.model)}
     assert "pinned_host" in kinds
+
+
+def test_streaming_a_moe_layers_experts_in_blocks_updates_the_same_bits_as_a_layer_at_a_time():
+    """deepseek_v3_tiny's update (its two MoE layers' routed experts stacked, so each step of the
+    loop carries a layer and a block index) in pieces of at most 0.1 MiB (each expert leaf in 4
+    blocks of 4 experts, `test_a_layer_with_more_state_than_stream_mib_streams_in_groups_and_blocks`)
+    and a layer at a time: the same new weights, moments and compute copies, bit for bit."""
+    model = eqx.filter_eval_shape(build_model, load_model_config("deepseek_v3_tiny"), jax.random.key(0))
+    train = TrainConfig(steps=10, warmup_steps=1, global_batch_size=4, seq_len=16)
+    rng = np.random.default_rng(0)
+    draw = lambda x: jnp.asarray(rng.normal(size=x.shape).astype(x.dtype))
+    params = jax.tree.map(draw, float_params(model))
+    grads = jax.tree.map(lambda p: 0.1 * draw(p), params)
+    _, adam_state = make_optimizer(train).init(params)
+    adam_state = optax.tree_utils.tree_set(adam_state, mu=grads, nu=jax.tree.map(jnp.square, grads))
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    shardings = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), params)
+    updated = []
+    for placement in (StatePlacement("host", "host"), StatePlacement("host", "host", stream_mib=0.1)):
+        stream = streamed_update(train, model, placement, shardings)
+        with jax.set_mesh(mesh):
+            updated.append(jax.jit(stream)(params, adam_state, grads, jnp.array(True)))
+    for by_layer, by_block in zip(*map(jax.tree.leaves, updated), strict=True):
+        np.testing.assert_array_equal(np.asarray(by_block), np.asarray(by_layer))
 
 
 def compiled_state_step(
@@ -166,7 +205,7 @@ def compiled_state_step(
 
 @needs_libtpu
 @pytest.mark.parametrize("model_name", ["llama_tiny", pytest.param("deepseek_v3_tiny", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("placement", PLACEMENTS[::2], ids=lambda p: f"optimizer_{p.optimizer}-params_{p.params}")
+@pytest.mark.parametrize("placement", PLACEMENTS[::2], ids=placement_id)
 def test_on_v5p_the_moved_state_leaves_hbm_for_pinned_host(model_name, placement):
     before = compiled_state_step("v5p", model_name, StatePlacement())["memory"]
     plan = compiled_state_step("v5p", model_name, placement)
@@ -199,26 +238,68 @@ def test_on_v5p_the_update_writes_the_host_state_where_it_lies():
     assert deep.temp_size_in_bytes <= shallow.temp_size_in_bytes
 
 
-def test_an_embedding_with_more_state_than_a_layer_streams_in_blocks_of_rows():
-    """llama_tiny at a vocabulary of 4,096: a layer's moved state is 49,152 parameters x 12 bytes,
-    the embedding's and the head's 262,144 x 12 each, so each streams in 8 blocks (the first count
-    above 5.3 that divides its rows) of at most a layer's state; split over devices along its rows,
-    a leaf stays whole."""
+def pieces_of(model_name: str, placement: StatePlacement, shard_rows: bool = False, **overrides):
+    """The shapes of a model's float parameters and `stream_pieces`' answer for them (`shard_rows`:
+    every leaf's first axis split over an fsdp axis of one device)."""
     from ferry.sharding import MeshConfig, make_mesh, tree_shardings
-    from ferry.train.state_memory import float_params, row_blocks
+    from ferry.train.state_memory import float_params, stream_pieces
 
-    model = eqx.filter_eval_shape(build_model, load_model_config("llama_tiny", vocab_size=4096), jax.random.key(0))
-    placement = StatePlacement("host", "host")
+    model = eqx.filter_eval_shape(build_model, load_model_config(model_name, **overrides), jax.random.key(0))
     smap = state_map(model, placement)
     leaves = jax.tree.leaves(float_params(model))
     shardings = jax.tree.leaves(tree_shardings(float_params(model), make_mesh(MeshConfig())))
-    blocks = row_blocks(smap, leaves, shardings)
-    assert sorted(leaves[i].shape for i in blocks) == [(64, 4096), (4096, 64)] and set(blocks.values()) == {8}
+    if shard_rows:
+        shardings = [sh.update(spec=PartitionSpec("fsdp")) for sh in shardings]
+    return smap, leaves, stream_pieces(smap, leaves, shardings, placement.stream_mib * 2**20)
+
+
+def test_an_embedding_with_more_state_than_a_layer_streams_in_blocks_of_rows():
+    """llama_tiny at a vocabulary of 4,096: a layer's moved state is 49,152 parameters x 12 bytes,
+    the embedding's and the head's 262,144 x 12 each, so each streams in 8 blocks (the first count
+    above 5.3 that divides its rows into whole TPU tiles: of 128 rows for the embedding, whose 64
+    columns a TPU may lay along its sublanes, of 8 for the head) of at most a layer's state, and
+    each stack a layer at a time. An fsdp axis of one device along its rows changes nothing."""
+    placement = StatePlacement("host", "host")
+    smap, leaves, (whole, pieces) = pieces_of("llama_tiny", placement, vocab_size=4096)
+    blocks = {piece.leaves: piece.blocks for piece in pieces if not piece.layers}
+    assert sorted(leaves[i].shape for (i,) in blocks) == [(64, 4096), (4096, 64)] and set(blocks.values()) == {8}
+    assert [(piece.leaves, piece.blocks) for piece in pieces if piece.layers] == [(tuple(smap.leaves_of(1)), 1)]
     layer = sum(math.prod(leaves[i].shape[1:]) for i in smap.leaves_of(1)) * 12
     assert layer == 49152 * 12
-    assert all(math.prod(leaves[i].shape) * 12 // blocks[i] <= layer for i in blocks)
-    split = [sh.update(spec=PartitionSpec("fsdp")) for sh in shardings]  # rows over an fsdp axis of 1 device
-    assert row_blocks(smap, leaves, split) == blocks
+    assert all(math.prod(leaves[i].shape) * 12 // n <= layer for (i,), n in blocks.items())
+    # rows over an fsdp axis of one device are not split
+    assert pieces_of("llama_tiny", placement, shard_rows=True, vocab_size=4096)[2] == (whole, pieces)
+
+
+@pytest.mark.parametrize("model_name", ["llama_tiny", "deepseek_v3_tiny"])
+def test_a_layer_with_more_state_than_stream_mib_streams_in_groups_and_blocks(model_name):
+    """offload.stream_mib below a layer's state (a DeepSeek-V3 MoE layer's is 10.5 GiB, more than
+    a v5e's HBM): the layer's leaves stream in groups of at most that much state, and a leaf with
+    more alone, in blocks of the rows after its layer axis (a MoE layer's experts), so the update
+    holds at most `stream_mib` (or the smallest block it can slice: a row of a major axis, a TPU
+    tile of 128 rows of a minor one) while every host-resident leaf is streamed exactly once."""
+    cap = 0.1 * 2**20
+    smap, leaves, (whole, pieces) = pieces_of(model_name, StatePlacement("host", "host", stream_mib=0.1))
+    moved = [i for i, (p, m) in enumerate(zip(smap.host_params, smap.host_moments, strict=True)) if p or m]
+    streamed = [i for piece in pieces for i in piece.leaves]
+    assert sorted(streamed + [i for i in whole if i in moved]) == moved  # each moved leaf in one place
+    assert len(pieces) > len(set(smap.units) - {0}) + 2  # the stacks' layers are split
+
+    def step_bytes(piece) -> float:
+        return sum(math.prod(leaves[i].shape) * 12 for i in piece.leaves) / piece.steps
+
+    for piece in pieces:
+        shape, axis = leaves[piece.leaves[0]].shape, 1 if piece.layers else 0
+        assert all(leaves[i].shape[axis] % piece.blocks == 0 for i in piece.leaves)
+        assert piece.blocks == 1 or len(piece.leaves) == 1  # a leaf in blocks streams alone
+        if step_bytes(piece) > cap:  # one leaf, in blocks as small as the TPU's tiles let them be
+            tile = 128 if axis == len(shape) - 1 or (axis == len(shape) - 2 and shape[-1] % 128) else 8
+            tile = tile if axis >= len(shape) - 2 else 1
+            assert len(piece.leaves) == 1
+            assert piece.rows(shape) == tile or (piece.blocks == 1 and shape[axis] < 2 * tile), (shape, piece)
+    blocked = {leaves[i].shape for piece in pieces if piece.layers and piece.blocks > 1 for i in piece.leaves}
+    if model_name == "deepseek_v3_tiny":  # the routed experts: blocks of experts
+        assert {shape for shape in blocked if len(shape) == 4} == {(2, 16, 64, 32), (2, 16, 32, 64)}
 
 
 @needs_libtpu
@@ -318,3 +399,20 @@ def test_a_checksum_of_host_memory_equals_the_devices_one():
     on_host = jax.device_put(x, NamedSharding(mesh, PartitionSpec(), memory_kind="pinned_host"))
     assert array_checksums({"x": on_host}) == array_checksums({"x": on_device})
     assert array_checksums({"x": on_host}) != array_checksums({"x": on_device.at[2, 4, 6].add(1.0)})
+
+
+@needs_libtpu
+def test_on_v5p_stream_mib_bounds_the_updates_hbm():
+    """Four layers of a wider llama_tiny (dim 256, FFN 1024) on 4 v5p chips (the parameters
+    replicated, mesh.data=4), state on host: with `offload.stream_mib` below every leaf's share of
+    a layer, the update brings one leaf's slice at a time to HBM instead of a whole layer's, and
+    the step's HBM temporaries fall by more than half a layer's moved state (26.6 to 17.4 MB
+    against 12.6 MB of it), where they would not if XLA overlapped the pieces' loops."""
+    from ferry.sharding import MeshConfig
+
+    mesh, wide = MeshConfig(data=4), {"num_layers": 4, "dim": 256, "mlp_dim": 1024}
+    by_layer = compiled_state_step("v5p", "llama_tiny", StatePlacement("host", "host"), mesh, **wide)
+    by_leaf = compiled_state_step("v5p", "llama_tiny", SMALL_STREAM, mesh, **wide)
+    saved = by_layer["memory"].temp_size_in_bytes - by_leaf["memory"].temp_size_in_bytes
+    assert saved > by_layer["largest_unit"] / 2, (saved, by_layer["largest_unit"])
+    assert by_leaf["memory"].host_temp_size_in_bytes == 0  # written back where it lies

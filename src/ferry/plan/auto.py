@@ -56,6 +56,7 @@ from ferry.schedule import model_schedule
 from ferry.train.state_layout import run_state_layout
 from ferry.train.state_memory import (
     DEVICE,
+    DEVICE_STATE,
     HOST,
     MASTER_WEIGHTS,
     MOMENTS,
@@ -170,9 +171,10 @@ def tensor_decisions(costs: dict[str, TensorCost], micro_steps: int) -> list[Dec
 STATE_DECISIONS = {"offload.optimizer": ("optimizer", MOMENTS), "offload.params": ("params", MASTER_WEIGHTS)}
 
 
-def state_of(values: Mapping[str, str]) -> StatePlacement:
-    """The train state's placement that a candidate's decision values name."""
-    return StatePlacement(**{field: values[name] for name, (field, _) in STATE_DECISIONS.items()})
+def state_of(values: Mapping[str, str], base: StatePlacement = DEVICE_STATE) -> StatePlacement:
+    """The train state's placement that a candidate's decision values name (how it streams: `base`'s)."""
+    placed: dict[str, Any] = {field: values[name] for name, (field, _) in STATE_DECISIONS.items()}
+    return dataclasses.replace(base, **placed)
 
 
 def state_values(state: StatePlacement) -> dict[str, str]:
@@ -191,8 +193,8 @@ def state_decisions(config: FerryConfig, target: Target, mesh: Any) -> tuple[Dec
     compute_bytes = jnp.dtype(config.train.compute_dtype).itemsize
     master_bytes = max(x.dtype.itemsize for x in jax.tree.leaves(float_params(layout.model)))
     decisions = []
-    for name, (field, tensor) in STATE_DECISIONS.items():
-        placement = StatePlacement(**{field: HOST})
+    for name, (_, tensor) in STATE_DECISIONS.items():
+        placement = state_of({key: HOST if key == name else DEVICE for key in STATE_DECISIONS})
         copies = [c for c in state_copies(layout.model, placement, layout.sharding.model) if c.tensor == tensor]
         moved = float(sum(c.bytes_per_layer * c.num_layers for c in copies))
         stacked = float(sum(c.bytes_per_layer * c.num_layers for c in copies if c.group != "other"))

@@ -144,7 +144,7 @@ def candidate_offload(
     """The `offload` config node that trains `candidate`: the preset it is (with the state
     placement it was compiled with), or, for the search's own, its values as a preset compiled
     as `auto_plan` compiles them (no other key set)."""
-    state = state_of(candidate.values)
+    state = state_of(candidate.values, config.offload.state_placement)
     source = candidate.plan.policy
     if source != "auto":
         preset = config.offload if source == config.offload.name else load_preset(source)
@@ -155,7 +155,8 @@ def candidate_offload(
         offload = config.offload
         node = {"name": f"auto_candidate_{number}", "tensors": tensors, "pipelined": offload.pipelined}
         node |= {"peel": int(candidate.values.get(PEEL, offload.peel)), "engine": offload.engine}
-    return node | {"optimizer": state.optimizer, "params": state.params, "auto": {}, "measured": {}}
+    placed = {"optimizer": state.optimizer, "params": state.params, "stream_mib": state.stream_mib}
+    return node | placed | {"auto": {}, "measured": {}}
 
 
 def resolve_measure(settings: AutoMeasureConfig, target_platform: str, present: str | None) -> tuple[bool, str]:

@@ -231,7 +231,7 @@ def _auto(
     mesh = compile_only_mesh(target, config.mesh)
 
     def compile_choice(policy: Policy, values: dict[str, str]) -> MemoryPlan:
-        return compiler.compile_policy(policy, "auto", state_of(values))
+        return compiler.compile_policy(policy, "auto", state_of(values, config.offload.state_placement))
 
     extra = state_decisions(config, target, mesh)
     known = list(zip(policies.values(), plans, strict=True))
@@ -344,10 +344,11 @@ def write_plan(
         f"# offload=auto for {plans[-1].target} ({plans[-1].mesh}), chosen by mode=plan: {how}\n"
         f"name: auto_{plans[-1].target}\nkeep_all: false\ndefault: null\n{state}tensors:\n{tensors}\n"
     )
-    if config is not None:  # the run's pipelining and engine, which the candidates compiled with; the peel chosen
+    if config is not None:  # what the candidates compiled with (pipelining, engine, stream); the peel chosen
         offload = config.offload
         peel = next((c.placement for c in choices if c.name == PEEL), offload.peel)
         text += f"pipelined: {str(offload.pipelined).lower()}\npeel: {peel}\nengine: {offload.engine}\n"
+        text += f"stream_mib: {offload.stream_mib:g}\n"
     if measured is not None:  # read by no run: every candidate timed, and why this one
         text += yaml.safe_dump({"measured": measured.record()}, sort_keys=False, width=1000)
     preset.write_text(text)

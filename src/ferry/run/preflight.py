@@ -33,7 +33,7 @@ from ferry.run.policy_check import check_before_training
 from ferry.schedule import TransferSchedule, format_bytes, model_schedule
 from ferry.sharding import make_mesh, parameters_per_device
 from ferry.train.state_layout import StateLayout, run_state_layout
-from ferry.train.state_memory import state_copies
+from ferry.train.state_memory import state_copies, stream_line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,9 +221,9 @@ def announce_loss_head(config: FerryConfig, mesh: Mesh, console: Console) -> Non
 def announce_state(layout: StateLayout, console: Console) -> None:
     """Where the train state lives, when part of it is on host."""
     if layout.placement.streams:
+        stream = stream_line(layout.model, layout.placement, layout.sharding.model)
         console.print(
-            f"train state: {layout.placement.describe()}: {format_bytes(layout.host_bytes())} in pinned host, "
-            "streamed through HBM a layer at a time by the update",
+            f"train state: {layout.placement.describe()}: {format_bytes(layout.host_bytes())} in pinned host, {stream}",
             highlight=False,
         )
 

@@ -185,8 +185,10 @@ class OffloadConfig:
     keep_all: bool = False
     default: str | None = None
     tensors: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    optimizer: str = "device"  # AdamW's moments: device | host (pinned host, streamed a layer at a time)
+    optimizer: str = "device"  # AdamW's moments: device | host (pinned host, streamed through HBM by the update)
     params: str = "device"  # the float32 master weights: device | host (a compute-dtype copy stays in HBM)
+    # the update's HBM for a state on host, MiB per device: at most a layer's state, never more than this
+    stream_mib: float = 1024.0
     pipelined: bool = True  # a scanned stack's copies one layer apart (ferry.offload_scan)
     peel: int = 0  # a pipelined stack's first and last `peel` layers outside its loop (Policy.peel)
     engine: str = "ferry"  # ferry | jax: JAX's own offload of the same tensors, for comparison (Policy.engine)
@@ -219,7 +221,7 @@ class OffloadConfig:
 
     @property
     def state_placement(self) -> StatePlacement:
-        return StatePlacement(self.optimizer, self.params)
+        return StatePlacement(self.optimizer, self.params, self.stream_mib)
 
     @property
     def copies_to_host(self) -> bool:

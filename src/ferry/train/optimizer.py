@@ -56,4 +56,5 @@ def streamed_update(
     params = float_params(model)
     smap = state_map(model, placement)
     decayed = adamw(config, mask=_decay_mask(params))
-    return StreamedUpdate(config.grad_clip_norm, decayed, smap, jnp.dtype(config.compute_dtype), param_sharding)
+    dtype, stream_bytes = jnp.dtype(config.compute_dtype), placement.stream_mib * 2**20
+    return StreamedUpdate(config.grad_clip_norm, decayed, smap, dtype, param_sharding, stream_bytes)

@@ -48,11 +48,19 @@ class StatePlacement:
 
     optimizer: str = DEVICE
     params: str = DEVICE
+    # the most host-resident state (MiB per device) the update brings to HBM at once: a layer's
+    # state when it is less, else that layer's leaves in groups and a large leaf in blocks of rows
+    stream_mib: float = 1024.0
 
     def __post_init__(self) -> None:
         for key in ("optimizer", "params"):
             if getattr(self, key) not in PLACES:
                 raise ConfigError(f"offload.{key} is {getattr(self, key)!r}; use device or host")
+        if not self.stream_mib > 0:
+            raise ConfigError(
+                f"offload.stream_mib={self.stream_mib:g}: it is the HBM (MiB per device) the update of a state on "
+                "host streams through at once; use a positive number (1024 by default)"
+            )
 
     @property
     def streams(self) -> bool:
@@ -179,6 +187,7 @@ class StreamedUpdate:
     smap: StateMap
     compute_dtype: Any
     param_sharding: Any  # NamedSharding per master leaf (for the host <-> device copies' specs)
+    stream_bytes: float  # the most moved state per device in HBM at once (`StatePlacement.stream_mib`)
     moves: bool = True  # False: the same arithmetic with every leaf left where it is (a reference)
 
     def __call__(self, params: Any, adam_state: Any, grads: Any, apply: jax.Array) -> tuple[Any, Any, Any]:
@@ -188,29 +197,20 @@ class StreamedUpdate:
         shardings = jax.tree.leaves(self.param_sharding)
         new = [[None] * len(columns[0]) for _ in range(4)]  # params, mu, nu, compute copies
         g_norm = optax.tree.norm(grads)
-        new_state = adam_state
         host_params = self.smap.host_params
         # compile-only GPU devices drop the inputs' memory kind (README): there the update collects
         # new arrays, as a scan, since it cannot write host slices into device-space inputs
         collect = self.moves and not all(map(_in_host_memory, _moved_inputs(columns, self.smap)))
-        blocks = row_blocks(self.smap, columns[0], shardings)
-        units = [0, *sorted(set(self.smap.units) - {0})]  # unit 0 (maybe empty) yields the counts
-        pieces: list[tuple[int | None, list[int]]]
-        pieces = [(unit, [i for i in self.smap.leaves_of(unit) if i not in blocks]) for unit in units]
-        pieces += [(None, [i]) for i in blocks]  # each large unstacked leaf, a block of rows at a time
-        for unit, index in pieces:
+        whole, pieces = stream_pieces(self.smap, columns[0], shardings, self.stream_bytes)
+        for piece in [StreamPiece(tuple(whole), 0), *pieces]:  # the whole part first: it yields the counts
+            index = list(piece.leaves)
             inputs = [[column[i] for i in index] for column in columns]
             update = self._unit_update(treedef, index, adam_state, apply, g_norm, [shardings[i] for i in index])
-            host = [host_params[i] for i in index]
-            if unit == 0:
+            if piece.steps == 1 and not piece.layers:  # the whole part
                 outputs, new_state = update(inputs)
-            elif unit is None:  # one unstacked leaf, in blocks of rows
-                (i,) = index
-                rows = columns[0][i].shape[0] // blocks[i]
-                outputs = _in_place(update, inputs, blocks[i], self.compute_dtype, host, rows, collect)
             else:
-                layers = self.smap.unit_layers[unit]
-                outputs = _in_place(update, inputs, layers, self.compute_dtype, host, None, collect)
+                host = [host_params[i] for i in index]
+                outputs = _in_place(update, inputs, piece, self.compute_dtype, host, collect)
             for column, values in zip(new, outputs, strict=True):
                 for i, value in zip(index, values, strict=True):
                     column[i] = value
@@ -265,26 +265,103 @@ class StreamedUpdate:
         return update
 
 
-def row_blocks(smap: StateMap, params: list[Any], shardings: list[NamedSharding]) -> dict[int, int]:
-    """The unstacked host-resident leaves (of `params`, arrays or shapes, in leaf order) whose
-    state per device is more than one layer's of the largest stack (an embedding, an output head),
-    each with how many blocks of rows the update streams it in, so that HBM holds about a layer's
-    state at once. A leaf whose rows are split over devices stays whole (its blocks would need
-    collectives)."""
+def _tile_rows(shape: tuple[int, ...], axis: int) -> int:
+    """The rows a block of `axis` must be a multiple of for a TPU to slice it in host memory: a
+    TPU tiles an array's two minor axes, 128 along its lanes and 8 along its sublanes. The last
+    axis is laid along the lanes, and so is the one before it where the last is no multiple of 128
+    (XLA may swap them to spare the padding: it did for float32[4, 192, 64], refusing a block of
+    24 of the 192 rows)."""
+    if axis == len(shape) - 1 or (axis == len(shape) - 2 and shape[-1] % 128):
+        return 128
+    return 8 if axis == len(shape) - 2 else 1
 
-    def state_bytes(i: int, layers: int = 1) -> int:
+
+@dataclasses.dataclass(frozen=True)
+class StreamPiece:
+    """Host-resident leaves whose update streams through HBM together, in one loop of `steps`:
+    each step one layer's slice of a stack (`layers` > 0; none for an unstacked leaf), or of its
+    `blocks` blocks of rows (of the axis after the layer axis)."""
+
+    leaves: tuple[int, ...]
+    layers: int  # the stack's layers; 0: unstacked leaves
+    blocks: int = 1
+    step_bytes: float = 0.0  # the moved state a step brings to HBM, per device
+
+    @property
+    def steps(self) -> int:
+        return max(self.layers, 1) * self.blocks
+
+    def rows(self, shape: tuple[int, ...]) -> int:
+        """Rows per block of a leaf of this `shape`."""
+        return shape[1 if self.layers else 0] // self.blocks
+
+
+def stream_pieces(
+    smap: StateMap, params: list[Any], shardings: list[NamedSharding], cap_bytes: float
+) -> tuple[tuple[int, ...], tuple[StreamPiece, ...]]:
+    """How the update streams the host-resident state (`params`: arrays or shapes, in leaf
+    order): the unstacked leaves updated whole, and the loops over the rest. HBM holds at most
+    the state of a layer of the largest stack at once, and never more than `cap_bytes`: a stack
+    whose layer holds more streams its leaves in groups within that, and a leaf larger than it
+    (an embedding, a layer's experts) in blocks of rows, the fewest that divide its rows (a row
+    at a time at the most; of one of its two minor axes, whole TPU tiles, `_tile_rows`). A leaf
+    whose blocked axis is split over devices stays whole (its blocks would need collectives), and
+    so does a layer's slice of a stack's leaf that only a block of one of its two minor axes could
+    split (a matrix of a stack of several layers, not a MoE layer's experts): XLA's TPU compiler
+    aborts on writing such a block into host memory (float32[4, 256, 1024], a block of 128 of the
+    256 rows of one layer: "Check failed: update_detail.higher_dimensions_multiplied ==
+    original_tensor_detail.higher_dimensions_multiplied (1 vs. 4)")."""
+
+    def state_bytes(i: int) -> float:
         copies = smap.host_params[i] + 2 * smap.host_moments[i]
         shard = shardings[i].shard_shape(params[i].shape)
-        return math.prod(shard) * params[i].dtype.itemsize * copies // layers
+        return math.prod(shard) * params[i].dtype.itemsize * copies / smap.unit_layers[smap.units[i]]
 
-    stacks = set(smap.units) - {0}
-    budget = max((sum(state_bytes(i, smap.unit_layers[u]) for i in smap.leaves_of(u)) for u in stacks), default=0)
-    blocks = {}
-    for i in smap.leaves_of(0):
-        size, rows = state_bytes(i), params[i].shape[0]
-        if budget and size > budget and _devices_along_rows(shardings[i]) == 1:
-            blocks[i] = next(n for n in range(-(-size // budget), rows + 1) if rows % n == 0)
-    return blocks
+    stacks = sorted(set(smap.units) - {0})
+    layer_bytes = max((sum(map(state_bytes, smap.leaves_of(u))) for u in stacks), default=cap_bytes)
+    budget = min(cap_bytes, layer_bytes)
+
+    def blocks(i: int, axis: int) -> int:
+        rows = params[i].shape[axis]
+        if state_bytes(i) <= budget or _devices_along(shardings[i], axis) > 1:
+            return 1
+        if axis == 1 and axis >= len(params[i].shape) - 2 and smap.unit_layers[smap.units[i]] > 1:
+            return 1  # a TPU writes a block of a tiled axis into host memory only across all axes above it
+        tile = _tile_rows(params[i].shape, axis)
+        counts = [n for n in range(1, rows // tile + 1) if rows % n == 0 and (rows // n) % tile == 0]
+        return next((n for n in counts if state_bytes(i) / n <= budget), max(counts, default=1))
+
+    def piece(leaves: list[int], layers: int, n: int = 1) -> StreamPiece:
+        return StreamPiece(tuple(leaves), layers, n, sum(map(state_bytes, leaves)) / n)
+
+    whole = tuple(i for i in smap.leaves_of(0) if blocks(i, 0) == 1)
+    pieces = []
+    for unit in stacks:
+        layers, group = smap.unit_layers[unit], list[int]()
+        for i in smap.leaves_of(unit):
+            if group and sum(state_bytes(j) for j in [*group, i]) > budget:
+                pieces.append(piece(group, layers))
+                group = []
+            if blocks(i, 1) > 1:
+                pieces.append(piece([i], layers, blocks(i, 1)))
+            else:
+                group.append(i)
+        if group:
+            pieces.append(piece(group, layers))
+    pieces += [piece([i], 0, blocks(i, 0)) for i in smap.leaves_of(0) if i not in whole]
+    return whole, tuple(pieces)
+
+
+def stream_line(model: Any, placement: StatePlacement, param_sharding: Any) -> str:
+    """How the update streams a host-resident state through HBM, for the start-up line."""
+    leaves = jax.tree.leaves(float_params(model))
+    stream_bytes = placement.stream_mib * 2**20
+    _, pieces = stream_pieces(state_map(model, placement), leaves, jax.tree.leaves(param_sharding), stream_bytes)
+    most = max((piece.step_bytes for piece in pieces), default=0.0)
+    return (
+        f"streamed through HBM by the update in {len(pieces)} loop(s) of layers or blocks of rows, at most "
+        f"{most / 2**20:,.0f} MiB per device at once (offload.stream_mib={placement.stream_mib:g})"
+    )
 
 
 def _moved_inputs(columns: list[list[Any]], smap: StateMap) -> list[Any]:
@@ -298,9 +375,9 @@ def _in_host_memory(x: Any) -> bool:
     return jax.typeof(x).memory_space == jax.memory.Space.Host
 
 
-def _devices_along_rows(sharding: NamedSharding) -> int:
-    """How many devices split the first axis of arrays with this sharding."""
-    entry = sharding.spec[0] if len(sharding.spec) else None
+def _devices_along(sharding: NamedSharding, axis: int) -> int:
+    """How many devices split `axis` of arrays with this sharding."""
+    entry = sharding.spec[axis] if len(sharding.spec) > axis else None
     names = entry if isinstance(entry, tuple) else (entry,)
     return math.prod(sharding.mesh.shape[name] for name in names if name is not None)
 
@@ -308,37 +385,47 @@ def _devices_along_rows(sharding: NamedSharding) -> int:
 def _in_place(
     update: Callable[[list[list[jax.Array]]], tuple[list[list[Any]], Any]],
     inputs: list[list[jax.Array]],
-    steps: int,
+    piece: StreamPiece,
     compute_dtype: Any,
     host_params: list[bool],
-    rows: int | None = None,
     collect: bool = False,
 ) -> list[list[Any]]:
-    """`update` applied to each layer of a stack's (params, grads, mu, nu) columns (`rows`: to
-    each block of that many rows of unstacked leaves), each step's results written back into the
-    arrays they came from: a loop carrying the arrays, where a scan would collect new ones. The
-    donated host-resident state is so updated where it lies; a scan's outputs are new host
-    buffers of the whole stack, copied into the donated ones after the loop (on an H200, 21
-    host-to-host copies of 162 ms a step for 4 Llama 3.1 8B layers). Returns the new params, mu,
-    nu and compute copies (None where the master weights are in HBM). `collect`: a scan
-    collecting new arrays instead, for inputs that are not where the update writes."""
+    """`update` applied to each step's slice of a piece's (params, grads, mu, nu) columns (a
+    layer of a stack, or a block of its rows, or a block of an unstacked leaf's rows), each
+    step's results written back into the arrays they came from: a loop carrying the arrays, where
+    a scan would collect new ones. The donated host-resident state is so updated where it lies; a
+    scan's outputs are new host buffers of the whole stack, copied into the donated ones after the
+    loop (on an H200, 21 host-to-host copies of 162 ms a step for 4 Llama 3.1 8B layers). Returns
+    the new params, mu, nu and compute copies (None where the master weights are in HBM).
+    `collect`: a scan collecting new arrays instead, for inputs that are not where the update
+    writes."""
     if collect:
-        split = lambda xs: [x if rows is None else x.reshape(steps, rows, *x.shape[1:]) for x in xs]
+        rest = 2 if piece.layers else 1  # the axes after the layer and row axes
+        split = lambda xs: [x.reshape(piece.steps, piece.rows(x.shape), *x.shape[rest:]) for x in xs]
         outputs = jax.lax.scan(lambda _, xs: (None, update(xs)[0]), None, [split(xs) for xs in inputs])[1]
-        join = lambda y: y if y is None or rows is None else y.reshape(-1, *y.shape[2:])
-        return [[join(y) for y in ys] for ys in outputs]
+        shapes = [x.shape for x in inputs[0]]
+        join = lambda ys: [None if y is None else y.reshape(shape) for y, shape in zip(ys, shapes, strict=True)]
+        return [join(ys) for ys in outputs]
     params, grads, mu, nu = inputs
     compute = [jnp.zeros(x.shape, compute_dtype) if host else None for x, host in zip(params, host_params, strict=True)]
 
+    def window(x: jax.Array, k: jax.Array) -> tuple[list[jax.Array], tuple[int, ...]]:
+        """Where step `k`'s slice of `x` starts, and its size (a stack's keeps its layer axis)."""
+        rows = piece.rows(x.shape)
+        zero = jnp.zeros((), k.dtype)
+        if not piece.layers:
+            return [k * rows] + [zero] * (x.ndim - 1), (rows, *x.shape[1:])
+        layer, block = k // piece.blocks, k % piece.blocks
+        return [layer, block * rows] + [zero] * (x.ndim - 2), (1, rows, *x.shape[2:])
+
     def part(x: jax.Array, k: jax.Array) -> jax.Array:
-        if rows is None:
-            return jax.lax.dynamic_index_in_dim(x, k, keepdims=False)
-        return jax.lax.dynamic_slice_in_dim(x, k * rows, rows)
+        starts, sizes = window(x, k)
+        y = jax.lax.dynamic_slice(x, starts, sizes)
+        return y[0] if piece.layers else y
 
     def write(x: jax.Array, y: jax.Array, k: jax.Array) -> jax.Array:
-        if rows is None:
-            return jax.lax.dynamic_update_index_in_dim(x, y, k, 0)
-        return jax.lax.dynamic_update_slice_in_dim(x, y, k * rows, 0)
+        starts, _ = window(x, k)
+        return jax.lax.dynamic_update_slice(x, y[None] if piece.layers else y, starts)
 
     def step(k: jax.Array, carry: tuple[list[Any], ...]) -> tuple[list[Any], ...]:
         take = lambda xs: [part(x, k) for x in xs]
@@ -348,7 +435,7 @@ def _in_place(
             for xs, ys in zip(carry, new, strict=True)
         )
 
-    return list(jax.lax.fori_loop(0, steps, step, (params, mu, nu, compute)))
+    return list(jax.lax.fori_loop(0, piece.steps, step, (params, mu, nu, compute)))
 
 
 def state_copies(model: Any, placement: StatePlacement, param_sharding: Any) -> tuple[StateCopy, ...]:
@@ -371,11 +458,11 @@ def state_copies(model: Any, placement: StatePlacement, param_sharding: Any) -> 
 @dataclasses.dataclass(frozen=True)
 class StateWrite:
     """One host-resident leaf's write-backs in a step: `arrays` of `bytes` each (per device; a
-    stack's: one layer's slice; a large unstacked leaf's: one block of rows), once per layer or
-    block."""
+    stack's: one layer's slice, or a block of its rows; a large unstacked leaf's: one block of
+    rows), once per step of its loop (`StreamPiece`)."""
 
     bytes: int
-    layers: int  # a stack's layers, a large unstacked leaf's blocks (`row_blocks`), else 1
+    layers: int  # its loop's steps: a stack's layers (times the blocks of each), an unstacked leaf's blocks, else 1
     arrays: int  # the master weights (1), the moments (2), or both (3)
 
     @property
@@ -395,14 +482,14 @@ def state_writes(model: Any, placement: StatePlacement, param_sharding: Any) -> 
         for path, _ in jax.tree_util.tree_leaves_with_path(float_params(model))
     ]
     leaves = jax.tree.leaves(float_params(model))
-    blocks = row_blocks(smap, leaves, jax.tree.leaves(param_sharding))
+    _, pieces = stream_pieces(smap, leaves, jax.tree.leaves(param_sharding), placement.stream_mib * 2**20)
+    steps = {i: piece.steps for piece in pieces for i in piece.leaves}  # else updated whole: once
     writes = {}
     for i, (where, shard) in enumerate(zip(paths, _shard_bytes(model, param_sharding), strict=True)):
         moved = [(tensor, count) for tensor, flags, count in _moved(smap) if flags[i]]
         if moved:
-            layers = blocks.get(i) or smap.unit_layers[smap.units[i]]  # a stack's layers, or a leaf's blocks
             name = "+".join(tensor for tensor, _ in moved) + f":{where}"
-            writes[name] = StateWrite(shard // layers, layers, sum(count for _, count in moved))
+            writes[name] = StateWrite(shard // steps.get(i, 1), steps.get(i, 1), sum(count for _, count in moved))
     return writes
 
 
