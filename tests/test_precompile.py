@@ -10,15 +10,16 @@ COMPILE = ("model=llama_tiny", "data=synthetic", "mode=compile", "target=v5e", "
 
 
 @needs_libtpu
-def test_the_step_lands_in_the_cache_and_nothing_else_is_written(tmp_path, monkeypatch):
+def test_the_step_and_the_init_land_in_the_cache_and_nothing_else_is_written(tmp_path, monkeypatch):
     monkeypatch.delenv(CACHE_VARIABLE, raising=False)  # the tests' own cache, which would win
     cache, run_dir = tmp_path / "cache", tmp_path / "run"
     where = (f"platform.compilation_cache={cache}", f"run.dir={run_dir}")
     done = run_launcher(*COMPILE, "offload=minimal_offloaded", *where, old_default=False)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "compiled the train step for 1 x TPU v5e" in done.stdout and str(cache) in done.stdout
-    entries = [p.name for p in cache.glob("*-cache")]  # JAX keeps an access time beside each (`-atime`)
-    assert len(entries) == 1 and entries[0].startswith("jit_step-"), entries  # the step, and no other program
+    assert "and the state's random init in" in done.stdout
+    entries = sorted(p.name for p in cache.glob("*-cache"))  # JAX keeps an access time beside each (`-atime`)
+    assert [name.split("-")[0] for name in entries] == ["jit_initial_arrays", "jit_step"], entries  # no other program
     assert not run_dir.exists()
 
 

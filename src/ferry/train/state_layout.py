@@ -96,6 +96,16 @@ def run_state_layout(config: FerryConfig, mesh: Mesh, model_config: Any = None) 
     return state_layout(model_config, optimizer, mesh, tc.seed, config.offload.state_placement, tc.compute_dtype)
 
 
+def random_init(layout: StateLayout) -> jax.stages.Wrapped:
+    """The jitted random init of the state's arrays, built in their sharding: one program per
+    layout, which `mode=compile` compiles ahead into the cache the run then reads."""
+
+    def initial_arrays() -> Any:
+        return eqx.partition(layout.make(), eqx.is_array)[0]
+
+    return jax.jit(initial_arrays, out_shardings=layout.sharding)
+
+
 def initial_state(
     config: FerryConfig, optimizer: Any, mesh: Mesh, layout: StateLayout | None = None
 ) -> tuple[TrainState, Any]:
@@ -104,7 +114,7 @@ def initial_state(
     parameters are read from the checkpoint straight into their sharding."""
     layout = layout or run_state_layout(config, mesh)
     if config.init.from_hf is None:
-        arrays = jax.jit(lambda: eqx.partition(layout.make(), eqx.is_array)[0], out_shardings=layout.sharding)()
+        arrays = random_init(layout)()
     else:
         params, static = eqx.partition(load_pretrained(config.init.from_hf, config.model, mesh), eqx.is_array)
         placement, dtype = layout.placement, config.train.compute_dtype
