@@ -19,8 +19,8 @@ from rich.console import Console
 
 from ferry.models.registry import abstract_model
 from ferry.nn.stack import LayerStack
-from ferry.offload import Policy, tag
-from ferry.plan import verify
+from ferry.offload import LAYER_INPUT, Policy, tag
+from ferry.plan import replay, verify
 from ferry.plan.copy_match import DEAD, STATE_GROUP
 from ferry.plan.memory_plan import MemoryPlan
 from ferry.plan.planner import (
@@ -345,6 +345,43 @@ def test_deepseek_on_h200_copies_every_group_it_offloads():
     for group in by_group:
         assert any(c.status == "copied" for c in verification.copies if c.group == group), group
     assert {w.status for w in verification.walks} == {"right"}
+
+
+@pytest.mark.parametrize(
+    "model, cases",
+    [
+        ("llama_tiny", {"decoder": ("keep", "qkv_offload", "minimal_offloaded")}),
+        ("deepseek_v3_tiny", {"moe": ("minimal_offloaded",)}),  # 16 tags, as the verifier asks of them
+    ],
+)
+def test_one_trace_per_group_reads_as_one_trace_per_tensor(model, cases, monkeypatch):
+    """`backward_reads` traces a layer once with every tensor the policy keeps or offloads on host
+    and tells their copies apart by scope; each answer is `read_by_backward`'s, which traces the
+    layer with that tensor alone on host (the rematerialised ones and the layer input still are,
+    one trace each). Among the answers, tensors the backward pass never reads: mlpwo, and in
+    DeepSeek's MoE layer its experts' too, and MLA's mla_q and mla_kv while their projections are
+    saved."""
+    config = compose_config(f"model={model}", "train.seq_len=32", "train.global_batch_size=2")
+    model_config = for_target(config.model, H200)
+    layers, groups = abstract_model(model_config), layer_group_traces(config, model_config)
+    tagged = layers.tagged_names()
+    policies = {"keep": Policy.from_dict(dict.fromkeys(tagged, "device"))}
+    policies |= {name: load_preset(name).policy(tagged) for name in ("qkv_offload", "minimal_offloaded")}
+    traced = []
+    real = replay._needed
+    monkeypatch.setattr(replay, "_needed", lambda m, g, policy: traced.append(policy) or real(m, g, policy))
+    for group, names in cases.items():
+        tensors = replay.record_names(layers, groups[group])
+        for name in names:
+            policy = policies[name]
+            traced.clear()
+            batched = replay.backward_reads(layers, groups[group], policy, tensors)
+            alone = sum(t == LAYER_INPUT or policy.placement(t) == "remat" for t in tensors)
+            assert len(traced) == 1 + alone, (group, name)
+            single = {t: replay.read_by_backward(layers, groups[group], policy, t) for t in tensors}
+            assert batched == single, (group, name)
+            unread = {"mlpwo"} | ({"moe_mlpwo", "mla_q", "mla_kv"} if group == "moe" else set())
+            assert {t for t, read in single.items() if not read} >= unread, (group, name)
 
 
 def test_the_train_states_write_backs_are_not_taken_for_residuals_of_their_size():

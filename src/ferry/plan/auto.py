@@ -49,7 +49,7 @@ from ferry.plan.auto_search import (
 )
 from ferry.plan.memory_plan import MemoryPlan
 from ferry.plan.planner import for_target
-from ferry.plan.replay import LayerGroupTrace, read_by_backward, recompute_flops, record_names, total_dot_flops
+from ferry.plan.replay import LayerGroupTrace, backward_reads, recompute_flops, record_names, total_dot_flops
 from ferry.precision import cast_floating
 from ferry.run.config import FerryConfig
 from ferry.schedule import model_schedule
@@ -126,7 +126,7 @@ def _tensor_costs(config: FerryConfig, target: Target, mesh: Any) -> tuple[dict[
         per_tag = recompute_flops(model, trace, record_names(model, trace))
         # a tag the backward pass never reads with the other tags on device, the baseline every
         # prediction starts from, frees nothing there (`mlpwo`; MLA's `mla_q` while `query_proj` is kept)
-        read = {name: read_by_backward(model, trace, keep, name) for name in per_tag} | {LAYER_INPUT: True}
+        read = backward_reads(model, trace, keep, per_tag) | {LAYER_INPUT: True}
         layer_bytes: dict[str, int] = {}
         for residual in group.residuals:  # a ring step of expert parallelism tags its own copy
             size = residual.bytes_per_device if read[residual.name] else 0

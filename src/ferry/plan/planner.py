@@ -18,11 +18,11 @@ from jax.sharding import AxisType, Mesh
 
 from ferry.models.registry import abstract_model
 from ferry.nn.kernels.choice import attention_platform
-from ferry.offload import Policy
+from ferry.offload import LAYER_INPUT, Policy
 from ferry.plan import verify  # verify.verify_program, looked up when called (tests wrap it)
 from ferry.plan.estimate import collective_traffic
 from ferry.plan.memory_plan import MemoryPlan, PlanError
-from ferry.plan.replay import LayerGroupTrace, read_by_backward
+from ferry.plan.replay import LayerGroupTrace, backward_reads
 from ferry.plan.transfers import TransferSummary, time_transfers
 from ferry.run.config import FerryConfig
 from ferry.schedule import TransferSchedule, model_schedule
@@ -332,7 +332,7 @@ def layer_group_traces(config: FerryConfig, model_config: Any) -> dict[str, Laye
 
 class BackwardReads:
     """Does the backward pass of a group's layer read a tensor `policy` offloads? Asked by the
-    verifier only for copies missing from a program (a trace of one layer each, cached)."""
+    verifier only for copies missing from a program (one trace of a layer per group, cached)."""
 
     def __init__(self, config: FerryConfig, model_config: Any, policy: Policy):
         self.model = abstract_model(model_config)
@@ -341,6 +341,8 @@ class BackwardReads:
         self.answers: dict[tuple[str, str], bool] = {}
 
     def __call__(self, group: str, tensor: str) -> bool:
-        if (group, tensor) not in self.answers:
-            self.answers[(group, tensor)] = read_by_backward(self.model, self.groups[group], self.policy, tensor)
+        if (group, tensor) not in self.answers:  # the first question of a group asks of all it offloads, in one trace
+            offloaded = {name for name, place in self.policy.pairs if place == "offload" and name != LAYER_INPUT}
+            reads = backward_reads(self.model, self.groups[group], self.policy, offloaded | {tensor})
+            self.answers |= {(group, name): read for name, read in reads.items() if (group, name) not in self.answers}
         return self.answers[(group, tensor)]

@@ -11,7 +11,8 @@ needed value unneeded: "never read by the backward pass" is a proof, not a guess
 
 import dataclasses
 import math
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import equinox as eqx
@@ -22,7 +23,7 @@ from jax.extend import core as jex
 from jax.sharding import Mesh
 
 from ferry.expected_work import expected_fraction
-from ferry.offload import LAYER_INPUT, Policy, offloaded, record_tags, tagged_names
+from ferry.offload import COPY_SCOPE, LAYER_INPUT, Policy, offloaded, record_tags, tagged_names
 from ferry.precision import cast_floating
 
 _MATMULS = ("dot_general", "ragged_dot")
@@ -64,6 +65,7 @@ class _Needed:
     """The equations the gradients need, counted with the trip counts of the loops around them."""
 
     host_copies: int = 0  # device_puts to pinned host
+    host_scopes: list[str] = dataclasses.field(default_factory=list)  # each one's whole name stack
     matmuls: float = 0.0  # every execution the program holds
     matmul_flops: float = 0.0  # of work marked as run in part (`ferry.expected_work`), what runs
 
@@ -111,9 +113,12 @@ def total_dot_flops(jaxpr: Any, share: float = 1.0) -> float:
     return total
 
 
-def _walk(jaxpr: Any, needed_out: list[bool], found: _Needed, times: float, share: float = 1.0) -> list[bool]:
+def _walk(
+    jaxpr: Any, needed_out: list[bool], found: _Needed, times: float, share: float = 1.0, scope: str = ""
+) -> list[bool]:
     """Mark what `jaxpr` needs to produce the outputs flagged in `needed_out`; returns which of
-    its inputs are needed. `times`: how often it runs; `share`: of its marked work, what runs."""
+    its inputs are needed. `times`: how often it runs; `share`: of its marked work, what runs;
+    `scope`: the name stack around it (an inner jaxpr's equations name theirs relative to it)."""
     needed = {v for v, n in zip(jaxpr.outvars, needed_out, strict=True) if n and isinstance(v, jex.Var)}
     for eqn in reversed(jaxpr.eqns):
         outs = [isinstance(o, jex.Var) and not isinstance(o, jex.DropVar) and o in needed for o in eqn.outvars]
@@ -122,13 +127,16 @@ def _walk(jaxpr: Any, needed_out: list[bool], found: _Needed, times: float, shar
         name = eqn.primitive.name
         inner = _inner_jaxprs(eqn)
         runs = share * _share(eqn)
+        where = f"{scope}|{eqn.source_info.name_stack}"
         ins = [True] * len(eqn.invars)
         if name in _ONE_TO_ONE and len(eqn.invars) == len(eqn.outvars):
             ins = outs
             if name == "device_put":
-                found.host_copies += sum(
+                copies = sum(
                     1 for out, to in zip(outs, eqn.params.get("devices", ()), strict=False) if out and _is_host(to)
                 )
+                found.host_copies += copies
+                found.host_scopes += [where] * copies
         elif name in _MATMULS:
             found.matmuls += times
             found.matmul_flops += times * runs * dot_flops(eqn)
@@ -140,10 +148,10 @@ def _walk(jaxpr: Any, needed_out: list[bool], found: _Needed, times: float, shar
             and len(inner[0].invars) == len(eqn.invars)
             and len(inner[0].outvars) == len(eqn.outvars)
         ):
-            ins = _walk(inner[0], outs, found, times, runs)
+            ins = _walk(inner[0], outs, found, times, runs, where)
         else:
             for sub in inner:
-                _walk(sub, [True] * len(sub.outvars), found, times * _loop_trips(eqn), runs)
+                _walk(sub, [True] * len(sub.outvars), found, times * _loop_trips(eqn), runs, where)
         needed.update(v for v, n in zip(eqn.invars, ins, strict=True) if n and isinstance(v, jex.Var))
     return [isinstance(v, jex.Var) and v in needed for v in jaxpr.invars]
 
@@ -172,17 +180,43 @@ def _needed(model: Any, group: LayerGroupTrace, policy: Policy) -> _Needed:
     return found
 
 
+def _alone(policy: Policy, tensors: Iterable[str]) -> Policy:
+    """`policy` with only `tensors` offloaded: what else it offloads stays on device, and the layer
+    input, unless it is one of them or the policy places it, is kept on device."""
+    placements = {name: ("device" if p == "offload" else p) for name, p in dict(policy.placements).items()}
+    placements |= dict.fromkeys(tensors, "offload")
+    placements.setdefault(LAYER_INPUT, "device")
+    return Policy.from_dict(placements)
+
+
 def read_by_backward(model: Any, group: LayerGroupTrace, policy: Policy, tensor: str) -> bool:
     """Does the backward pass of a `group` layer read `tensor` when `policy` offloads it? Traced
     with only `tensor` offloaded (everything else placed as `policy` places it, on device where
     it offloads): its host copy is needed exactly when the backward pass reads the value."""
-    placements = {name: ("device" if p == "offload" else p) for name, p in dict(policy.placements).items()}
-    placements |= {tensor: "offload"}
-    if tensor != LAYER_INPUT:
-        placements.setdefault(LAYER_INPUT, "device")
-        if placements[LAYER_INPUT] == "offload":
-            placements[LAYER_INPUT] = "device"
-    return _needed(model, group, Policy.from_dict(placements)).host_copies > 0
+    return _needed(model, group, _alone(policy, [tensor])).host_copies > 0
+
+
+# the tensor a host copy moves, from its name stack (`ferry.offload.copy_scope`, inside transforms)
+_TO_HOST = re.compile(rf"{COPY_SCOPE}/[^/()|]+/([^/()|]+)/to_host")
+
+
+def backward_reads(model: Any, group: LayerGroupTrace, policy: Policy, tensors: Iterable[str]) -> dict[str, bool]:
+    """`read_by_backward` for each of `tensors`, with one trace for all of them where it can: the
+    tensors `policy` keeps or offloads (not the layer input, nor one it rematerialises, whose
+    placement changes what the others' replay reads) are offloaded together, and each one's host
+    copies are told apart by their copy scope. Moving a saved value between device and host
+    changes no dependence, so each answer is the one tensor's own trace's. Where a needed host
+    copy names no such tensor, each is traced alone."""
+    tensors = sorted(set(tensors))
+    together = [t for t in tensors if t != LAYER_INPUT and policy.placement(t) != "remat"]
+    reads: dict[str, bool] = {}
+    if len(together) > 1:
+        found = _needed(model, group, _alone(policy, together))
+        moved = [_TO_HOST.search(scope) for scope in found.host_scopes]
+        named = {m.group(1) for m in moved if m is not None}
+        if all(m is not None for m in moved) and named <= set(together):
+            reads = {t: t in named for t in together}
+    return reads | {t: read_by_backward(model, group, policy, t) for t in tensors if t not in reads}
 
 
 def record_names(model: Any, group: LayerGroupTrace) -> frozenset[str]:
