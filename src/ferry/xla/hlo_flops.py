@@ -29,6 +29,7 @@ _WINDOW = re.compile(r"window=\{(?P<window>[^}]*)\}")
 _GEMM_DIMS = re.compile(r'"lhs_contracting_dimensions":\[(?P<dims>[^\]]*)\]')
 _COST_ESTIMATE_FLOPS = re.compile(r'"cost_estimate":\{"flops":"(?P<flops>\d+)"')
 _GROUPED_GEMM = "grouped_gemm_backend_config"
+_PRODUCT_OPS = (" dot(", " ragged-dot(", " convolution(", " custom-call(")  # the only ops with FLOPs of their own
 
 
 class FlopModule(HloModule):
@@ -44,6 +45,8 @@ class FlopModule(HloModule):
         """2 x output elements x contracted size of a `dot`, cuBLAS GEMM or `ragged-dot` line; a
         TPU `convolution` by `convolution_flops`; a kernel (custom call) by the FLOPs its backend
         config estimates (Pallas kernels: `cost_estimate`), a grouped GEMM by `grouped_flops`."""
+        if not any(op in line for op in _PRODUCT_OPS):  # most lines: no regex for them
+            return 0.0
         definition = DEFINITION.match(line)
         if definition is None:
             return 0.0
