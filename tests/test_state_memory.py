@@ -24,13 +24,13 @@ from ferry.train.optimizer import learning_rate_schedule, make_optimizer, stream
 from ferry.train.state_layout import StateLayout
 from ferry.train.state_memory import (
     StatePlacement,
-    StreamedUpdate,
     float_params,
     state_map,
     state_on_host,
     with_memory_kinds,
 )
 from ferry.train.step import LossSettings, train_step_body
+from ferry.train.streamed_update import StreamedUpdate
 from ferry.train.train_state import init_state
 from tests.conftest import (
     compose_config,

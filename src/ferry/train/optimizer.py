@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import optax
 
 from ferry.train.config import TrainConfig
-from ferry.train.state_memory import StatePlacement, StreamedUpdate, float_params, state_map
+from ferry.train.state_memory import StatePlacement, float_params, state_map
+from ferry.train.streamed_update import StreamedUpdate
 
 
 def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:

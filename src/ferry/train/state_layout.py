@@ -20,11 +20,11 @@ from ferry.train.optimizer import make_optimizer, streamed_update
 from ferry.train.state_memory import (
     DEVICE_STATE,
     StatePlacement,
-    StreamedUpdate,
     state_map,
     state_on_host,
     with_memory_kinds,
 )
+from ferry.train.streamed_update import StreamedUpdate
 from ferry.train.train_state import TrainState, init_state
 
 

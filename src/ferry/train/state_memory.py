@@ -1,41 +1,35 @@
-"""The train state in explicit memory kinds.
+"""The train state in explicit memory kinds: where each leaf lives, and in which pieces the
+update streams it.
 
 `offload.optimizer=host` keeps AdamW's moments, and `offload.params=host` the float32 master
 weights, in pinned host memory (MaxText's `optimizer_memory_host_offload` and
 `parameter_memory_host_offload`). The forward and backward passes never read either: they read
-a compute-dtype copy of the weights that stays in HBM. The update streams the host-resident
-state through HBM one unit at a time (a loop over each layer stack's layer axis; an unstacked
-leaf with more state than a layer, such as an embedding, in blocks of rows; the rest as one
-unit): bring layer k's master weights and moments to the device, apply AdamW, write them back
-into the host arrays they came from, refresh layer k's compute copy. HBM holds about one layer's
-state at once, and pinned host nothing but the state.
+a compute-dtype copy of the weights that stays in HBM. The update (`ferry.train.streamed_update`)
+streams the host-resident state through HBM a piece at a time (`stream_pieces`: a loop over each
+layer stack's layers, a large leaf in blocks of rows; the rest as one piece): bring layer k's
+master weights and moments to the device, apply AdamW, write them back into the host arrays they
+came from, refresh layer k's compute copy. HBM holds at most a layer's state and never more than
+`offload.stream_mib`, and pinned host nothing but the state.
 
 Which leaves move: the matrices (a layer's weights with two or more axes). Vectors (norm scales,
 router biases) are a rounding error of the state and stay in HBM, where `after_step` may update
 them (a host leaf `after_step` changed would be computed on in host memory, which the GPU cannot
 do; that is refused when the step is traced).
-
-Everything here is elementwise per parameter except gradient clipping, which needs the global
-norm and so runs first, on the whole gradient in HBM; the result is the same bits as the
-device-resident update (tested on CPU).
 """
 
 import dataclasses
 import math
-from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from ferry.config_schema import ConfigError
 from ferry.nn.stack import LayerStack
-from ferry.offload import has_memory_kinds
 from ferry.schedule import StateCopy
-from ferry.sharding import context_mesh
 
 DEVICE, HOST = "device", "host"
 PLACES = (DEVICE, HOST)
@@ -127,10 +121,6 @@ def state_map(model: Any, placement: StatePlacement) -> StateMap:
     return StateMap(units, host_params, host_moments, names, (1, *(stack.num_layers for stack in stacks)))
 
 
-def _moments(adam_state: Any) -> tuple[Any, Any]:
-    return optax.tree_utils.tree_get(adam_state, "mu"), optax.tree_utils.tree_get(adam_state, "nu")
-
-
 def on_host(x: Any) -> bool:
     """Is the (traced) array typed as living in host memory?"""
     return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
@@ -152,117 +142,6 @@ def state_on_host(state_arrays: Any, smap: StateMap) -> Any:
 def with_memory_kinds(shardings: Any, host: Any) -> Any:
     """`shardings` with the leaves marked in `host` moved to pinned host memory."""
     return jax.tree.map(lambda sh, h: sh.with_memory_kind("pinned_host") if h else sh, shardings, host)
-
-
-def _put(x: jax.Array, kind: str, sharding: NamedSharding) -> jax.Array:
-    """`x` (a layer's slice when `sharding` is its stack's) to `kind` memory in its spec, on the
-    context mesh."""
-    mesh = context_mesh()
-    spec = sharding.spec
-    if x.ndim < len(spec):  # a slice of a stack: the spec of its per-layer axes
-        spec = PartitionSpec(*spec[len(spec) - x.ndim :])
-    if not isinstance(mesh, Mesh) or not has_memory_kinds(mesh):  # compile-only devices: the memory space instead
-        return jax.device_put(x, jax.memory.Space.Host if kind == "pinned_host" else jax.memory.Space.Device)
-    return jax.device_put(x, NamedSharding(mesh, spec, memory_kind=kind))
-
-
-def _clip(g: jax.Array, g_norm: jax.Array, max_norm: float) -> jax.Array:
-    """`optax.clip_by_global_norm` on one slice, given the whole gradient's norm (the same
-    expression, so the same bits)."""
-    return jax.lax.select(g_norm < max_norm, g, (g / g_norm.astype(g.dtype)) * max_norm)
-
-
-@dataclasses.dataclass(frozen=True)
-class StreamedUpdate:
-    """AdamW applied unit by unit to a state part of which lives on host.
-
-    `adamw` is the elementwise part of the optimizer (its weight-decay mask a fixed tree, so a
-    layer's slice is decayed as its whole stack is); clipping by the global norm runs before it on
-    each slice, with the norm of the whole gradient. Returns the new
-    master parameters, the new AdamW state and the compute copies of the host-resident weights,
-    each leaf already selected by `apply` (a step with a non-finite loss changes nothing)."""
-
-    max_norm: float  # global-norm gradient clipping, applied per slice with the whole gradient's norm
-    adamw: optax.GradientTransformation
-    smap: StateMap
-    compute_dtype: Any
-    param_sharding: Any  # NamedSharding per master leaf (for the host <-> device copies' specs)
-    stream_bytes: float  # the most moved state per device in HBM at once (`StatePlacement.stream_mib`)
-    moves: bool = True  # False: the same arithmetic with every leaf left where it is (a reference)
-
-    def __call__(self, params: Any, adam_state: Any, grads: Any, apply: jax.Array) -> tuple[Any, Any, Any]:
-        treedef = jax.tree.structure(params)
-        mu, nu = _moments(adam_state)
-        columns = [jax.tree.leaves(t) for t in (params, grads, mu, nu)]
-        shardings = jax.tree.leaves(self.param_sharding)
-        new = [[None] * len(columns[0]) for _ in range(4)]  # params, mu, nu, compute copies
-        g_norm = optax.tree.norm(grads)
-        host_params = self.smap.host_params
-        # compile-only GPU devices drop the inputs' memory kind (README): there the update collects
-        # new arrays, as a scan, since it cannot write host slices into device-space inputs
-        collect = self.moves and not all(map(_in_host_memory, _moved_inputs(columns, self.smap)))
-        whole, pieces = stream_pieces(self.smap, columns[0], shardings, self.stream_bytes)
-        for piece in [StreamPiece(tuple(whole), 0), *pieces]:  # the whole part first: it yields the counts
-            index = list(piece.leaves)
-            inputs = [[column[i] for i in index] for column in columns]
-            update = self._unit_update(treedef, index, adam_state, apply, g_norm, [shardings[i] for i in index])
-            if piece.steps == 1 and not piece.layers:  # the whole part
-                outputs, new_state = update(inputs)
-            else:
-                host = [host_params[i] for i in index]
-                outputs = _in_place(update, inputs, piece, self.compute_dtype, host, collect)
-            for column, values in zip(new, outputs, strict=True):
-                for i, value in zip(index, values, strict=True):
-                    column[i] = value
-        new_params, new_mu, new_nu, compute = (jax.tree.unflatten(treedef, column) for column in new)
-        compute = compute if any(self.smap.host_params) else None
-        return new_params, optax.tree_utils.tree_set(new_state, mu=new_mu, nu=new_nu), compute
-
-    def _unit_update(
-        self,
-        treedef: Any,
-        index: list[int],
-        adam_state: Any,
-        apply: jax.Array,
-        g_norm: jax.Array,
-        shardings: list[NamedSharding],
-    ) -> Callable[[list[list[jax.Array]]], tuple[list[list[Any]], Any]]:
-        """The update of one unit's leaves (for a stack: one layer's slices), the other leaves of
-        the tree standing in as empty arrays so optax sees the whole structure."""
-        count = treedef.num_leaves
-        host_p = [self.smap.host_params[i] for i in index]
-        host_m = [self.smap.host_moments[i] for i in index]
-
-        def whole(values: list[jax.Array]) -> Any:
-            leaves = [jnp.zeros((0,), jnp.float32)] * count
-            for i, value in zip(index, values, strict=True):
-                leaves[i] = value
-            return jax.tree.unflatten(treedef, leaves)
-
-        def update(inputs: list[list[jax.Array]]) -> tuple[list[list[Any]], Any]:
-            p, g, m, v = inputs
-            fetch = lambda xs, hs: [
-                _put(x, "device", sh) if h and self.moves else x for x, h, sh in zip(xs, hs, shardings, strict=True)
-            ]
-            p, m, v = fetch(p, host_p), fetch(m, host_m), fetch(v, host_m)
-            g = [_clip(x, g_norm, self.max_norm) for x in g]  # in the body: the bits of optax's fused clip
-            params, grads = whole(p), whole(g)
-            state = optax.tree_utils.tree_set(adam_state, mu=whole(m), nu=whole(v))
-            updates, new_state = self.adamw.update(grads, state, params)
-            new_p = [jax.tree.leaves(optax.apply_updates(params, updates))[i] for i in index]
-            new_mu, new_nu = ([jax.tree.leaves(t)[i] for i in index] for t in _moments(new_state))
-            keep = lambda new, old: jnp.where(apply, new, old)
-            new_p = [keep(a, b) for a, b in zip(new_p, p, strict=True)]
-            new_mu = [keep(a, b) for a, b in zip(new_mu, m, strict=True)]
-            new_nu = [keep(a, b) for a, b in zip(new_nu, v, strict=True)]
-            compute = [x.astype(self.compute_dtype) if h else None for x, h in zip(new_p, host_p, strict=True)]
-            back = lambda xs, hs: [
-                _put(x, "pinned_host", sh) if h and self.moves else x
-                for x, h, sh in zip(xs, hs, shardings, strict=True)
-            ]
-            return [back(new_p, host_p), back(new_mu, host_m), back(new_nu, host_m), compute], new_state
-
-        return update
 
 
 def _tile_rows(shape: tuple[int, ...], axis: int) -> int:
@@ -364,78 +243,11 @@ def stream_line(model: Any, placement: StatePlacement, param_sharding: Any) -> s
     )
 
 
-def _moved_inputs(columns: list[list[Any]], smap: StateMap) -> list[Any]:
-    """The inputs (of the params, grads, mu, nu columns) that the state map puts on host."""
-    params, _, mu, nu = columns
-    moved = [p for p, host in zip(params, smap.host_params, strict=True) if host]
-    return moved + [x for m, v, host in zip(mu, nu, smap.host_moments, strict=True) if host for x in (m, v)]
-
-
-def _in_host_memory(x: Any) -> bool:
-    return jax.typeof(x).memory_space == jax.memory.Space.Host
-
-
 def _devices_along(sharding: NamedSharding, axis: int) -> int:
     """How many devices split `axis` of arrays with this sharding."""
     entry = sharding.spec[axis] if len(sharding.spec) > axis else None
     names = entry if isinstance(entry, tuple) else (entry,)
     return math.prod(sharding.mesh.shape[name] for name in names if name is not None)
-
-
-def _in_place(
-    update: Callable[[list[list[jax.Array]]], tuple[list[list[Any]], Any]],
-    inputs: list[list[jax.Array]],
-    piece: StreamPiece,
-    compute_dtype: Any,
-    host_params: list[bool],
-    collect: bool = False,
-) -> list[list[Any]]:
-    """`update` applied to each step's slice of a piece's (params, grads, mu, nu) columns (a
-    layer of a stack, or a block of its rows, or a block of an unstacked leaf's rows), each
-    step's results written back into the arrays they came from: a loop carrying the arrays, where
-    a scan would collect new ones. The donated host-resident state is so updated where it lies; a
-    scan's outputs are new host buffers of the whole stack, copied into the donated ones after the
-    loop (on an H200, 21 host-to-host copies of 162 ms a step for 4 Llama 3.1 8B layers). Returns
-    the new params, mu, nu and compute copies (None where the master weights are in HBM).
-    `collect`: a scan collecting new arrays instead, for inputs that are not where the update
-    writes."""
-    if collect:
-        rest = 2 if piece.layers else 1  # the axes after the layer and row axes
-        split = lambda xs: [x.reshape(piece.steps, piece.rows(x.shape), *x.shape[rest:]) for x in xs]
-        outputs = jax.lax.scan(lambda _, xs: (None, update(xs)[0]), None, [split(xs) for xs in inputs])[1]
-        shapes = [x.shape for x in inputs[0]]
-        join = lambda ys: [None if y is None else y.reshape(shape) for y, shape in zip(ys, shapes, strict=True)]
-        return [join(ys) for ys in outputs]
-    params, grads, mu, nu = inputs
-    compute = [jnp.zeros(x.shape, compute_dtype) if host else None for x, host in zip(params, host_params, strict=True)]
-
-    def window(x: jax.Array, k: jax.Array) -> tuple[list[jax.Array], tuple[int, ...]]:
-        """Where step `k`'s slice of `x` starts, and its size (a stack's keeps its layer axis)."""
-        rows = piece.rows(x.shape)
-        zero = jnp.zeros((), k.dtype)
-        if not piece.layers:
-            return [k * rows] + [zero] * (x.ndim - 1), (rows, *x.shape[1:])
-        layer, block = k // piece.blocks, k % piece.blocks
-        return [layer, block * rows] + [zero] * (x.ndim - 2), (1, rows, *x.shape[2:])
-
-    def part(x: jax.Array, k: jax.Array) -> jax.Array:
-        starts, sizes = window(x, k)
-        y = jax.lax.dynamic_slice(x, starts, sizes)
-        return y[0] if piece.layers else y
-
-    def write(x: jax.Array, y: jax.Array, k: jax.Array) -> jax.Array:
-        starts, _ = window(x, k)
-        return jax.lax.dynamic_update_slice(x, y[None] if piece.layers else y, starts)
-
-    def step(k: jax.Array, carry: tuple[list[Any], ...]) -> tuple[list[Any], ...]:
-        take = lambda xs: [part(x, k) for x in xs]
-        new = update([take(carry[0]), take(grads), take(carry[1]), take(carry[2])])[0]
-        return tuple(
-            [x if y is None else write(x, y, k) for x, y in zip(xs, ys, strict=True)]
-            for xs, ys in zip(carry, new, strict=True)
-        )
-
-    return list(jax.lax.fori_loop(0, piece.steps, step, (params, mu, nu, compute)))
 
 
 def state_copies(model: Any, placement: StatePlacement, param_sharding: Any) -> tuple[StateCopy, ...]:

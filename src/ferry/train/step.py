@@ -16,7 +16,8 @@ from ferry.loss import DEFAULT_HEAD, LossHead
 from ferry.models.base import AbstractLanguageModel
 from ferry.offload import SAVE_ALL, Policy
 from ferry.precision import cast_floating
-from ferry.train.state_memory import StreamedUpdate, float_params, on_host
+from ferry.train.state_memory import float_params, on_host
+from ferry.train.streamed_update import StreamedUpdate
 from ferry.train.train_state import TrainState
 
 
