@@ -250,7 +250,7 @@ def pieces_of(model_name: str, placement: StatePlacement, shard_rows: bool = Fal
     shardings = jax.tree.leaves(tree_shardings(float_params(model), make_mesh(MeshConfig())))
     if shard_rows:
         shardings = [sh.update(spec=PartitionSpec("fsdp")) for sh in shardings]
-    return smap, leaves, stream_pieces(smap, leaves, shardings, placement.stream_mib * 2**20)
+    return smap, leaves, stream_pieces(smap, leaves, shardings, placement.stream_bytes)
 
 
 def test_an_embedding_with_more_state_than_a_layer_streams_in_blocks_of_rows():

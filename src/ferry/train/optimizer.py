@@ -57,5 +57,5 @@ def streamed_update(
     params = float_params(model)
     smap = state_map(model, placement)
     decayed = adamw(config, mask=_decay_mask(params))
-    dtype, stream_bytes = jnp.dtype(config.compute_dtype), placement.stream_mib * 2**20
-    return StreamedUpdate(config.grad_clip_norm, decayed, smap, dtype, param_sharding, stream_bytes)
+    dtype = jnp.dtype(config.compute_dtype)
+    return StreamedUpdate(config.grad_clip_norm, decayed, smap, dtype, param_sharding, placement.stream_bytes)

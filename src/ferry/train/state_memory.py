@@ -61,6 +61,11 @@ class StatePlacement:
         """Does any part of the state live on host (and the update stream it)?"""
         return HOST in (self.optimizer, self.params)
 
+    @property
+    def stream_bytes(self) -> float:
+        """`stream_mib` in bytes: the most moved state per device the update holds in HBM at once."""
+        return self.stream_mib * 2**20
+
     def describe(self) -> str:
         return f"optimizer moments on {self.optimizer}, master weights on {self.params}"
 
@@ -221,8 +226,8 @@ def stream_pieces(
             if group and sum(state_bytes(j) for j in [*group, i]) > budget:
                 pieces.append(piece(group, layers))
                 group = []
-            if blocks(i, 1) > 1:
-                pieces.append(piece([i], layers, blocks(i, 1)))
+            if (n := blocks(i, 1)) > 1:
+                pieces.append(piece([i], layers, n))
             else:
                 group.append(i)
         if group:
@@ -231,11 +236,15 @@ def stream_pieces(
     return whole, tuple(pieces)
 
 
+def model_pieces(model: Any, placement: StatePlacement, param_sharding: Any) -> tuple[StreamPiece, ...]:
+    """`stream_pieces`' loops for a model's state placed by `placement`."""
+    leaves, shardings = jax.tree.leaves(float_params(model)), jax.tree.leaves(param_sharding)
+    return stream_pieces(state_map(model, placement), leaves, shardings, placement.stream_bytes)[1]
+
+
 def stream_line(model: Any, placement: StatePlacement, param_sharding: Any) -> str:
     """How the update streams a host-resident state through HBM, for the start-up line."""
-    leaves = jax.tree.leaves(float_params(model))
-    stream_bytes = placement.stream_mib * 2**20
-    _, pieces = stream_pieces(state_map(model, placement), leaves, jax.tree.leaves(param_sharding), stream_bytes)
+    pieces = model_pieces(model, placement, param_sharding)
     most = max((piece.step_bytes for piece in pieces), default=0.0)
     return (
         f"streamed through HBM by the update in {len(pieces)} loop(s) of layers or blocks of rows, at most "
@@ -293,8 +302,7 @@ def state_writes(model: Any, placement: StatePlacement, param_sharding: Any) -> 
         jax.tree_util.keystr(path, simple=True, separator=".")
         for path, _ in jax.tree_util.tree_leaves_with_path(float_params(model))
     ]
-    leaves = jax.tree.leaves(float_params(model))
-    _, pieces = stream_pieces(smap, leaves, jax.tree.leaves(param_sharding), placement.stream_mib * 2**20)
+    pieces = model_pieces(model, placement, param_sharding)
     steps = {i: piece.steps for piece in pieces for i in piece.leaves}  # else updated whole: once
     writes = {}
     for i, (where, shard) in enumerate(zip(paths, _shard_bytes(model, param_sharding), strict=True)):
