@@ -1,6 +1,8 @@
 """The loss head's forward and backward on one chip: today's whole logits (`train.loss_head=logits`)
 beside the chunked head (`train.loss_head=chunked`, at each `--chunk-mib`, its weight gradient in
-a walk of its own or the hidden state's: `train.loss_weight_grad=late|early`), and a plain-JAX
+a walk of its own or the hidden state's: `train.loss_weight_grad=late|early`), the fused head
+(`train.loss_head=fused`, the loss and both gradients in one forward walk, at each `--chunk-mib`),
+and a plain-JAX
 floor (the head's three matmuls alone, no softmax), in one run. The v5e shape of issue 46 by default:
 batch 8 x seq 2048 tokens, dim 2048, vocabulary 32,768, bfloat16.
 
@@ -24,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from ferry.chunked_head import OutputHead, vocab_chunks
+from ferry.fused_head import sequence_chunks
 from ferry.loss import LossHead
 
 V5E_SHAPE = {"batch": 8, "seq": 2048, "dim": 2048, "vocab": 32768}
@@ -43,10 +46,10 @@ def head_inputs(batch: int, seq: int, dim: int, vocab: int, dtype=jnp.bfloat16) 
 def head_step(head: LossHead) -> Callable:
     """The head's loss and its gradients (hidden, master weight), compiled as one program. The
     weight is cast to the compute dtype as a train step casts it (`ferry.train.step.compute_copy`):
-    whole for the whole-logits head, a chunk at a time by the chunked head."""
+    whole for the whole-logits head, a chunk at a time by the chunked head, once inside the fused."""
 
     def loss(hidden, weight, targets):
-        weight = weight if head.kind == "chunked" else weight.astype(hidden.dtype)
+        weight = weight.astype(hidden.dtype) if head.kind == "logits" else weight
         return head(hidden, OutputHead(weight, ("embed", "vocab")), targets)[0]
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
@@ -93,18 +96,22 @@ def measure(shape: dict[str, int], chunk_mibs: Sequence[float], repeats: int) ->
     heads = [("logits", LossHead("logits"))] + [
         (f"chunked {c:g} MiB {walk}", LossHead("chunked", c, walk)) for c in chunk_mibs for walk in ("late", "early")
     ]
+    heads += [(f"fused {c:g} MiB", LossHead("fused", c)) for c in chunk_mibs]
     for name, head in heads:
         step = head_step(head).lower(*args).compile()  # compiled once: timed and read
         chunked = head.kind == "chunked"
         row = {
             "head": name,
             "kind": head.kind,
-            "chunk_mib": head.chunk_mib if chunked else None,
+            "chunk_mib": None if head.kind == "logits" else head.chunk_mib,
             "weight_grad": head.weight_grad if chunked else None,
         }
         if chunked:
             chunks = vocab_chunks(tokens, shape["vocab"], 1, head.budget_bytes)
             row |= {"chunks": chunks.count, "chunk_columns": chunks.size}
+        elif head.kind == "fused":
+            positions = sequence_chunks(shape["batch"], shape["seq"], shape["vocab"], head.budget_bytes)
+            row |= {"chunks": positions.count, "chunk_positions": positions.size}
         row |= {"ms": median_ms(step, args, repeats), "temp_bytes": temp_bytes(step)}
         rows.append(row)
     floor = median_ms(matmul_floor(), args, repeats)
@@ -131,7 +138,8 @@ def table(result: dict) -> str:
         f"{'head':<26} {'chunks':>12} {'ms':>9} {'vs logits':>10} {'vs floor':>9} {'temporaries':>12}",
     ]
     for row in result["heads"]:
-        chunks = f"{row['chunks']} x {row['chunk_columns']}" if "chunks" in row else "whole"
+        size = row.get("chunk_columns", row.get("chunk_positions"))  # vocabulary columns, or sequence positions
+        chunks = f"{row['chunks']} x {size}" if "chunks" in row else "whole"
         temps = "-" if row["temp_bytes"] is None else f"{row['temp_bytes'] / 2**20:,.0f} MiB"
         lines.append(
             f"{row['head']:<26} {chunks:>12} {row['ms']:>9.2f} {row['vs_logits']:>9.3f}x "
@@ -142,7 +150,8 @@ def table(result: dict) -> str:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--chunk-mib", default=",".join(f"{c:g}" for c in CHUNK_MIB), help="chunked heads to time")
+    chunk_mibs = ",".join(f"{c:g}" for c in CHUNK_MIB)
+    parser.add_argument("--chunk-mib", default=chunk_mibs, help="chunked and fused heads to time")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     for key, value in V5E_SHAPE.items():

@@ -184,8 +184,8 @@ def test_deepseek_main_and_mtp_losses_are_the_same():
 
 
 def test_bad_loss_head_settings_are_refused():
-    with pytest.raises(ConfigError, match="train.loss_head is 'fused'; use one of chunked, logits"):
-        TrainConfig(loss_head="fused")
+    with pytest.raises(ConfigError, match="train.loss_head is 'whole'; use one of chunked, fused, logits"):
+        TrainConfig(loss_head="whole")
     with pytest.raises(ConfigError, match=r"train.loss_chunk_mib=0.0 must be positive \(MiB of logits per chunk\)"):
         TrainConfig(loss_chunk_mib=0.0)
     with pytest.raises(ConfigError, match="train.loss_weight_grad is 'never'; use one of late, early"):
@@ -254,8 +254,9 @@ def test_the_tpu_benchmark_runs_on_cpu_at_a_tiny_shape(tmp_path):
     assert json.loads(out.read_text()) == result
     heads = result["heads"]
     names = ["logits"] + [f"chunked {c} MiB {walk}" for c in ("0.0625", "1") for walk in ("late", "early")]
-    assert [h["head"] for h in heads] == names
-    assert [h.get("chunks") for h in heads] == [None, 8, 8, 1, 1]  # 128 tokens: 128 columns fit 64 KiB
+    assert [h["head"] for h in heads] == names + ["fused 0.0625 MiB", "fused 1 MiB"]
+    # 128 tokens: 128 columns fit 64 KiB; 2 rows x 8 positions of 1,024 columns do too
+    assert [h.get("chunks") for h in heads] == [None, 8, 8, 1, 1, 8, 1]
     assert heads[0]["vs_logits"] == 1.0 and all(h["ms"] > 0 and h["vs_floor"] > 0 for h in heads)
 
 

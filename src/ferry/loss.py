@@ -11,8 +11,10 @@ from jaxtyping import Array, Bool, Float, Int
 
 from ferry.chunked_head import OutputHead, chunks_under_mesh, logsumexp_and_target_logit
 from ferry.config_schema import ConfigError
+from ferry.fused_head import chunks_under_mesh as sequence_chunks_under_mesh
+from ferry.fused_head import fused_loss
 
-LOSS_HEADS = ("chunked", "logits")
+LOSS_HEADS = ("chunked", "fused", "logits")
 WEIGHT_GRADS = ("late", "early")
 MIB = 1 << 20
 
@@ -50,7 +52,9 @@ class LossHead:
     time, forward and backward, each chunk's float32 logits within `chunk_mib` MiB per device
     (`ferry.chunked_head`); `weight_grad` says whether the head's weight gradient gets a backward
     walk of its own (`late`: scheduled after the layers' backward, one more logits-sized matmul)
-    or shares the hidden state's (`early`). `logits` makes them whole, as the model's `__call__`
+    or shares the hidden state's (`early`). `fused` makes the loss and both gradients in one walk
+    of the forward pass, a chunk of the sequence at a time within `chunk_mib` (`ferry.fused_head`):
+    the whole logits' three matmuls, none of their memory. `logits` makes them whole, as the model's `__call__`
     returns them, and takes today's cross-entropy of them (`next_token_loss`): the reference, and
     what the chunked head must equal."""
 
@@ -82,6 +86,8 @@ class LossHead:
         cross-entropy), with the logits made as `kind` says."""
         if self.kind == "logits":
             return next_token_loss(whole_logits(hidden, head), targets, z_loss_weight, weights)
+        if self.kind == "fused":
+            return fused_loss(hidden, head, targets, self.budget_bytes, z_loss_weight, weights)
         logsumexp, target_logit = logsumexp_and_target_logit(hidden, head, targets, self.budget_bytes, self.weight_grad)
         mean = jnp.mean if weights is None else lambda x: _weighted_mean(x, weights)
         cross_entropy = mean(logsumexp - target_logit)
@@ -96,6 +102,14 @@ class LossHead:
             return (
                 f"loss head: logits (train.loss_head=logits): the whole {batch} x {seq} x {vocab:,} logits "
                 "in float32, and their gradient"
+            )
+        if self.kind == "fused":
+            positions = sequence_chunks_under_mesh(batch, seq, vocab, self.budget_bytes, mesh)
+            count = positions.count
+            return (
+                f"loss head: fused (train.loss_head=fused): the loss and both gradients in one walk of the forward "
+                f"pass, {count} chunk{'s' if count > 1 else ''} of {positions.size:,} of the {seq:,} "
+                f"positions, within train.loss_chunk_mib={self.chunk_mib:g} MiB of float32 logits per chunk"
             )
         chunks = chunks_under_mesh(batch, seq, vocab, self.budget_bytes, mesh)
         return (

@@ -31,8 +31,10 @@ class TrainConfig:
     adam_eps: float = 1e-8
     grad_clip_norm: float = 1.0
     z_loss_weight: float = 0.0
-    loss_head: str = "chunked"  # chunked: the logits are never whole (a vocabulary chunk at a time); logits: whole
-    loss_chunk_mib: float = 256.0  # loss_head=chunked: float32 logits per chunk and device, in MiB
+    # chunked: the logits are never whole (a vocabulary chunk at a time); fused: never whole either, the loss
+    # and both gradients in one walk of the forward pass (a sequence chunk at a time); logits: whole
+    loss_head: str = "chunked"
+    loss_chunk_mib: float = 256.0  # loss_head=chunked or fused: float32 logits per chunk and device, in MiB
     # loss_head=chunked: the head's weight gradient in a backward walk of its own, after the layers'
     # (late: less HBM, one more logits matmul) or with the hidden state's (early)
     loss_weight_grad: str = "late"

@@ -38,12 +38,13 @@ class LossSettings:
 
 
 def compute_copy(model: AbstractLanguageModel, dtype: Any, head: LossHead) -> AbstractLanguageModel:
-    """The model in the compute dtype, but for the chunked head's own weight: kept as stored
-    (float32), which the head casts a chunk at a time, so no compute-dtype copy of the whole head
-    is held (`ferry.chunked_head`). A head tied to the embedding table is cast with the rest: the
+    """The model in the compute dtype, but for the chunked or fused head's own weight: kept as
+    stored (float32), which the chunked head casts a chunk at a time, so no compute-dtype copy of
+    the whole head is held (`ferry.chunked_head`), and the fused head sums its gradient over
+    chunks in float32 (`ferry.fused_head`). A head tied to the embedding table is cast with the rest: the
     embedding's gather reads it too."""
     compute_model = cast_floating(model, dtype)
-    if head.kind != "chunked" or model.output_head().tied:
+    if head.kind == "logits" or model.output_head().tied:
         return compute_model
     return eqx.tree_at(lambda m: m.output_head().weight, compute_model, model.output_head().weight)
 
