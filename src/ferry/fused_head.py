@@ -150,7 +150,8 @@ def _forward(hidden: Array, weight: Array, targets: Array, share: Array, walk: _
 
         rows, row_targets = positions(hidden), positions(targets)
         row_share = jnp.where(owned, positions(share), 0.0)
-        logits = jnp.einsum(f"bsd,{subscripts}->bsv", rows, compute_weight, preferred_element_type=jnp.float32)
+        # in the compute dtype, then float32, as the whole logits are (half the bytes of float32 out of the MXU)
+        logits = jnp.einsum(f"bsd,{subscripts}->bsv", rows, compute_weight).astype(jnp.float32)
         logits = constrain(logits, ("batch", None, "vocab"))
         logsumexp = jax.nn.logsumexp(logits, axis=-1)
         hit = row_targets[..., None] == columns
@@ -161,8 +162,8 @@ def _forward(hidden: Array, weight: Array, targets: Array, share: Array, walk: _
         scale = row_share * (1.0 + 2.0 * z * logsumexp)
         d_logits = scale[..., None] * jnp.exp(logits - logsumexp[..., None]) - jnp.where(hit, row_share[..., None], 0.0)
         d_logits = d_logits.astype(hidden.dtype)  # the compute dtype, as autodiff of the whole logits has it
-        d_rows = jnp.einsum(f"bsv,{subscripts}->bsd", d_logits, compute_weight, preferred_element_type=jnp.float32)
-        d_rows = jnp.where(owned[None, :, None], d_rows.astype(hidden.dtype), positions(d_hidden))
+        d_rows = jnp.einsum(f"bsv,{subscripts}->bsd", d_logits, compute_weight)
+        d_rows = jnp.where(owned[None, :, None], d_rows, positions(d_hidden))
         d_hidden = constrain(jax.lax.dynamic_update_slice_in_dim(d_hidden, d_rows, start, 1))
         d_chunk = jnp.einsum(f"bsd,bsv->{subscripts}", rows, d_logits, preferred_element_type=jnp.float32)
         return (sums, d_hidden, walk.pin(d_weight + d_chunk)), None
