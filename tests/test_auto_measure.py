@@ -15,26 +15,32 @@ import yaml
 from rich.console import Console
 
 from ferry.config_schema import ConfigError, from_dict
-from ferry.plan import auto_measure, report
+from ferry.plan import auto, auto_measure, report
+from ferry.plan.auto import PEEL
 from ferry.plan.auto_measure import candidate_run, resolve_measure, subprocess_compiler, subprocess_measurer
 from ferry.plan.auto_search import MIN_GAIN
 from ferry.plan.measure import (
     MeasureError,
+    Measurement,
     StepTimer,
     accelerator_present,
     measure_in_subprocess,
     measure_train_step,
 )
+from ferry.plan.memory_plan import MemoryPlan
 from ferry.plan.planner import plan_memory
 from ferry.plan.report import run_plan, write_plan
+from ferry.plan.transfers import TransferSummary
 from ferry.run.config import load_config
 from ferry.run.policy_check import one_device_mesh
 from ferry.train.config import AutoMeasureConfig, OffloadConfig
+from ferry.xla.targets import TARGETS
 from tests.conftest import CONFIGS, compose_config, load_platform, load_preset, needs_cuda_plugin, run_launcher
 
 # llama_tiny at 256 tokens on an H200 (1 GiB of it): everything fits, so the search's candidates are
-# its all-on-device one and the two presets planned beside it, ranked by estimate in that order
-# (minimal_offloaded's copies are exposed under llama_tiny's microseconds of compute)
+# its all-on-device one, its peeled twin (where the plan measures), and the two presets planned
+# beside it, ranked by estimate in that order (minimal_offloaded's copies are exposed under
+# llama_tiny's microseconds of compute)
 PLANNED = (
     "model=llama_tiny",
     "offload=auto",
@@ -144,48 +150,122 @@ def measured_plan(fastest: int | None):
 
 @needs_cuda_plugin
 def test_auto_picks_the_fastest_measured_candidate_and_says_why_in_its_preset(tmp_path):
-    config, (plans, choices, measured), timed, output = measured_plan(2)
+    """Measuring, auto compiles the all-on-device program's peeled twin though its loop fits (1 of
+    llama_tiny's 2 layers out of the loop; unmeasured it does not: the test below), times it
+    beside the loop, and picks it where it runs fastest: the preset it writes trains peeled."""
+    config, (plans, choices, measured), timed, output = measured_plan(1)
     names = [f"auto_candidate_{c.number}" if c.source == "auto" else c.source for c in measured.candidates]
     # the search's best three, best first, compiled ahead all at once before any is timed
     assert timed == [f"compiled {name}" for name in names] + names and len(names) == config.offload.auto.candidates == 3
     assert "compiling 3 candidates ahead" in output and output.count("compiled the train step for 1 x TPU v5e") == 3
     estimates = [c.predicted_seconds for c in measured.candidates]
     assert estimates == sorted(estimates) or max(estimates) <= (1 + MIN_GAIN) * min(estimates)  # ties: the worst
-    first, _, third = measured.candidates
-    assert measured.pick == third and "the estimate ranked it 3 of 3" in measured.reason
+    first, twin, third = measured.candidates
+    assert (first.number, twin.number) == (1, 2) and dict(twin.values) == dict(first.values) | {PEEL: "1"}
+    assert third.source == "full_remat" and third.measurement.step_seconds == pytest.approx(5e-3)
+    assert measured.pick == twin and "the estimate ranked it 2 of 3" in measured.reason
     assert not first.measurement.fits and "of the device's" in first.measurement.reason
     assert first.measurement.step_seconds is None  # dropped untimed
     assert set(first.values.values()) == {"device"}  # the search's own pick (measuring off keeps it)
     placements = {c.name: c.placement for c in choices}
-    assert {name: placements[name] for name in third.values} == third.values != first.values
+    assert {name: placements[name] for name in twin.values} == twin.values != first.values
     why = "measured: the fastest measured step (1.00 ms"
-    assert all(c.reason.startswith(why) for c in choices if c.name in third.values)
-    assert plans[-1].policy == "auto" and plans[-1].device_bytes == third.predicted_bytes
+    assert all(c.reason.startswith(why) for c in choices if c.name in twin.values)
+    assert plans[-1].policy == "auto" and plans[-1].device_bytes == twin.predicted_bytes
     assert "candidates MEASURED on this machine" in output and "PICK" in output
-    written = yaml.safe_load(write_plan(plans, choices, tmp_path, measured=measured)[1].read_text())
+    written_path = write_plan(plans, choices, tmp_path, compose_config(*PLANNED), measured)[1]
+    written = yaml.safe_load(written_path.read_text())
     record = written["measured"]
-    assert record["pick"] == third.number and record["device"] == jax.devices()[0].device_kind
+    assert record["pick"] == twin.number and record["device"] == jax.devices()[0].device_kind
     assert [c["candidate"] for c in record["candidates"]] == [c.number for c in measured.candidates]
-    for entry, step in zip(record["candidates"], (None, 5e-3, 1e-3), strict=True):
+    assert record["candidates"][1]["off_device"] == {PEEL: "1"}
+    for entry, step in zip(record["candidates"], (None, 1e-3, 5e-3), strict=True):
         assert entry["predicted_step_s"] > 0 and entry["device_bytes"] > 0 and entry["reason"]
         assert entry["measured_step_s"] == (None if step is None else pytest.approx(step))
     preset = from_dict(OffloadConfig, written, "offload_auto.yaml")  # still a preset a run trains with
-    tensors = {k: v for k, v in third.values.items() if not k.startswith("offload.")}
-    assert {k: preset.tensors[k] for k in tensors} == tensors
-    assert (preset.optimizer, preset.params) == (third.values["offload.optimizer"], third.values["offload.params"])
+    tensors = {k: v for k, v in twin.values.items() if not k.startswith("offload.")}
+    assert {k: preset.tensors[k] for k in tensors} == tensors and PEEL not in preset.tensors
+    assert (preset.optimizer, preset.params) == (twin.values["offload.optimizer"], twin.values["offload.params"])
+    assert preset.peel == 1  # trains as it was timed
 
 
 @needs_cuda_plugin
 def test_with_measuring_off_auto_keeps_the_searchs_pick(tmp_path):
     """The same plan unmeasured keeps the search's pick, the first-ranked candidate (everything on
-    device, which measuring above dropped), and its preset records no measurement."""
+    device, which measuring above dropped), and its preset records no measurement. Its loop fits,
+    so it compiles no peeled twin: the estimate cannot tell the two apart."""
     _, (plans, choices, measured), timed, output = measured_plan(None)
     assert measured is None and timed == [] and "MEASURED" not in output
+    assert "offload.peel=1" not in output and "(all on device)" in output  # the candidate table: no twin
     placements = {c.name: c.placement for c in choices}
     assert placements.pop("mlpwo") == "remat"  # never read by the backward pass: no decision
     assert set(placements.values()) == {"device"}
     written = yaml.safe_load(write_plan(plans, choices, tmp_path)[1].read_text())
     assert "measured" not in written and "estimated" in write_plan(plans, choices, tmp_path)[1].read_text()
+
+
+def fake_compiler(config):
+    """`report.PlanCompiler` for `report._auto` with its compile faked (its `asked`: the policies
+    compiled): every program is 1 GFLOP and 2 bytes of temporaries, but a peeled one
+    (`offload.peel`), which is 1 byte and 0.1% more FLOPs, a hair slower by the estimate (a tie
+    within `MIN_GAIN`, which the worst estimate breaks)."""
+    from ferry.models.registry import abstract_model
+
+    tagged = abstract_model(config.model).tagged_names()
+    compiler = report.PlanCompiler(
+        config, TARGETS[config.target], load_platform("tpu"), tagged, Console(file=io.StringIO())
+    )
+    compiler.asked = []
+
+    def compile_at(policy, name, state, depths=None):
+        compiler.asked.append(policy)
+        return MemoryPlan(
+            target="v5e", mesh="one", policy=name, argument_bytes=1, output_bytes=0, alias_bytes=0,
+            temp_bytes=1 if policy.peel else 2, host_bytes=0, flops=1e9 * (1.001 if policy.peel else 1.0),
+            matmuls=1, capacity_bytes=2**40, host_capacity_bytes=None, compile_options=(), transfers=(),
+            transfer_summary=TransferSummary(0, 0, 0.0, 0.0, 0.0), compile_seconds=0.0, matmul_rate=1e12,
+        )  # fmt: skip
+
+    compiler.compile_at = compile_at
+    return compiler
+
+
+def test_measuring_auto_times_the_peeled_twin_beside_its_fitting_loop_beyond_the_count(monkeypatch):
+    """`report._auto` with `measure_one` compiles the all-on-device program's peeled twin though the
+    loop fits, and times it with its loop although `offload.auto.candidates=1` and the estimate
+    ranks it second; where the fake timer makes it faster it is the pick, with its peel. Without
+    `measure_one` (a deviceless plan) the loop fits and no twin is compiled. Nothing compiles."""
+    monkeypatch.setattr(report, "compile_only_mesh", lambda target, mesh: one_device_mesh(jax.devices()[0]))
+    traced = {}  # llama_tiny's costs, traced once (3 s) for the three times the two plans ask
+    costs = auto.tensor_costs
+    monkeypatch.setattr(auto, "tensor_costs", lambda *args: traced.get(0) or traced.setdefault(0, costs(*args)))
+    config = compose_config(
+        "model=llama_tiny", "offload=auto", "train.seq_len=64", "mode=plan", "target=v5e", "offload.auto.candidates=1"
+    )
+    timed = []
+
+    def measure_one(number, candidate):
+        timed.append(number)
+        return Measurement(True, "timed", step_seconds=0.9 if PEEL in candidate.values else 1.0)
+
+    compiler = fake_compiler(config)
+    plan, choices, tried, measured = report._auto(compiler, {}, [], measure_one)
+    assert [p.peel for p in compiler.asked[:2]] == [0, 1]  # the loop, then its twin
+    loop, twin = tried[:2]
+    assert dict(twin.values) == dict(loop.values) | {PEEL: "1"} and loop.fits and twin.fits
+    assert [number for number, _ in auto_measure.ranked_candidates(tried, 1)] == timed == [1, 2]  # beyond the count
+    assert measured.pick.number == 2 and "ranked it 2 of 2" in measured.reason
+    assert plan.temp_bytes == 1 and {c.name: c.placement for c in choices}[PEEL] == "1"
+    # a twin rides along with its loop only: where the loop is not timed, neither is it
+    faster = dataclasses.replace(loop, values={**loop.values, "mlpwi_0": "remat"})
+    faster = dataclasses.replace(faster, plan=dataclasses.replace(loop.plan, flops=0.5e9))
+    assert [n for n, _ in auto_measure.ranked_candidates([loop, twin, faster], 1)] == [3]
+    assert [n for n, _ in auto_measure.ranked_candidates([loop, twin, faster], 2)] == [3, 1, 2]
+
+    deviceless = fake_compiler(config)
+    plan, choices, tried, measured = report._auto(deviceless, {}, [], None)
+    assert measured is None and tried[0].fits and all(p.peel == 0 for p in deviceless.asked)
+    assert all(PEEL not in t.values for t in tried) and PEEL not in {c.name for c in choices}
 
 
 def test_the_measuring_process_times_a_run_on_this_machine_and_refuses_a_mesh_it_lacks():

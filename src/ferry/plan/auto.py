@@ -16,13 +16,18 @@ candidate left is predicted faster than the fastest compiled one that fits by mo
 of its step (closer is a tie the estimate cannot resolve), or `MAX_CHECKS` compiles are spent.
 Where nothing is predicted to fit, the candidate freeing the most HBM is compiled: the closest.
 
-Where the all-on-device program is over HBM as a loop and the run leaves `offload.peel` at 0, its
-twin with `offload.auto.peel` end layers of each stack out of the loop is compiled too (`PEEL`): XLA
-packs an unrolled stack's buffers otherwise than a loop's (on the v5e chip at batch 16, `minimal`
-is 16.1 GiB as a loop, over the chip, and 13.56 GiB peeled, 1.108x full_remat's speed). It is a
-candidate beside the search's, not one of its decisions: what peeling frees does not add to what
-the placements free (in llama_tiny's programs it frees HBM with every tensor kept and takes more
-with some rematerialised).
+Where the run leaves `offload.peel` at 0, the all-on-device program's twin with `offload.auto.peel`
+end layers of each stack out of the loop is compiled too (`PEEL`, `peel_choice`): where the loop is
+over HBM, and wherever the candidates will be timed on the chip (`measuring`), the loop fitting or
+not. XLA packs an unrolled stack's buffers otherwise than a loop's, and the chip runs it otherwise:
+on the v5e chip at batch 16, `minimal` is 16.1 GiB as a loop, over the chip, and 13.56 GiB peeled,
+1.108x full_remat's speed; at batch 8 (2026-12-07, the 386M Llama shape at seq 2048) the loop fits
+at 11.13 GiB and 53,397 tokens/s, and the twin is both smaller and faster, 9.89 GiB and 55,227
+tokens/s (1.100x full_remat). The estimate cannot tell the two apart (the same FLOPs, the same
+copies); only timing can, so a plan that does not time keeps the twin to where the loop does not
+fit. It is a candidate beside the search's, not one of its decisions: what peeling frees does not
+add to what the placements free (in llama_tiny's programs it frees HBM with every tensor kept and
+takes more with some rematerialised).
 """
 
 import dataclasses
@@ -284,14 +289,17 @@ def auto_plan(
     extra: tuple[Decision, ...] = (),
     compile_choice: Callable[[Policy, dict[str, str]], MemoryPlan] | None = None,
     known: Sequence[tuple[Policy, MemoryPlan]] = (),
+    measuring: bool = False,
 ) -> tuple[MemoryPlan, list[Choice], list[Tried]]:
     """The fastest-estimated candidate whose compiled step fits both memories with their headroom
     (see the module), its choices, and every candidate compiled on the way. `extra` decisions
     (not tensors) reach the compile through `compile_choice(policy, {decision: value})`; without
     them `compile_policy(policy, "auto")` compiles. `known`: presets this plan already compiled
     (with the run's state placement); they are candidates too, so auto is never slower than the
-    fastest of them that fits, and their programs calibrate its predictions. Where nothing fits:
-    the candidate closest to fitting."""
+    fastest of them that fits, and their programs calibrate its predictions. `measuring`: the
+    candidates will be timed on the chip (`ferry.plan.auto_measure`), so the peeled twin is
+    compiled even where the loop fits (see the module). Where nothing fits: the candidate closest
+    to fitting."""
     costs, forward = tensor_costs(config, target, mesh)
     micro_steps = config.train.micro_steps(config.mesh.data_parallel)
     decisions = tensor_decisions(costs, micro_steps) + list(extra)
@@ -308,7 +316,7 @@ def auto_plan(
     first = _all_device_plan(decisions, config, known) or compile_candidate(all_device)
     baseline = _baseline(first, config, target, forward, micro_steps)
     tried = _tried_known(baseline, decisions, first, known, config, target)
-    peel = None if fits_with_headroom(first) else peel_choice(config)
+    peel = peel_choice(config) if measuring or not fits_with_headroom(first) else None
     twins = [] if peel is None else [_peeled_twin(tried[0], peel, compile_candidate)]
     _search(baseline, decisions, target, first, tried, compile_candidate, twins)
     tried[1:1] = twins  # numbered after the all-on-device loop it is the twin of
@@ -354,6 +362,14 @@ def _peeled_twin(loop: Tried, peel: int, compile_candidate: Callable[..., Memory
     plan = compile_candidate(loop.predicted.values, peel)
     compiled = Prediction(loop.predicted.values, float(plan.device_bytes), float(plan.host_bytes), plan.estimate)
     return Tried(loop.values | {PEEL: str(peel)}, compiled, plan)
+
+
+def is_peeled_twin(candidate: Tried, loop: Tried) -> bool:
+    """Whether `candidate` is `loop` compiled with end layers of each stack out of its loop
+    (`_peeled_twin`)."""
+    values = dict(candidate.values)
+    peel = values.pop(PEEL, None)
+    return peel is not None and PEEL not in loop.values and values == dict(loop.values)
 
 
 def _tried_known(

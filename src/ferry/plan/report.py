@@ -226,7 +226,8 @@ def _auto(
     compile_ahead: Callable[[Sequence[tuple[int, Tried]]], list[str]] | None = None,
 ) -> tuple[MemoryPlan, list[Choice], list[Tried], MeasuredPick | None]:
     """offload=auto's plan, its choices and candidates; with `measure_one`, its best candidates
-    (compiled first by `compile_ahead`) timed and the fastest that fits picked."""
+    (compiled first by `compile_ahead`) timed and the fastest that fits picked, the all-on-device
+    program's peeled twin among them even where its loop fits (`auto_plan`'s `measuring`)."""
     config, target, console = compiler.config, compiler.target, compiler.console
     mesh = compile_only_mesh(target, config.mesh)
 
@@ -235,8 +236,9 @@ def _auto(
 
     extra = state_decisions(config, target, mesh)
     known = list(zip(policies.values(), plans, strict=True))
+    measuring = measure_one is not None  # the peeled twin is compiled to be timed, its loop fitting or not
     auto_result, choices, tried = auto_plan(
-        config, target, mesh, compiler.compile_policy, extra, compile_choice, known=known
+        config, target, mesh, compiler.compile_policy, extra, compile_choice, known, measuring
     )
     measured = None
     if measure_one is not None:

@@ -161,10 +161,14 @@ class AutoMeasureConfig:
     is chosen. The estimate does not time the chip's scheduler: on a TPU v5e it ranked offload
     presets above full_remat that ran 0.74x as fast. `measure`: null measures where an accelerator
     is present (a TPU's or an NVIDIA GPU's device file), and not on a CPU-only machine. `peel`:
-    where the all-on-device candidate is over HBM as a loop and the run leaves `offload.peel` at 0,
-    it is also compiled with this many end layers of each stack out of the loop, a candidate of
-    its own (0: never): on the v5e chip `minimal` at batch 16 is 16.1 GiB as a loop, over the chip,
-    and 13.56 GiB with 3 layers peeled, 1.108x full_remat's speed."""
+    where the run leaves `offload.peel` at 0, the all-on-device candidate is also compiled with
+    this many end layers of each stack out of the loop, its peeled twin, a candidate of its own
+    (0: never): where the loop is over HBM, and wherever the candidates are timed, the loop
+    fitting or not; where its loop is among the `candidates` timed, so is the twin, beyond the
+    count. The estimate cannot tell the two apart (the same FLOPs and copies), the chip can: on
+    the v5e chip `minimal` at batch 16 is 16.1 GiB as a loop, over the chip, and 13.56 GiB with 3
+    layers peeled, 1.108x full_remat's speed; at batch 8 (2026-12-07) the loop fits, 11.13 GiB at
+    53,397 tokens/s, and the twin is 9.89 GiB at 55,227 (1.100x full_remat)."""
 
     measure: bool | None = None
     candidates: int = 3
