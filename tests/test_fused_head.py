@@ -181,3 +181,20 @@ def test_the_config_takes_the_fused_head_and_start_up_names_its_chunks():
         "loss head: fused (train.loss_head=fused): the loss and both gradients in one walk of the forward pass, "
         "8 chunks of 256 of the 2,048 positions, within train.loss_chunk_mib=256 MiB of float32 logits per chunk"
     )
+
+
+def test_on_a_mesh_the_fused_head_trains_like_the_chunked_head(tmp_path):
+    """8 virtual CPU devices, the batch over data and fsdp and the vocabulary over tensor: the
+    fused head's losses equal the chunked head's on the same mesh, whose losses equal one
+    device's (tests/test_mesh.py)."""
+    from tests.test_mesh import losses_of, start_mesh_losses
+
+    common = (
+        "model=llama_tiny offload=minimal train.steps=4 train.warmup_steps=1 train.log_every=1 "
+        "train.compute_dtype=float32 train.global_batch_size=8 train.seq_len=32 train.eval_batches=0 "
+        "mesh.data=2 mesh.fsdp=2 mesh.tensor=2 checkpoint.final=false train.loss_chunk_mib=0.01"
+    )
+    runs = ["train.loss_head=chunked", "train.loss_head=fused"]
+    chunked, fused_losses = losses_of(start_mesh_losses(8, common, runs, tmp_path))
+    assert len(chunked) == 4
+    np.testing.assert_allclose(fused_losses, chunked, rtol=1e-5)
