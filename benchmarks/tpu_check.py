@@ -438,6 +438,23 @@ def link_rates(link: dict) -> dict | None:
     return link.get("trace") or link.get("wall_clock")
 
 
+# what full_remat took before auto at the benchmark's shape on the chip (link probe included),
+# 2026-12-07: 30 to 40 s
+AUTO_AFTER_S = 40
+
+
+def auto_budget_note(presets: list[str], budget_s: float) -> str | None:
+    """A warning, before anything runs, where `--budget-s` cannot reach auto: it starts after
+    full_remat and only with `AUTO_LEAST_S` left (twice on the chip, --budget-s 300 and 330
+    skipped it after the cases before it had run)."""
+    if "auto" not in presets or budget_s >= AUTO_LEAST_S + AUTO_AFTER_S:
+        return None
+    return (
+        f"note: --budget-s {budget_s:g} will likely not start offload=auto: it starts after full_remat (about "
+        f"{AUTO_AFTER_S} s) and only with {AUTO_LEAST_S} s left; give --budget-s {AUTO_LEAST_S + AUTO_AFTER_S} or more"
+    )
+
+
 def case_order(presets: list[str]) -> list[str]:
     """full_remat first (every ratio's baseline), then `auto` (what a user runs; its plan and timed
     candidates take 2 to 4 minutes, so it starts while the budget still holds them: last, it never
@@ -493,6 +510,8 @@ def main() -> int:
             parser.error(f"--case {spec!r}: give LABEL=override,override,... with a label that is not a preset")
         CUSTOM[label] = overrides.split(",")
     EXTRA.extend(args.extra)
+    if (note := auto_budget_note(args.presets, args.budget_s)) is not None:
+        print(note, flush=True)
     started = time.perf_counter()
     deadline = started + args.budget_s
     results: list[dict] = []

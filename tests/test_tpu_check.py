@@ -174,6 +174,15 @@ def test_auto_is_not_started_with_less_budget_than_its_plan_needs(monkeypatch, t
     assert [r["preset"] for r in skipped] == ["auto"]
 
 
+def test_a_budget_that_cannot_reach_auto_is_said_before_anything_runs():
+    """Twice on the chip a --budget-s of 300 and 330 skipped auto after full_remat had run."""
+    note = tpu_check.auto_budget_note(["full_remat", "auto"], 330)
+    assert note is not None and "--budget-s 330 will likely not start offload=auto" in note
+    assert "give --budget-s 340 or more" in note
+    assert tpu_check.auto_budget_note(["full_remat", "auto"], 400) is None
+    assert tpu_check.auto_budget_note(["full_remat"], 100) is None
+
+
 def done(returncode, output):
     future = concurrent.futures.Future()
     future.set_result((returncode, output))
