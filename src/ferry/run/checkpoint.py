@@ -152,9 +152,13 @@ def _fingerprint(x: Array, offset: Any = 0) -> UInt32[Array, "2"]:
     for axis in reversed(range(bits.ndim)):
         iota = jax.lax.broadcasted_iota(jnp.uint32, bits.shape, axis, out_sharding=sharding)
         index, stride = index + iota * jnp.uint32(stride % 2**32), stride * bits.shape[axis]
-    first = jnp.sum(_mix(bits ^ _mix(index * jnp.uint32(0x9E3779B1) + jnp.uint32(1))), dtype=jnp.uint32)
-    second = jnp.sum(_mix(bits * jnp.uint32(0x2C1B3C6D) + _mix(index + jnp.uint32(0x297A2D39))), dtype=jnp.uint32)
-    return jnp.stack([first, second])
+    first = _mix(bits ^ _mix(index * jnp.uint32(0x9E3779B1) + jnp.uint32(1)))
+    second = _mix(bits * jnp.uint32(0x2C1B3C6D) + _mix(index + jnp.uint32(0x297A2D39)))
+    zero = jnp.uint32(0)  # both sums in one reduction: a quarter less to compile per leaf kind
+    sums = jax.lax.reduce(
+        (first, second), (zero, zero), lambda a, b: (a[0] + b[0], a[1] + b[1]), tuple(range(bits.ndim))
+    )
+    return jnp.stack(sums)
 
 
 def _host_fingerprint(x: jax.Array) -> jax.Array:
@@ -170,13 +174,21 @@ def _host_fingerprint(x: jax.Array) -> jax.Array:
     return jax.lax.scan(add_slice, jnp.zeros(2, jnp.uint32), jnp.arange(x.shape[0]))[0]
 
 
-_fingerprints = jax.jit(lambda leaves: [(_host_fingerprint if on_host(x) else _fingerprint)(x) for x in leaves])
+@jax.jit
+def _leaf_fingerprint(x: Array) -> UInt32[Array, "2"]:
+    """One leaf's fingerprint, a program of its own: jit's cache holds one per (shape, dtype,
+    sharding), so a state's many leaves of few kinds compile a few small programs, reused at every
+    save and restore and by every state of those kinds. (One program over all leaves compiled
+    anew for each state's tree: deepseek_v3_tiny's 162 leaves, 38 kinds, took 7.6 s on a loaded
+    2-core CPU host against 3.6 s this way.)"""
+    return (_host_fingerprint if on_host(x) else _fingerprint)(x)
 
 
 def array_checksums(arrays: Any) -> dict[str, list[int]]:
-    """A checksum of every array in `arrays`, by its path (computed on the devices holding it)."""
+    """A checksum of every array in `arrays`, by its path (computed on the devices holding it).
+    Every process runs the same programs in the same order (the leaves' order)."""
     with_paths = [(path, leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(arrays) if leaf is not None]
-    sums = jax.device_get(_fingerprints([leaf for _, leaf in with_paths]))
+    sums = jax.device_get([_leaf_fingerprint(leaf) for _, leaf in with_paths])  # all dispatched, then read
     return {
         jax.tree_util.keystr(path): [int(v) for v in np.asarray(digest)]
         for (path, _), digest in zip(with_paths, sums, strict=True)
