@@ -401,6 +401,20 @@ def test_a_checksum_of_host_memory_equals_the_devices_one():
     assert array_checksums({"x": on_host}) != array_checksums({"x": on_device.at[2, 4, 6].add(1.0)})
 
 
+def test_a_large_host_leaf_is_fingerprinted_a_slice_at_a_time_with_the_same_sums(monkeypatch):
+    """Above `WHOLE_HOST_BYTES` a host leaf is brought to the device a slice of its leading axis
+    at a time (HBM holds one slice); the checksum is the device's all the same."""
+    from ferry.run import checkpoint
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    x = jax.random.normal(jax.random.key(2), (4, 6, 9))  # a shape no other test fingerprints (jit's cache)
+    on_device = jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
+    on_host = jax.device_put(x, NamedSharding(mesh, PartitionSpec(), memory_kind="pinned_host"))
+    monkeypatch.setattr(checkpoint, "WHOLE_HOST_BYTES", 0)
+    assert "while" in checkpoint._leaf_fingerprint.lower(on_host).as_text()  # sliced, in a loop
+    assert checkpoint.array_checksums({"x": on_host}) == checkpoint.array_checksums({"x": on_device})
+
+
 @needs_libtpu
 def test_on_v5p_stream_mib_bounds_the_updates_hbm():
     """Four layers of a wider llama_tiny (dim 256, FFN 1024) on 4 v5p chips (the parameters

@@ -161,13 +161,24 @@ def _fingerprint(x: Array, offset: Any = 0) -> UInt32[Array, "2"]:
     return jnp.stack(sums)
 
 
+# a host-resident leaf up to this size is fingerprinted whole in HBM, one copy; a larger one a
+# slice of its leading axis at a time
+WHOLE_HOST_BYTES = 64 * 2**20
+
+
 def _host_fingerprint(x: jax.Array) -> jax.Array:
     """`_fingerprint` of an array in pinned host memory (a train state kept on host), computed
-    on the device a slice of its leading axis at a time, so HBM holds one slice: the sums of
-    the slices' sums, their positions offset, are the whole array's."""
+    on the device: a small array brought whole, a larger one a slice of its leading axis at a
+    time, so HBM holds one slice (the sums of the slices' sums, their positions offset, are the
+    whole array's)."""
+    if x.size * x.dtype.itemsize <= WHOLE_HOST_BYTES or x.ndim == 0:
+        return _fingerprint(jax.device_put(x, jax.memory.Space.Device))
 
     def add_slice(total: jax.Array, k: jax.Array) -> tuple[jax.Array, None]:
-        row = jax.device_put(jax.lax.dynamic_index_in_dim(x, k, keepdims=False), jax.memory.Space.Device)
+        # the slice keeps its leading axis of 1 (which adds nothing to the positions): squeezed in
+        # host memory, XLA's TPU compiler refused a [1, 64] slice of a [2, 64] host array in its
+        # tiled layout (a bitcast of 8 x 128 tiles to 128; the v5e chip, jax 0.10.2, 2026-12-07)
+        row = jax.device_put(jax.lax.dynamic_slice_in_dim(x, k, 1), jax.memory.Space.Device)
         offset = k.astype(jnp.uint32) * jnp.uint32(row.size % 2**32)
         return total + _fingerprint(row, offset), None
 
