@@ -14,7 +14,7 @@ from tests.conftest import compose_config
 @pytest.mark.parametrize("name", list(moe_slice_tpu.LAYERS))
 def test_each_slice_is_the_deepseek_width_run_it_names(name):
     layers = moe_slice_tpu.LAYERS[name]
-    overrides = [*moe_slice_tpu.SLICE, f"model.num_layers={layers}"]
+    overrides = [*moe_slice_tpu.SLICE, f"model.num_layers={layers}", *moe_slice_tpu.OVERRIDES.get(name, [])]
     config = compose_config(*[o for o in overrides if not o.startswith("platform=")])
     model = config.model
     assert (model.dim, model.num_experts, model.vocab_size, model.mtp_depth) == (7168, 16, 32768, 0)
@@ -22,6 +22,19 @@ def test_each_slice_is_the_deepseek_width_run_it_names(name):
     assert config.train.global_batch_size == 1 and config.train.seq_len == 2048
     assert config.offload.optimizer == config.offload.params == "host"
     assert config.train.steps == max(moe_slice_tpu.TIMED)
+    assert config.offload.stream_prefetch == (name == moe_slice_tpu.PREFETCH)
+
+
+def test_the_report_gives_the_moe_share_and_what_prefetching_gains():
+    ok = {"status": "ok", "tokens_per_s": 1.0, "mfu": 0.01, "hbm_peak_bytes": 2**30, "compiled_bytes": 2**30}
+    records = [
+        ok | {"slice": name, "step_s": step, "state_each_way_bytes": 2**30}
+        for name, step in (("dense", 1.0), ("dense+moe", 2.0), (moe_slice_tpu.PREFETCH, 1.6))
+    ]
+    text = moe_slice_tpu.report(records)
+    assert "the MoE layer's share of the dense+moe step: 50.0%" in text
+    assert "prefetching the update's state: 1.250x the dense+moe step's speed" in text
+    assert "prefetching" not in moe_slice_tpu.report(records[:2])
 
 
 def test_the_state_streamed_each_way_is_read_from_the_schedule_the_run_prints():

@@ -5,6 +5,7 @@ import dataclasses
 import io
 import json
 import math
+import re
 
 import equinox as eqx
 import jax
@@ -43,11 +44,13 @@ from tests.conftest import (
 PLACEMENTS = [StatePlacement("host", "device"), StatePlacement("device", "host"), StatePlacement("host", "host")]
 # llama_tiny's layer holds 0.56 MiB of moved state: at 0.02 MiB each leaf streams alone, in blocks of rows
 SMALL_STREAM = StatePlacement("host", "host", stream_mib=0.02)
+# the same steps, each loop fetching its next step's slices during the step before
+SMALL_PREFETCH = StatePlacement("host", "host", stream_mib=0.04, prefetch=True)
 
 
 def placement_id(p: StatePlacement) -> str:
     streams = "" if p.stream_mib == StatePlacement().stream_mib else f"-stream_{p.stream_mib}MiB"
-    return f"optimizer_{p.optimizer}-params_{p.params}{streams}"
+    return f"optimizer_{p.optimizer}-params_{p.params}{streams}{'-prefetch' * p.prefetch}"
 
 
 def in_hbm(stream: StreamedUpdate) -> StreamedUpdate:
@@ -97,7 +100,7 @@ def train(model_name: str, placement: StatePlacement, steps: int, reference: boo
 @pytest.mark.parametrize("vocab", [pytest.param(256, marks=pytest.mark.slow), 4096])
 @pytest.mark.parametrize(
     "placement",
-    [pytest.param(p, marks=pytest.mark.slow) for p in PLACEMENTS[:2]] + [*PLACEMENTS[2:], SMALL_STREAM],
+    [pytest.param(p, marks=pytest.mark.slow) for p in PLACEMENTS[:2]] + [*PLACEMENTS[2:], SMALL_STREAM, SMALL_PREFETCH],
     ids=placement_id,
 )
 def test_host_resident_state_trains_bit_for_bit_as_in_hbm(placement, vocab):
@@ -119,7 +122,8 @@ def test_streaming_a_moe_layers_experts_in_blocks_updates_the_same_bits_as_a_lay
     """deepseek_v3_tiny's update (its two MoE layers' routed experts stacked, so each step of the
     loop carries a layer and a block index) in pieces of at most 0.1 MiB (each expert leaf in 4
     blocks of 4 experts, `test_a_layer_with_more_state_than_stream_mib_streams_in_groups_and_blocks`)
-    and a layer at a time: the same new weights, moments and compute copies, bit for bit."""
+    and a layer at a time, and in the same pieces each fetched during the step before
+    (`offload.stream_prefetch`): the same new weights, moments and compute copies, bit for bit."""
     model = eqx.filter_eval_shape(build_model, load_model_config("deepseek_v3_tiny"), jax.random.key(0))
     train = TrainConfig(steps=10, warmup_steps=1, global_batch_size=4, seq_len=16)
     rng = np.random.default_rng(0)
@@ -131,12 +135,19 @@ def test_streaming_a_moe_layers_experts_in_blocks_updates_the_same_bits_as_a_lay
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
     shardings = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), params)
     updated = []
-    for placement in (StatePlacement("host", "host"), StatePlacement("host", "host", stream_mib=0.1)):
+    placements = (
+        StatePlacement("host", "host"),
+        StatePlacement("host", "host", stream_mib=0.1),
+        StatePlacement("host", "host", stream_mib=0.2, prefetch=True),  # the same pieces as at 0.1
+    )
+    for placement in placements:
         stream = streamed_update(train, model, placement, shardings)
         with jax.set_mesh(mesh):
             updated.append(jax.jit(stream)(params, adam_state, grads, jnp.array(True)))
-    for by_layer, by_block in zip(*map(jax.tree.leaves, updated), strict=True):
-        np.testing.assert_array_equal(np.asarray(by_block), np.asarray(by_layer))
+    by_layer, by_block, prefetched = map(jax.tree.leaves, updated)
+    for want, got, ahead in zip(by_layer, by_block, prefetched, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        np.testing.assert_array_equal(np.asarray(ahead), np.asarray(want))
 
 
 def compiled_state_step(
@@ -200,6 +211,7 @@ def compiled_state_step(
         "moved": moved,
         "compute_copies": compute_copies,
         "largest_unit": largest_unit,
+        "text": compiled.as_text(),
     }
 
 
@@ -430,3 +442,41 @@ def test_on_v5p_stream_mib_bounds_the_updates_hbm():
     saved = by_layer["memory"].temp_size_in_bytes - by_leaf["memory"].temp_size_in_bytes
     assert saved > by_layer["largest_unit"] / 2, (saved, by_layer["largest_unit"])
     assert by_leaf["memory"].host_temp_size_in_bytes == 0  # written back where it lies
+
+
+def loop_bodies(text: str) -> list[str]:
+    """The bodies of a compiled program's while loops that read host memory a slice at a time."""
+    names = set(re.findall(r"body=%([\w.]+)", text))
+    computations = re.split(r"\n(?=%\S+ \()", text)
+    bodies = [c for c in computations if c.split(" ", 1)[0][1:] in names]
+    return [body for body in bodies if "dynamic-slice-start" in body]
+
+
+@needs_libtpu
+def test_on_v5p_a_prefetching_update_fetches_the_next_step_while_it_writes_this_one_back():
+    """`offload.stream_prefetch`, deviceless v5p: in each of the update's loops the host slices
+    fetched (XLA's async dynamic-slice from pinned host) are carried to the next iteration, not
+    read by this one's AdamW, and a write-back (async dynamic-update-slice into pinned host) is
+    issued while they are in flight; without it every fetch feeds its own iteration's update.
+    At the same `stream_mib` each step is half as large, and HBM no larger."""
+    from ferry.sharding import MeshConfig
+
+    mesh, wide = MeshConfig(data=4), {"num_layers": 4, "dim": 256, "mlp_dim": 1024}
+    steps = {
+        prefetch: compiled_state_step("v5p", "llama_tiny", StatePlacement("host", "host", 8.0, prefetch), mesh, **wide)
+        for prefetch in (False, True)
+    }
+    for prefetch, step in steps.items():
+        bodies = loop_bodies(step["text"])
+        assert bodies, prefetch
+        for body in bodies:
+            fetched = re.findall(r"%(dynamic-slice-done[\w.]*) = ", body)
+            read = [name for name in fetched if re.search(rf"= \S+ fusion\([^)]*%{re.escape(name)}\b", body)]
+            assert (read == []) == prefetch, (prefetch, fetched, read)
+            if prefetch:
+                lines = body.split("\n")
+                first_write = next(i for i, line in enumerate(lines) if "dynamic-update-slice-start" in line)
+                last_fetch = max(i for i, line in enumerate(lines) if "dynamic-slice-done" in line)
+                assert first_write < last_fetch
+    assert steps[True]["memory"].temp_size_in_bytes <= steps[False]["memory"].temp_size_in_bytes
+    assert steps[True]["memory"].host_temp_size_in_bytes == 0

@@ -165,6 +165,7 @@ def candidate_offload(
         node = {"name": f"auto_candidate_{number}", "tensors": tensors, "pipelined": offload.pipelined}
         node |= {"peel": int(candidate.values.get(PEEL, offload.peel)), "engine": offload.engine}
     placed = {"optimizer": state.optimizer, "params": state.params, "stream_mib": state.stream_mib}
+    placed["stream_prefetch"] = state.prefetch
     return node | placed | {"auto": {}, "measured": {}}
 
 

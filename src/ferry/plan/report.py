@@ -350,7 +350,7 @@ def write_plan(
         offload = config.offload
         peel = next((c.placement for c in choices if c.name == PEEL), offload.peel)
         text += f"pipelined: {str(offload.pipelined).lower()}\npeel: {peel}\nengine: {offload.engine}\n"
-        text += f"stream_mib: {offload.stream_mib:g}\n"
+        text += f"stream_mib: {offload.stream_mib:g}\nstream_prefetch: {str(offload.stream_prefetch).lower()}\n"
     if measured is not None:  # read by no run: every candidate timed, and why this one
         text += yaml.safe_dump({"measured": measured.record()}, sort_keys=False, width=1000)
     preset.write_text(text)

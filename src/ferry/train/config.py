@@ -195,6 +195,9 @@ class OffloadConfig:
     params: str = "device"  # the float32 master weights: device | host (a compute-dtype copy stays in HBM)
     # the update's HBM for a state on host, MiB per device: at most a layer's state, never more than this
     stream_mib: float = 1024.0
+    # the update fetches the next step's state while it writes back this one's (both directions of the host
+    # link at once; each step then within half of stream_mib). Not yet measured on a chip: off by default
+    stream_prefetch: bool = False
     pipelined: bool = True  # a scanned stack's copies one layer apart (ferry.offload_scan)
     peel: int = 0  # a pipelined stack's first and last `peel` layers outside its loop (Policy.peel)
     engine: str = "ferry"  # ferry | jax: JAX's own offload of the same tensors, for comparison (Policy.engine)
@@ -227,7 +230,7 @@ class OffloadConfig:
 
     @property
     def state_placement(self) -> StatePlacement:
-        return StatePlacement(self.optimizer, self.params, self.stream_mib)
+        return StatePlacement(self.optimizer, self.params, self.stream_mib, self.stream_prefetch)
 
     @property
     def copies_to_host(self) -> bool:

@@ -58,4 +58,6 @@ def streamed_update(
     smap = state_map(model, placement)
     decayed = adamw(config, mask=_decay_mask(params))
     dtype = jnp.dtype(config.compute_dtype)
-    return StreamedUpdate(config.grad_clip_norm, decayed, smap, dtype, param_sharding, placement.stream_bytes)
+    return StreamedUpdate(
+        config.grad_clip_norm, decayed, smap, dtype, param_sharding, placement.step_bytes, prefetch=placement.prefetch
+    )

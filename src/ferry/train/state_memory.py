@@ -45,6 +45,9 @@ class StatePlacement:
     # the most host-resident state (MiB per device) the update brings to HBM at once: a layer's
     # state when it is less, else that layer's leaves in groups and a large leaf in blocks of rows
     stream_mib: float = 1024.0
+    # the update fetches the next step's state while it updates and writes back this step's (the
+    # host link both ways at once); two steps' state then share stream_mib
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         for key in ("optimizer", "params"):
@@ -65,6 +68,12 @@ class StatePlacement:
     def stream_bytes(self) -> float:
         """`stream_mib` in bytes: the most moved state per device the update holds in HBM at once."""
         return self.stream_mib * 2**20
+
+    @property
+    def step_bytes(self) -> float:
+        """The most moved state per device one step of the update's loops brings to HBM: all of
+        `stream_bytes`, or half of it where the next step's state is fetched beside it (`prefetch`)."""
+        return self.stream_bytes / (2 if self.prefetch else 1)
 
     def describe(self) -> str:
         return f"optimizer moments on {self.optimizer}, master weights on {self.params}"
@@ -239,16 +248,17 @@ def stream_pieces(
 def model_pieces(model: Any, placement: StatePlacement, param_sharding: Any) -> tuple[StreamPiece, ...]:
     """`stream_pieces`' loops for a model's state placed by `placement`."""
     leaves, shardings = jax.tree.leaves(float_params(model)), jax.tree.leaves(param_sharding)
-    return stream_pieces(state_map(model, placement), leaves, shardings, placement.stream_bytes)[1]
+    return stream_pieces(state_map(model, placement), leaves, shardings, placement.step_bytes)[1]
 
 
 def stream_line(model: Any, placement: StatePlacement, param_sharding: Any) -> str:
     """How the update streams a host-resident state through HBM, for the start-up line."""
     pieces = model_pieces(model, placement, param_sharding)
-    most = max((piece.step_bytes for piece in pieces), default=0.0)
+    most = max((piece.step_bytes for piece in pieces), default=0.0) * (2 if placement.prefetch else 1)
+    prefetch = ", each step's state fetched during the step before (offload.stream_prefetch)" * placement.prefetch
     return (
         f"streamed through HBM by the update in {len(pieces)} loop(s) of layers or blocks of rows, at most "
-        f"{most / 2**20:,.0f} MiB per device at once (offload.stream_mib={placement.stream_mib:g})"
+        f"{most / 2**20:,.0f} MiB per device at once (offload.stream_mib={placement.stream_mib:g}){prefetch}"
     )
 
 

@@ -59,8 +59,9 @@ class StreamedUpdate:
     smap: StateMap
     compute_dtype: Any
     param_sharding: Any  # NamedSharding per master leaf (for the host <-> device copies' specs)
-    stream_bytes: float  # the most moved state per device in HBM at once (`StatePlacement.stream_mib`)
+    stream_bytes: float  # the most moved state per device a step brings to HBM (`StatePlacement.step_bytes`)
     moves: bool = True  # False: the same arithmetic with every leaf left where it is (a reference)
+    prefetch: bool = False  # a loop fetches its next step's state during this one (`StatePlacement.prefetch`)
 
     def __call__(self, params: Any, adam_state: Any, grads: Any, apply: jax.Array) -> tuple[Any, Any, Any]:
         treedef = jax.tree.structure(params)
@@ -74,6 +75,7 @@ class StreamedUpdate:
         # new arrays, as a scan, since it cannot write host slices into device-space inputs
         collect = self.moves and not all(map(_in_host_memory, _moved_inputs(columns, self.smap)))
         whole, pieces = stream_pieces(self.smap, columns[0], shardings, self.stream_bytes)
+        previous: list[Any] = []
         for piece in [StreamPiece(tuple(whole), 0), *pieces]:  # the whole part first: it yields the counts
             index = list(piece.leaves)
             inputs = [[column[i] for i in index] for column in columns]
@@ -82,10 +84,13 @@ class StreamedUpdate:
                 outputs, new_state = update(inputs)
             else:
                 host = [host_params[i] for i in index]
-                outputs = _in_place(update, inputs, piece, self.compute_dtype, host, collect)
+                after = previous if self.prefetch else None
+                outputs = _in_place(update, inputs, piece, self.compute_dtype, host, collect, after)
             for column, values in zip(new, outputs, strict=True):
                 for i, value in zip(index, values, strict=True):
                     column[i] = value
+            # the device-resident results of this piece: the next loop's first fetch waits for them
+            previous = [v for values in outputs for v in values if v is not None and not _in_host_memory(v)]
         new_params, new_mu, new_nu, compute = (jax.tree.unflatten(treedef, column) for column in new)
         compute = compute if any(self.smap.host_params) else None
         return new_params, optax.tree_utils.tree_set(new_state, mu=new_mu, nu=new_nu), compute
@@ -98,7 +103,7 @@ class StreamedUpdate:
         apply: jax.Array,
         g_norm: jax.Array,
         shardings: list[NamedSharding],
-    ) -> Callable[[list[list[jax.Array]]], tuple[list[list[Any]], Any]]:
+    ) -> "_UnitUpdate":
         """The update of one unit's leaves (for a stack: one layer's slices), the other leaves of
         the tree standing in as empty arrays so optax sees the whole structure."""
         count = treedef.num_leaves
@@ -111,12 +116,16 @@ class StreamedUpdate:
                 leaves[i] = value
             return jax.tree.unflatten(treedef, leaves)
 
-        def update(inputs: list[list[jax.Array]]) -> tuple[list[list[Any]], Any]:
+        def fetch(inputs: list[list[jax.Array]]) -> list[list[jax.Array]]:
+            """The unit's host-resident (params, mu, nu) brought to HBM; the gradients as they are."""
             p, g, m, v = inputs
-            fetch = lambda xs, hs: [
+            bring = lambda xs, hs: [
                 _put(x, "device", sh) if h and self.moves else x for x, h, sh in zip(xs, hs, shardings, strict=True)
             ]
-            p, m, v = fetch(p, host_p), fetch(m, host_m), fetch(v, host_m)
+            return [bring(p, host_p), g, bring(m, host_m), bring(v, host_m)]
+
+        def update(fetched: list[list[jax.Array]]) -> tuple[list[list[Any]], Any]:
+            p, g, m, v = fetched
             g = [_clip(x, g_norm, self.max_norm) for x in g]  # in the body: the bits of optax's fused clip
             params, grads = whole(p), whole(g)
             state = optax.tree_utils.tree_set(adam_state, mu=whole(m), nu=whole(v))
@@ -134,7 +143,20 @@ class StreamedUpdate:
             ]
             return [back(new_p, host_p), back(new_mu, host_m), back(new_nu, host_m), compute], new_state
 
-        return update
+        return _UnitUpdate(fetch, update)
+
+
+@dataclasses.dataclass(frozen=True)
+class _UnitUpdate:
+    """A unit's update in its two halves: `fetch` brings its host-resident state to HBM, `update`
+    applies AdamW and writes the new state back; called, both (a loop that prefetches calls the
+    first a step ahead)."""
+
+    fetch: Callable[[list[list[jax.Array]]], list[list[jax.Array]]]
+    update: Callable[[list[list[jax.Array]]], tuple[list[list[Any]], Any]]
+
+    def __call__(self, inputs: list[list[jax.Array]]) -> tuple[list[list[Any]], Any]:
+        return self.update(self.fetch(inputs))
 
 
 def _moved_inputs(columns: list[list[Any]], smap: StateMap) -> list[Any]:
@@ -149,12 +171,13 @@ def _in_host_memory(x: Any) -> bool:
 
 
 def _in_place(
-    update: Callable[[list[list[jax.Array]]], tuple[list[list[Any]], Any]],
+    update: _UnitUpdate,
     inputs: list[list[jax.Array]],
     piece: StreamPiece,
     compute_dtype: Any,
     host_params: list[bool],
     collect: bool = False,
+    after: list[Any] | None = None,
 ) -> list[list[Any]]:
     """`update` applied to each step's slice of a piece's (params, grads, mu, nu) columns (a
     layer of a stack, or a block of its rows, or a block of an unstacked leaf's rows), each
@@ -164,7 +187,11 @@ def _in_place(
     loop (on an H200, 21 host-to-host copies of 162 ms a step for 4 Llama 3.1 8B layers). Returns
     the new params, mu, nu and compute copies (None where the master weights are in HBM).
     `collect`: a scan collecting new arrays instead, for inputs that are not where the update
-    writes."""
+    writes. `after` (prefetching): each step fetches the next step's slices before it updates its
+    own, so the fetch overlaps this step's update and write-back (an async copy must finish within
+    its loop iteration); the last step fetches its own slice again, unused (one step's fetch
+    more). The first step's fetch, before the loop, waits for `after` (the loop before's results):
+    free, XLA's scheduler issues every loop's first fetch at the start of the update."""
     if collect:
         rest = 2 if piece.layers else 1  # the axes after the layer and row axes
         split = lambda xs: [x.reshape(piece.steps, piece.rows(x.shape), *x.shape[rest:]) for x in xs]
@@ -193,12 +220,28 @@ def _in_place(
         starts, _ = window(x, k)
         return jax.lax.dynamic_update_slice(x, y[None] if piece.layers else y, starts)
 
-    def step(k: jax.Array, carry: tuple[list[Any], ...]) -> tuple[list[Any], ...]:
+    def sliced(k: jax.Array, carry: tuple[list[Any], ...]) -> list[list[jax.Array]]:
         take = lambda xs: [part(x, k) for x in xs]
-        new = update([take(carry[0]), take(grads), take(carry[1]), take(carry[2])])[0]
+        return [take(carry[0]), take(grads), take(carry[1]), take(carry[2])]
+
+    def written(k: jax.Array, carry: tuple[list[Any], ...], new: list[list[Any]]) -> tuple[list[Any], ...]:
         return tuple(
             [x if y is None else write(x, y, k) for x, y in zip(xs, ys, strict=True)]
             for xs, ys in zip(carry, new, strict=True)
         )
 
-    return list(jax.lax.fori_loop(0, piece.steps, step, (params, mu, nu, compute)))
+    def step(k: jax.Array, carry: tuple[list[Any], ...]) -> tuple[list[Any], ...]:
+        return written(k, carry, update(sliced(k, carry))[0])
+
+    state = (params, mu, nu, compute)
+    if after is None or piece.steps == 1:
+        return list(jax.lax.fori_loop(0, piece.steps, step, state))
+
+    def prefetching_step(k: jax.Array, carry: tuple) -> tuple:
+        state, fetched = carry
+        ahead = update.fetch(sliced(jnp.minimum(k + 1, piece.steps - 1), state))  # not yet written: k's is
+        return written(k, state, update.update(fetched)[0]), ahead
+
+    start, _ = jax.lax.optimization_barrier((jnp.zeros((), jnp.int32), after))
+    first = update.fetch(sliced(start, state))
+    return list(jax.lax.fori_loop(0, piece.steps, prefetching_step, (state, first))[0])
