@@ -191,7 +191,7 @@ def _in_place(
     own, so the fetch overlaps this step's update and write-back (an async copy must finish within
     its loop iteration); the last step fetches its own slice again, unused (one step's fetch
     more). The first step's fetch, before the loop, waits for `after` (the loop before's results):
-    free, XLA's scheduler issues every loop's first fetch at the start of the update."""
+    left unordered, XLA's scheduler issued every loop's first fetch at the start of the update."""
     if collect:
         rest = 2 if piece.layers else 1  # the axes after the layer and row axes
         split = lambda xs: [x.reshape(piece.steps, piece.rows(x.shape), *x.shape[rest:]) for x in xs]
