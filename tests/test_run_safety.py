@@ -88,6 +88,25 @@ def test_checksums_see_one_flipped_bit_and_a_swap():
     assert array_checksums({"a": x.astype(jnp.bfloat16)}) == array_checksums({"a": x.astype(jnp.bfloat16)})
 
 
+def test_checksums_keep_the_values_earlier_checkpoints_were_saved_with():
+    """The digests of checkpoint format 2 as the first ferry to write them computed them (one
+    program over all leaves; now one per leaf kind): a step saved before verifies after."""
+    tree = {
+        "f32": jnp.arange(12, dtype=jnp.float32).reshape(3, 4),
+        "bf16": jnp.linspace(-1, 1, 6, dtype=jnp.bfloat16),
+        "step": jnp.array(7, jnp.int32),
+        "mask": jnp.array([True, False, True]),
+        "key": jax.random.key(0),
+    }
+    assert array_checksums(tree) == {
+        "['bf16']": [3159276653, 2758662146],
+        "['f32']": [1490278729, 116424568],
+        "['key']": [3192479952, 3997981219],
+        "['mask']": [509044187, 3132041000],
+        "['step']": [2370615769, 2003762935],
+    }
+
+
 # Orbax's failed restore can leave a TensorStore callback to an asyncio loop it has closed
 @pytest.mark.filterwarnings("ignore:Exception ignored in:pytest.PytestUnraisableExceptionWarning")
 def test_a_checkpoint_changed_in_place_is_refused_and_nothing_is_rotated_away(two_checkpoints, tmp_path):
