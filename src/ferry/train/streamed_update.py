@@ -193,40 +193,17 @@ def _in_place(
     more). The first step's fetch, before the loop, waits for `after` (the loop before's results):
     left unordered, XLA's scheduler issued every loop's first fetch at the start of the update."""
     if collect:
-        rest = 2 if piece.layers else 1  # the axes after the layer and row axes
-        split = lambda xs: [x.reshape(piece.steps, piece.rows(x.shape), *x.shape[rest:]) for x in xs]
-        outputs = jax.lax.scan(lambda _, xs: (None, update(xs)[0]), None, [split(xs) for xs in inputs])[1]
-        shapes = [x.shape for x in inputs[0]]
-        join = lambda ys: [None if y is None else y.reshape(shape) for y, shape in zip(ys, shapes, strict=True)]
-        return [join(ys) for ys in outputs]
+        return _collected(update, inputs, piece)
     params, grads, mu, nu = inputs
     compute = [jnp.zeros(x.shape, compute_dtype) if host else None for x, host in zip(params, host_params, strict=True)]
 
-    def window(x: jax.Array, k: jax.Array) -> tuple[list[jax.Array], tuple[int, ...]]:
-        """Where step `k`'s slice of `x` starts, and its size (a stack's keeps its layer axis)."""
-        rows = piece.rows(x.shape)
-        zero = jnp.zeros((), k.dtype)
-        if not piece.layers:
-            return [k * rows] + [zero] * (x.ndim - 1), (rows, *x.shape[1:])
-        layer, block = k // piece.blocks, k % piece.blocks
-        return [layer, block * rows] + [zero] * (x.ndim - 2), (1, rows, *x.shape[2:])
-
-    def part(x: jax.Array, k: jax.Array) -> jax.Array:
-        starts, sizes = window(x, k)
-        y = jax.lax.dynamic_slice(x, starts, sizes)
-        return y[0] if piece.layers else y
-
-    def write(x: jax.Array, y: jax.Array, k: jax.Array) -> jax.Array:
-        starts, _ = window(x, k)
-        return jax.lax.dynamic_update_slice(x, y[None] if piece.layers else y, starts)
-
     def sliced(k: jax.Array, carry: tuple[list[Any], ...]) -> list[list[jax.Array]]:
-        take = lambda xs: [part(x, k) for x in xs]
+        take = lambda xs: [_part(piece, x, k) for x in xs]
         return [take(carry[0]), take(grads), take(carry[1]), take(carry[2])]
 
     def written(k: jax.Array, carry: tuple[list[Any], ...], new: list[list[Any]]) -> tuple[list[Any], ...]:
         return tuple(
-            [x if y is None else write(x, y, k) for x, y in zip(xs, ys, strict=True)]
+            [x if y is None else _write(piece, x, y, k) for x, y in zip(xs, ys, strict=True)]
             for xs, ys in zip(carry, new, strict=True)
         )
 
@@ -245,3 +222,36 @@ def _in_place(
     start, _ = jax.lax.optimization_barrier((jnp.zeros((), jnp.int32), after))
     first = update.fetch(sliced(start, state))
     return list(jax.lax.fori_loop(0, piece.steps, prefetching_step, (state, first))[0])
+
+
+def _collected(update: _UnitUpdate, inputs: list[list[jax.Array]], piece: StreamPiece) -> list[list[Any]]:
+    """`update` over a piece's steps as a scan collecting new arrays (`_in_place`'s `collect`)."""
+    rest = 2 if piece.layers else 1  # the axes after the layer and row axes
+    split = lambda xs: [x.reshape(piece.steps, piece.rows(x.shape), *x.shape[rest:]) for x in xs]
+    outputs = jax.lax.scan(lambda _, xs: (None, update(xs)[0]), None, [split(xs) for xs in inputs])[1]
+    shapes = [x.shape for x in inputs[0]]
+    join = lambda ys: [None if y is None else y.reshape(shape) for y, shape in zip(ys, shapes, strict=True)]
+    return [join(ys) for ys in outputs]
+
+
+def _window(piece: StreamPiece, x: jax.Array, k: jax.Array) -> tuple[list[jax.Array], tuple[int, ...]]:
+    """Where step `k`'s slice of `x` starts, and its size (a stack's keeps its layer axis)."""
+    rows = piece.rows(x.shape)
+    zero = jnp.zeros((), k.dtype)
+    if not piece.layers:
+        return [k * rows] + [zero] * (x.ndim - 1), (rows, *x.shape[1:])
+    layer, block = k // piece.blocks, k % piece.blocks
+    return [layer, block * rows] + [zero] * (x.ndim - 2), (1, rows, *x.shape[2:])
+
+
+def _part(piece: StreamPiece, x: jax.Array, k: jax.Array) -> jax.Array:
+    """Step `k`'s slice of `x` (a stack's without its layer axis)."""
+    starts, sizes = _window(piece, x, k)
+    y = jax.lax.dynamic_slice(x, starts, sizes)
+    return y[0] if piece.layers else y
+
+
+def _write(piece: StreamPiece, x: jax.Array, y: jax.Array, k: jax.Array) -> jax.Array:
+    """`x` with step `k`'s slice replaced by `y`."""
+    starts, _ = _window(piece, x, k)
+    return jax.lax.dynamic_update_slice(x, y[None] if piece.layers else y, starts)
