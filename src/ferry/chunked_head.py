@@ -36,7 +36,8 @@ least one.
 import dataclasses
 import functools
 import math
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -76,36 +77,71 @@ class VocabChunks:
 
     def start(self, index: Array) -> Array:
         """Chunk `index`'s first column (the last chunk starts early to stay inside the shard)."""
-        return jnp.minimum(index * self.size, self.columns - self.size)
+        return chunk_start(index, self.size, self.columns)
 
     def owned(self, index: Array, start: Array) -> Array:
         """Which of the chunk's columns are its own (not covered by the chunk before)."""
-        return start + jnp.arange(self.size) >= index * self.size
+        return chunk_owned(index, start, self.size)
+
+
+def chunk_start(index: Array, size: int, length: int) -> Array:
+    """Chunk `index`'s first element along an axis of `length` walked in chunks of `size`: the
+    last chunk starts early to stay inside it, so no array is padded."""
+    return jnp.minimum(index * size, length - size)
+
+
+def chunk_owned(index: Array, start: Array, size: int) -> Array:
+    """Which of a chunk's elements are its own (not covered by the chunk before it)."""
+    return start + jnp.arange(size) >= index * size
+
+
+def even_chunks(length: int, unit_bytes: int, budget_bytes: int, align: int) -> tuple[int, int]:
+    """(size, count): as few chunks of an axis of `length` as keep a chunk's `unit_bytes` per
+    element within `budget_bytes`, evened out, each a multiple of `align` where `align` fit (else
+    as many as fit, at least one). The rule of both heads' chunks."""
+    fits = max(1, budget_bytes // unit_bytes)
+    align = align if fits >= align else 1
+    fits -= fits % align
+    count = math.ceil(length / fits)
+    return min(length, align * math.ceil(math.ceil(length / count) / align)), count
 
 
 def vocab_chunks(tokens_per_device: int, vocab: int, shards: int, budget_bytes: int) -> VocabChunks:
     """The chunk rule (module docstring): as few chunks as keep a chunk's float32 logits on a
     device within `budget_bytes`."""
     columns = vocab // shards
-    fits = max(1, budget_bytes // (LOGIT_BYTES * tokens_per_device))
-    align = LANES if fits >= LANES else 1
-    fits -= fits % align
-    count = math.ceil(columns / fits)
-    size = min(columns, align * math.ceil(math.ceil(columns / count) / align))
+    size, count = even_chunks(columns, LOGIT_BYTES * tokens_per_device, budget_bytes, LANES)
     return VocabChunks(shards, columns, size, count)
 
 
-def chunks_under_mesh(batch: int, seq: int, vocab: int, budget_bytes: int, mesh=None) -> VocabChunks:
-    """The chunks of a head over `batch` x `seq` tokens under `mesh` (default: the context mesh;
-    None outside one): the batch split as activations are (`ACTIVATION_RULES`' batch axes), the
-    vocabulary as logits are (its tensor axis, when that divides it)."""
+def logits_share(batch: int, seq: int, vocab: int, mesh=None) -> tuple[int, int]:
+    """(batch rows, vocabulary columns) of the `batch` x `seq` x `vocab` logits one device holds
+    under `mesh` (default: the context mesh; everything outside one): the batch split as
+    activations are (`ACTIVATION_RULES`' batch axes), the vocabulary as logits are (its tensor
+    axis, when that divides it)."""
     mesh = context_mesh() if mesh is None else mesh
     if mesh is None:
-        return vocab_chunks(batch * seq, vocab, 1, budget_bytes)
+        return batch, vocab
     shape = (batch, seq, vocab)
     spec = activation_spec(jax.ShapeDtypeStruct(shape, jnp.float32), ("batch", None, "vocab"), mesh)
     rows, _, columns = shard_shape(shape, spec, mesh)
+    return rows, columns
+
+
+def chunks_under_mesh(batch: int, seq: int, vocab: int, budget_bytes: int, mesh=None) -> VocabChunks:
+    """The chunks of a head over `batch` x `seq` tokens under `mesh`, each device's own tokens
+    and vocabulary columns (`logits_share`)."""
+    rows, columns = logits_share(batch, seq, vocab, mesh)
     return vocab_chunks(rows * seq, vocab, vocab // columns, budget_bytes)
+
+
+def pinned(array: Array, spec_of: Callable[[Any], PartitionSpec]) -> Array:
+    """`array` constrained to `spec_of(mesh)` on the context mesh, where one of several devices
+    with automatic axes is set (elsewhere there is nothing to pin)."""
+    mesh = context_mesh()
+    if mesh is None or mesh.size == 1 or any(t != AxisType.Auto for t in mesh.axis_types):
+        return array
+    return jax.lax.with_sharding_constraint(array, NamedSharding(mesh, spec_of(mesh)))
 
 
 def logsumexp_and_target_logit(
@@ -156,12 +192,13 @@ class _Layout:
     def pin_weight(self, split_weight: Array) -> Array:
         """A split weight (or its gradient) pinned to the sharding its layer declares, so the
         gradient accumulated across chunks stays sharded as the weight is."""
-        mesh = context_mesh()
-        if mesh is None or mesh.size == 1 or any(t != AxisType.Auto for t in mesh.axis_types):
-            return split_weight
-        dim_entry, vocab_entry = _entries(self.axes, self.vocab_axis, mesh)
-        entries = (dim_entry, vocab_entry, None) if self.vocab_axis == 1 else (vocab_entry, None, dim_entry)
-        return jax.lax.with_sharding_constraint(split_weight, NamedSharding(mesh, PartitionSpec(*entries)))
+
+        def spec_of(mesh: Any) -> PartitionSpec:
+            dim_entry, vocab_entry = _entries(self.axes, self.vocab_axis, mesh)
+            entries = (dim_entry, vocab_entry, None) if self.vocab_axis == 1 else (vocab_entry, None, dim_entry)
+            return PartitionSpec(*entries)
+
+        return pinned(split_weight, spec_of)
 
 
 def _entries(axes: LogicalAxes, vocab_axis: int, mesh) -> tuple:

@@ -35,15 +35,13 @@ predecessor left (no row is padded or copied).
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, NamedSharding
 from jaxtyping import Array, Bool, Float, Int
 
-from ferry.chunked_head import LOGIT_BYTES, OutputHead
-from ferry.sharding import PARAM_RULES, LogicalAxes, activation_spec, constrain, context_mesh, logical_spec, shard_shape
+from ferry.chunked_head import LOGIT_BYTES, OutputHead, chunk_owned, chunk_start, even_chunks, logits_share, pinned
+from ferry.sharding import PARAM_RULES, LogicalAxes, constrain, logical_spec
 
 SUBLANES = 8  # a chunk's positions are a multiple of this when at least this many fit the budget
 
@@ -59,35 +57,24 @@ class SequenceChunks:
 
     def start(self, index: Array) -> Array:
         """Chunk `index`'s first position (the last chunk starts early to stay inside the sequence)."""
-        return jnp.minimum(index * self.size, self.length - self.size)
+        return chunk_start(index, self.size, self.length)
 
     def owned(self, index: Array, start: Array) -> Array:
         """Which of the chunk's positions are its own (not covered by the chunk before)."""
-        return start + jnp.arange(self.size) >= index * self.size
+        return chunk_owned(index, start, self.size)
 
 
 def sequence_chunks(rows: int, length: int, columns: int, budget_bytes: int) -> SequenceChunks:
     """The chunk rule (module docstring) for `rows` batch rows and `columns` vocabulary columns
     on one device."""
-    fits = max(1, budget_bytes // (LOGIT_BYTES * rows * columns))
-    if fits >= length:
-        return SequenceChunks(length, length, 1)
-    align = SUBLANES if fits >= SUBLANES else 1
-    fits -= fits % align
-    count = math.ceil(length / fits)
-    size = min(length, align * math.ceil(math.ceil(length / count) / align))
+    size, count = even_chunks(length, LOGIT_BYTES * rows * columns, budget_bytes, SUBLANES)
     return SequenceChunks(length, size, count)
 
 
 def chunks_under_mesh(batch: int, seq: int, vocab: int, budget_bytes: int, mesh=None) -> SequenceChunks:
     """The chunks of a fused head over `batch` x `seq` tokens under `mesh` (default: the context
-    mesh): the batch rows and vocabulary columns one device holds of the logits."""
-    mesh = context_mesh() if mesh is None else mesh
-    if mesh is None:
-        return sequence_chunks(batch, seq, vocab, budget_bytes)
-    shape = (batch, seq, vocab)
-    spec = activation_spec(jax.ShapeDtypeStruct(shape, jnp.float32), ("batch", None, "vocab"), mesh)
-    rows, _, columns = shard_shape(shape, spec, mesh)
+    mesh): the batch rows and vocabulary columns one device holds of the logits (`logits_share`)."""
+    rows, columns = logits_share(batch, seq, vocab, mesh)
     return sequence_chunks(rows, seq, columns, budget_bytes)
 
 
@@ -127,11 +114,7 @@ class _Walk:
     def pin(self, weight_like: Array) -> Array:
         """The weight's gradient pinned to the sharding its layer declares for the weight, so the
         sum over chunks stays split as the weight is."""
-        mesh = context_mesh()
-        if mesh is None or mesh.size == 1 or any(t != AxisType.Auto for t in mesh.axis_types):
-            return weight_like
-        spec = logical_spec(self.axes, PARAM_RULES, mesh)
-        return jax.lax.with_sharding_constraint(weight_like, NamedSharding(mesh, spec))
+        return pinned(weight_like, lambda mesh: logical_spec(self.axes, PARAM_RULES, mesh))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))

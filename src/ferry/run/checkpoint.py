@@ -171,7 +171,7 @@ def _host_fingerprint(x: jax.Array) -> jax.Array:
     on the device: a small array brought whole, a larger one a slice of its leading axis at a
     time, so HBM holds one slice (the sums of the slices' sums, their positions offset, are the
     whole array's)."""
-    if x.size * x.dtype.itemsize <= WHOLE_HOST_BYTES or x.ndim == 0:
+    if x.size * x.dtype.itemsize <= WHOLE_HOST_BYTES:
         return _fingerprint(jax.device_put(x, jax.memory.Space.Device))
 
     def add_slice(total: jax.Array, k: jax.Array) -> tuple[jax.Array, None]:
