@@ -3,7 +3,6 @@ made in the forward pass, equal today's cross-entropy of the whole logits in flo
 weights, a tied head, uneven chunks); its chunks follow the stated rule; and the compiled head
 holds no logits and runs the whole logits' three matmuls, not the chunked head's five."""
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,10 +12,17 @@ from ferry.chunked_head import OutputHead
 from ferry.fused_head import SequenceChunks, chunks_under_mesh, sequence_chunks
 from ferry.loss import MIB, LossHead
 from ferry.models.registry import build_model
-from ferry.offload import SAVE_ALL
 from ferry.xla.hlo_flops import matmul_flops
 from tests.conftest import compose_config, load_model_config
-from tests.test_loss_head import ATOL, RTOL, axes_of, head_case, loss_and_grads
+from tests.test_loss_head import (
+    ATOL,
+    RTOL,
+    assert_losses_like_the_whole_logits,
+    assert_trains_like_the_whole_logits,
+    axes_of,
+    head_case,
+    loss_and_grads,
+)
 
 
 def fused(rows: int, positions: int, columns: int) -> LossHead:
@@ -148,30 +154,12 @@ def test_models_train_on_the_same_loss_and_gradients(name):
     are the same through the fused head as through the whole logits; DeepSeek's losses only
     (its gradients compile for minutes on a small CPU)."""
     config = load_model_config(name)
-    model = build_model(config, jax.random.key(0))
-    batch = jax.random.randint(jax.random.key(1), (2, 17), 0, config.vocab_size)
     head = fused(2, 5, config.vocab_size)  # 4 chunks of the 16 positions, the last started early
     if name == "deepseek_v3_tiny":
-        run = eqx.filter_jit(lambda m, h: m.training_loss(batch, SAVE_ALL, 1e-3, head=h))
-        (want, want_stats), (got, got_stats) = run(model, LossHead("logits")), run(model, head)
         assert config.mtp_depth > 0
-        np.testing.assert_allclose(got, want, rtol=RTOL)
-        for key in ("loss", "mtp_loss", "balance_loss"):
-            np.testing.assert_allclose(got_stats[key], want_stats[key], rtol=RTOL, atol=ATOL)
-        return
-
-    def run_with(h):
-        def loss(m):
-            return m.training_loss(batch, SAVE_ALL, 1e-3, head=h)
-
-        return eqx.filter_jit(eqx.filter_value_and_grad(loss, has_aux=True))(model)
-
-    ((want, want_stats), want_grads), ((got, got_stats), got_grads) = run_with(LossHead("logits")), run_with(head)
-    np.testing.assert_allclose(got, want, rtol=RTOL)
-    for key in want_stats:
-        np.testing.assert_allclose(got_stats[key], want_stats[key], rtol=RTOL, atol=ATOL)
-    for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+        assert_losses_like_the_whole_logits(name, head)
+    else:
+        assert_trains_like_the_whole_logits(name, head)
 
 
 def test_the_config_takes_the_fused_head_and_start_up_names_its_chunks():

@@ -149,19 +149,36 @@ DEEPSEEK_GRADIENTS = pytest.param("deepseek_v3_tiny", marks=pytest.mark.slow)
 def test_models_train_on_the_same_loss_and_gradients(name):
     """Each family's training loss (MTP depths and their balance losses included) and its
     gradients are the same through the chunked head as through the whole logits."""
+    chunked = LossHead("chunked", budget_mib(2 * 16, 128))
+    assert vocab_chunks(32, load_model_config(name).vocab_size, 1, chunked.budget_bytes).count > 1
+    assert_trains_like_the_whole_logits(name, chunked)
+
+
+def test_deepseek_main_and_mtp_losses_are_the_same():
+    """DeepSeek-V3 reads its head from the main model and from every MTP depth: each loss agrees."""
+    assert load_model_config("deepseek_v3_tiny").mtp_depth > 0
+    assert_losses_like_the_whole_logits("deepseek_v3_tiny", LossHead("chunked", budget_mib(2 * 16, 128)))
+
+
+def model_and_batch(name: str):
+    """A tiny family's model and a batch of 2 x 17 tokens."""
     config = load_model_config(name)
     model = build_model(config, jax.random.key(0))
-    batch = jax.random.randint(jax.random.key(1), (2, 17), 0, config.vocab_size)
-    chunked = LossHead("chunked", budget_mib(2 * 16, 128))
+    return model, jax.random.randint(jax.random.key(1), (2, 17), 0, config.vocab_size)
 
-    def run(head):
+
+def assert_trains_like_the_whole_logits(name: str, head: LossHead) -> None:
+    """The family's training loss, its statistics and its gradients through `head` equal the
+    whole logits' (float32)."""
+    model, batch = model_and_batch(name)
+
+    def run(h: LossHead):
         def loss(m):
-            return m.training_loss(batch, SAVE_ALL, 1e-3, head=head)
+            return m.training_loss(batch, SAVE_ALL, 1e-3, head=h)
 
         return eqx.filter_jit(eqx.filter_value_and_grad(loss, has_aux=True))(model)
 
-    ((want, want_stats), want_grads), ((got, got_stats), got_grads) = run(LossHead("logits")), run(chunked)
-    assert vocab_chunks(32, config.vocab_size, 1, chunked.budget_bytes).count > 1
+    ((want, want_stats), want_grads), ((got, got_stats), got_grads) = run(LossHead("logits")), run(head)
     np.testing.assert_allclose(got, want, rtol=RTOL)
     for key in want_stats:
         np.testing.assert_allclose(got_stats[key], want_stats[key], rtol=RTOL, atol=ATOL)
@@ -169,15 +186,12 @@ def test_models_train_on_the_same_loss_and_gradients(name):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
 
 
-def test_deepseek_main_and_mtp_losses_are_the_same():
-    """DeepSeek-V3 reads its head from the main model and from every MTP depth: each loss agrees."""
-    config = load_model_config("deepseek_v3_tiny")
-    assert config.mtp_depth > 0
-    model = build_model(config, jax.random.key(0))
-    batch = jax.random.randint(jax.random.key(1), (2, 17), 0, config.vocab_size)
-    chunked = LossHead("chunked", budget_mib(2 * 16, 128))
-    run = eqx.filter_jit(lambda m, head: m.training_loss(batch, SAVE_ALL, 1e-3, head=head))
-    (want, want_stats), (got, got_stats) = run(model, LossHead("logits")), run(model, chunked)
+def assert_losses_like_the_whole_logits(name: str, head: LossHead) -> None:
+    """The family's losses (main, MTP, balance) through `head` equal the whole logits' (no
+    gradients: DeepSeek's compile for minutes on a small CPU)."""
+    model, batch = model_and_batch(name)
+    run = eqx.filter_jit(lambda m, h: m.training_loss(batch, SAVE_ALL, 1e-3, head=h))
+    (want, want_stats), (got, got_stats) = run(model, LossHead("logits")), run(model, head)
     np.testing.assert_allclose(got, want, rtol=RTOL)
     for key in ("loss", "mtp_loss", "balance_loss"):
         np.testing.assert_allclose(got_stats[key], want_stats[key], rtol=RTOL, atol=ATOL)
