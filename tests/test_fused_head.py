@@ -13,7 +13,7 @@ from ferry.fused_head import SequenceChunks, chunks_under_mesh, sequence_chunks
 from ferry.loss import MIB, LossHead
 from ferry.models.registry import build_model
 from ferry.xla.hlo_flops import matmul_flops
-from tests.conftest import compose_config, load_model_config
+from tests.conftest import compose_config, load_model_config, needs_libtpu
 from tests.test_loss_head import (
     ATOL,
     RTOL,
@@ -186,3 +186,36 @@ def test_on_a_mesh_the_fused_head_trains_like_the_chunked_head(tmp_path):
     chunked, fused_losses = losses_of(start_mesh_losses(8, common, runs, tmp_path))
     assert len(chunked) == 4
     np.testing.assert_allclose(fused_losses, chunked, rtol=1e-5)
+
+
+@needs_libtpu
+def test_on_v5e_the_fused_head_runs_three_matmuls_in_a_fraction_of_the_logits():
+    """The v5e program (deviceless) of the benchmark's head, batch 8 x 2,048, dim 2,048,
+    vocabulary 32,768: the fused head's products are the whole logits' three (the chunked head's
+    late walk five), and its temporaries hold no logits (the whole logits' hold 3 GiB)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from ferry.plan.planner import compile_only_mesh
+    from ferry.sharding import MeshConfig
+    from ferry.xla.targets import TARGETS
+
+    mesh = compile_only_mesh(TARGETS["v5e"], MeshConfig())
+    batch, seq, dim, vocab = 8, 2048, 2048, 32768
+    replicated = NamedSharding(mesh, PartitionSpec())
+    shapes = ((batch, seq, dim), jnp.bfloat16), ((dim, vocab), jnp.float32), ((batch, seq), jnp.int32)
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=replicated) for shape, dtype in shapes]
+    programs = {}
+    for kind in ("fused", "logits", "chunked"):
+        head = LossHead(kind)
+
+        def loss(h, w, t, head=head):
+            w = w.astype(h.dtype) if head.kind == "logits" else w  # as `compute_copy` casts the whole head
+            return head(h, OutputHead(w, ("embed", "vocab")), t)[0]
+
+        with jax.set_mesh(mesh):
+            programs[kind] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile()
+    product = 2 * batch * seq * dim * vocab
+    flops = {kind: matmul_flops(p.as_text()) for kind, p in programs.items()}
+    assert flops == {"fused": 3 * product, "logits": 3 * product, "chunked": 5 * product}
+    temporaries = {kind: p.memory_analysis().temp_size_in_bytes for kind, p in programs.items()}
+    assert temporaries["fused"] < temporaries["logits"] / 4, temporaries
