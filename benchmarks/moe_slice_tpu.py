@@ -82,8 +82,13 @@ def link_floor(state_bytes: int | None, rates: dict | None) -> dict:
     return {"link_serial_s": serial, "link_both_ways_s": 2 * gb / rates["both_gbps"]}
 
 
+def slice_dir(work: Path, name: str) -> Path:
+    """The slice's run directory, named without the commas and spaces a Hydra override refuses."""
+    return work / re.sub(r"\W+", "_", name)
+
+
 def run_slice(name: str, overrides: list[str], rates: dict | None, timeout: float, work: Path) -> dict:
-    run_dir = work / name
+    run_dir = slice_dir(work, name)
     returncode, output = timed_output(launch([*overrides, f"run.dir={run_dir}"]), timeout)
     record = {"slice": name, "layers": LAYERS[name], "date": datetime.date.today().isoformat()}
     if returncode is None:

@@ -12,9 +12,10 @@ from tests.conftest import compose_config
 
 
 @pytest.mark.parametrize("name", list(moe_slice_tpu.LAYERS))
-def test_each_slice_is_the_deepseek_width_run_it_names(name):
+def test_each_slice_is_the_deepseek_width_run_it_names(name, tmp_path):
     layers = moe_slice_tpu.LAYERS[name]
     overrides = [*moe_slice_tpu.SLICE, f"model.num_layers={layers}", *moe_slice_tpu.OVERRIDES.get(name, [])]
+    overrides.append(f"run.dir={moe_slice_tpu.slice_dir(tmp_path, name)}")  # a name with a comma broke this
     config = compose_config(*[o for o in overrides if not o.startswith("platform=")])
     model = config.model
     assert (model.dim, model.num_experts, model.vocab_size, model.mtp_depth) == (7168, 16, 32768, 0)
@@ -23,6 +24,7 @@ def test_each_slice_is_the_deepseek_width_run_it_names(name):
     assert config.offload.optimizer == config.offload.params == "host"
     assert config.train.steps == max(moe_slice_tpu.TIMED)
     assert config.offload.stream_prefetch == (name == moe_slice_tpu.PREFETCH)
+    assert config.run.dir == str(moe_slice_tpu.slice_dir(tmp_path, name))
 
 
 def test_the_report_gives_the_moe_share_and_what_prefetching_gains():
