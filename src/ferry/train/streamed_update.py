@@ -137,26 +137,33 @@ class StreamedUpdate:
             new_mu = [keep(a, b) for a, b in zip(new_mu, m, strict=True)]
             new_nu = [keep(a, b) for a, b in zip(new_nu, v, strict=True)]
             compute = [x.astype(self.compute_dtype) if h else None for x, h in zip(new_p, host_p, strict=True)]
+            return [new_p, new_mu, new_nu, compute], new_state
+
+        def store(new: list[list[Any]]) -> list[list[Any]]:
+            """The unit's new (params, mu, nu) sent to where their state lives; the compute copies stay."""
+            new_p, new_mu, new_nu, compute = new
             back = lambda xs, hs: [
                 _put(x, "pinned_host", sh) if h and self.moves else x
                 for x, h, sh in zip(xs, hs, shardings, strict=True)
             ]
-            return [back(new_p, host_p), back(new_mu, host_m), back(new_nu, host_m), compute], new_state
+            return [back(new_p, host_p), back(new_mu, host_m), back(new_nu, host_m), compute]
 
-        return _UnitUpdate(fetch, update)
+        return _UnitUpdate(fetch, update, store)
 
 
 @dataclasses.dataclass(frozen=True)
 class _UnitUpdate:
-    """A unit's update in its two halves: `fetch` brings its host-resident state to HBM, `update`
-    applies AdamW and writes the new state back; called, both (a loop that prefetches calls the
-    first a step ahead)."""
+    """A unit's update in three parts: `fetch` brings its host-resident state to HBM, `update`
+    applies AdamW in HBM, `store` sends the new state back to host; called, all three (a loop that
+    prefetches calls `fetch` a step ahead, and orders it before `store`)."""
 
     fetch: Callable[[list[list[jax.Array]]], list[list[jax.Array]]]
     update: Callable[[list[list[jax.Array]]], tuple[list[list[Any]], Any]]
+    store: Callable[[list[list[Any]]], list[list[Any]]]
 
     def __call__(self, inputs: list[list[jax.Array]]) -> tuple[list[list[Any]], Any]:
-        return self.update(self.fetch(inputs))
+        new, state = self.update(self.fetch(inputs))
+        return self.store(new), state
 
 
 def _moved_inputs(columns: list[list[Any]], smap: StateMap) -> list[Any]:
@@ -217,11 +224,24 @@ def _in_place(
     def prefetching_step(k: jax.Array, carry: tuple) -> tuple:
         state, fetched = carry
         ahead = update.fetch(sliced(jnp.minimum(k + 1, piece.steps - 1), state))  # not yet written: k's is
-        return written(k, state, update.update(fetched)[0]), ahead
+        ahead, new = _read_before_written(ahead, update.update(fetched)[0])
+        return written(k, state, update.store(new)), ahead
 
     start, _ = jax.lax.optimization_barrier((jnp.zeros((), jnp.int32), after))
     first = update.fetch(sliced(start, state))
     return list(jax.lax.fori_loop(0, piece.steps, prefetching_step, (state, first))[0])
+
+
+def _read_before_written(ahead: list[list[Any]], new: list[list[Any]]) -> tuple[list[list[Any]], list[list[Any]]]:
+    """Each array's next slice (`ahead`: params, grads, mu, nu) read before this step's new slice
+    (`new`: params, mu, nu, compute copies) is written into the same array, array by array, so one
+    array's write-back can fly beside another's fetch. Unordered, XLA copied every host array
+    whole, on the host, each step (a DeepSeek-V3-width slice on v5e: 0.37x the step without)."""
+    ahead, new = [list(column) for column in ahead], [list(column) for column in new]
+    for fetched, written in ((0, 0), (2, 1), (3, 2)):  # params, mu, nu
+        for i, value in enumerate(new[written]):
+            ahead[fetched][i], new[written][i] = jax.lax.optimization_barrier((ahead[fetched][i], value))
+    return ahead, new
 
 
 def _collected(update: _UnitUpdate, inputs: list[list[jax.Array]], piece: StreamPiece) -> list[list[Any]]:
