@@ -9,8 +9,8 @@ from types import MappingProxyType
 
 from ferry.schedule import TransferSchedule
 from ferry.train.state_memory import StateWrite
+from ferry.xla.hlo_flops import parsed
 from ferry.xla.hlo_host_copies import HostCopy, host_copies
-from ferry.xla.hlo_parse import op_names
 
 DEAD = "dead: never read by the backward pass"
 PARTLY = "fewer copies than the update writes"  # the train state's: not an error, its host bytes are the check
@@ -77,7 +77,7 @@ def check_copies(
     read = _SlotReads(read_by_backward)
     moved: dict[tuple[str, str], tuple[str, str]] = {}
     groups = [g.name for g in schedule.groups]
-    unnamed = _match_by_scope(host_copies(hlo_text), op_names(hlo_text), groups, slots, moved)
+    unnamed = _match_by_scope(host_copies(hlo_text), parsed(hlo_text).op_names, groups, slots, moved)
     unmatched = _match_by_size(unnamed, slots, read, moved)
     return tuple(_copy_check(s, read) for s in slots), tuple(unmatched), moved
 

@@ -7,7 +7,8 @@ from collections import Counter
 
 import numpy as np
 
-from ferry.xla.hlo_parse import DEFINITION, computations, counts_from, shape_bytes, tuple_elements
+from ferry.xla.hlo_flops import parsed
+from ferry.xla.hlo_parse import DEFINITION, shape_bytes, tuple_elements
 
 COLLECTIVES: tuple[str, ...] = (
     "all-gather",
@@ -92,12 +93,11 @@ def collectives(hlo_text: str) -> list[Collective]:
     """Every collective of a compiled (SPMD-partitioned) module, with how often it runs per call
     of the module. An async pair (`-start` / `-done`) is one collective, its bytes the done's
     result, its groups the start's."""
-    bodies, entry = computations(hlo_text)
-    counts = counts_from(bodies, entry)
+    module = parsed(hlo_text)
     partitions = _NUM_PARTITIONS.search(hlo_text.split("\n", 1)[0])
     num_partitions = int(partitions["n"]) if partitions else 1
     found = []
-    for name, lines in bodies.items():
+    for name, lines in module.bodies.items():
         starts: dict[str, str] = {}
         for line in lines:
             match, definition = _INSTRUCTION.search(line), DEFINITION.match(line)
@@ -117,7 +117,7 @@ def collectives(hlo_text: str) -> list[Collective]:
                     definition["name"],
                     shape_bytes(match["shape"]),
                     _replica_groups(line, num_partitions),
-                    counts.get(name, 0),
+                    module.counts.get(name, 0),
                 )
             )
     return found

@@ -16,7 +16,6 @@ from ferry.xla.hlo_parse import (
     OP_NAME,
     HloModule,
     array_dims,
-    counts_from,
     is_float,
     operand_names,
     trip_count,
@@ -30,6 +29,9 @@ _GEMM_DIMS = re.compile(r'"lhs_contracting_dimensions":\[(?P<dims>[^\]]*)\]')
 _COST_ESTIMATE_FLOPS = re.compile(r'"cost_estimate":\{"flops":"(?P<flops>\d+)"')
 _GROUPED_GEMM = "grouped_gemm_backend_config"
 _PRODUCT_OPS = (" dot(", " ragged-dot(", " convolution(", " custom-call(")  # the only ops with FLOPs of their own
+# what a line with FLOPs holds: a product, or a computation it calls (`CALLEE`, `BRANCHES`)
+_CALLS = ("body=%", "calls=%", "to_apply=%", "true_computation=%", "false_computation=%", "branch_computations={")
+_COUNTED = _PRODUCT_OPS + _CALLS
 
 
 class FlopModule(HloModule):
@@ -40,6 +42,19 @@ class FlopModule(HloModule):
     def __init__(self, hlo_text: str):
         super().__init__(hlo_text)
         self._flops: dict[tuple[str, bool], float] = {}
+
+    @functools.cached_property
+    def counted(self) -> dict[str, list[str]]:
+        """Each computation's lines that hold a product or call a computation: the only ones with
+        FLOPs (`line_flops` of any other is 0). Most of a program is neither, and each count (as
+        it runs, `bound`, `matmul_count`) read every line again."""
+        return {
+            name: [line for line in lines if any(op in line for op in _COUNTED)] for name, lines in self.bodies.items()
+        }
+
+    def lines_flops(self, lines: list[str]) -> float:
+        """The FLOPs of some of a computation's lines (`line_flops` of each): of those that can have any."""
+        return sum((self.line_flops(line) for line in lines if any(op in line for op in _COUNTED)), 0.0)
 
     def own_flops(self, line: str) -> float:
         """2 x output elements x contracted size of a `dot`, cuBLAS GEMM or `ragged-dot` line; a
@@ -113,7 +128,7 @@ class FlopModule(HloModule):
 
     def computation_flops(self, name: str, bound: bool = False) -> float:
         if (name, bound) not in self._flops:
-            self._flops[name, bound] = sum(self.line_flops(line, bound) for line in self.bodies.get(name, []))
+            self._flops[name, bound] = sum((self.line_flops(line, bound) for line in self.counted.get(name, [])), 0.0)
         return self._flops[name, bound]
 
 
@@ -209,8 +224,7 @@ def matmul_count(hlo_text: str) -> int:
     """How many matrix products (`dot`, cuBLAS GEMM, `ragged-dot`, TPU `convolution`) one call of
     the program runs: each counted once per execution of its computation, fusions included."""
     module = parsed(hlo_text)  # every product the program holds, run or not
-    counts = counts_from(module.bodies, module.entry)
     return sum(
-        counts.get(name, 0) * sum(1 for line in lines if module.own_flops(line) > 0)
-        for name, lines in module.bodies.items()
+        module.counts.get(name, 0) * sum(1 for line in lines if module.own_flops(line) > 0)
+        for name, lines in module.counted.items()
     )

@@ -5,7 +5,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from ferry.xla.hlo_flops import parsed
-from ferry.xla.hlo_parse import CALLEE, DEFINITION, array_dims, counts_from, shape_bytes
+from ferry.xla.hlo_parse import CALLEE, DEFINITION, array_dims, shape_bytes
 
 HOST_MEMORY_SPACE = "S(5)"  # the layout annotation of a buffer in pinned host memory
 
@@ -32,7 +32,6 @@ def host_copies(hlo_text: str) -> list[HostCopy]:
     """Every async start/done pair whose result or operands live in pinned host memory: an
     offload (a `dynamic-update-slice` into a host buffer, a `copy` to host) or a reload."""
     module = parsed(hlo_text)
-    counts = counts_from(module.bodies, module.entry)
     copies = []
     for name, lines in module.bodies.items():
         starts: dict[str, tuple[int, str, str]] = {}
@@ -61,7 +60,7 @@ def host_copies(hlo_text: str) -> list[HostCopy]:
                 )
             if size == 0:  # host-to-host work (a TPU host call on an offloaded buffer): nothing crosses
                 continue
-            hiding = sum((module.line_flops(between) for between in lines[begin + 1 : position]), 0.0)
+            hiding = module.lines_flops(lines[begin + 1 : position])
             copies.append(
                 HostCopy(
                     name,
@@ -69,7 +68,7 @@ def host_copies(hlo_text: str) -> list[HostCopy]:
                     direction,
                     shape,
                     size,
-                    counts.get(name, 0),
+                    module.counts.get(name, 0),
                     hiding,
                     (begin, position),
                     _slice_descriptor(lines[begin], module.roots),
@@ -99,6 +98,5 @@ def overlapped_flops(hlo_text: str, copies: list[HostCopy]) -> dict[str, float]:
     for copy in copies:
         covered.setdefault(copy.computation, set()).update(range(copy.window[0] + 1, copy.window[1]))
     return {
-        name: sum((module.line_flops(module.bodies[name][i]) for i in positions), 0.0)
-        for name, positions in covered.items()
+        name: module.lines_flops([module.bodies[name][i] for i in positions]) for name, positions in covered.items()
     }

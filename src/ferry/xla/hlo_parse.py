@@ -186,18 +186,24 @@ class HloModule:
                 self.shapes |= {f"{name}#{i}": element for i, element in enumerate(tuple_elements(shape))}
 
     @functools.cached_property
+    def counts(self) -> dict[str, int]:
+        """How many times each computation runs per call of the entry computation (`counts_from`),
+        which the FLOP count, the host copies and the collectives each asked for."""
+        return counts_from(self.bodies, self.entry)
+
+    @functools.cached_property
+    def op_names(self) -> dict[str, str]:
+        """Every instruction's `op_name` metadata (the JAX name stack it was traced under), by
+        instruction name (names are unique in a module)."""
+        names: dict[str, str] = {}
+        for lines in self.bodies.values():
+            for line in lines:
+                definition, op_name = DEFINITION.match(line), OP_NAME.search(line)
+                if definition and op_name:
+                    names[definition["name"]] = op_name["name"]
+        return names
+
+    @functools.cached_property
     def roots(self) -> dict[str, str]:
         """Each computation's ROOT line ("" where it has none)."""
         return {name: next((line for line in lines if "ROOT " in line), "") for name, lines in self.bodies.items()}
-
-
-def op_names(hlo_text: str) -> dict[str, str]:
-    """Every instruction's `op_name` metadata (the JAX name stack it was traced under), by
-    instruction name (names are unique in a module)."""
-    names: dict[str, str] = {}
-    for lines in computations(hlo_text)[0].values():
-        for line in lines:
-            definition, op_name = DEFINITION.match(line), OP_NAME.search(line)
-            if definition and op_name:
-                names[definition["name"]] = op_name["name"]
-    return names

@@ -12,7 +12,6 @@ from ferry.xla.hlo_parse import (
     DEFINITION,
     backend_config,
     byte_strides,
-    op_names,
     operand_names,
     shape_bytes,
     trip_count,
@@ -69,7 +68,7 @@ def host_slice_walks(hlo_text: str) -> list[HostSliceWalk]:
     the body's result) and XLA's address descriptor where it has one (GPU)."""
     module = parsed(hlo_text)
     evaluator = ScalarEvaluator(module)
-    names = op_names(hlo_text)
+    names = module.op_names
     walks = []
     for caller, lines in module.bodies.items():
         for line in lines:
