@@ -76,6 +76,13 @@ class StatePlacement:
         `stream_bytes`, or half of it where the next step's state is fetched beside it (`prefetch`)."""
         return self.stream_bytes / (2 if self.prefetch else 1)
 
+    @property
+    def steps_held(self) -> int:
+        """How many steps' moved state the update's loops hold in HBM at once: one, or prefetching
+        three (the step's state, its new state, the next step's; on v5e, 386M Llama at
+        stream_mib=1024: 2.70 GiB of temporaries against 2.14 without)."""
+        return 3 if self.prefetch else 1
+
     def describe(self) -> str:
         return f"optimizer moments on {self.optimizer}, master weights on {self.params}"
 
@@ -255,9 +262,7 @@ def model_pieces(model: Any, placement: StatePlacement, param_sharding: Any) -> 
 def stream_line(model: Any, placement: StatePlacement, param_sharding: Any) -> str:
     """How the update streams a host-resident state through HBM, for the start-up line."""
     pieces = model_pieces(model, placement, param_sharding)
-    # prefetching, three half-steps live at once: the step's state, its new state, the next step's
-    # (v5e, 386M Llama, stream_mib=1024: 2.70 GiB of temporaries against 2.14 without)
-    most = max((piece.step_bytes for piece in pieces), default=0.0) * (3 if placement.prefetch else 1)
+    most = max((piece.step_bytes for piece in pieces), default=0.0) * placement.steps_held
     prefetch = ", each step's state fetched during the step before (offload.stream_prefetch)" * placement.prefetch
     return (
         f"streamed through HBM by the update in {len(pieces)} loop(s) of layers or blocks of rows, at most "
