@@ -34,6 +34,11 @@ _CALLS = ("body=%", "calls=%", "to_apply=%", "true_computation=%", "false_comput
 _COUNTED = _PRODUCT_OPS + _CALLS
 
 
+def _may_have_flops(line: str) -> bool:
+    """Can `line_flops` of this line be nonzero (a product, or a call of a computation)?"""
+    return any(op in line for op in _COUNTED)
+
+
 class FlopModule(HloModule):
     """A parsed module with the matmul FLOPs of a computation including the computations it
     calls: as they run where the model marked an op's static work as partly skipped
@@ -48,13 +53,11 @@ class FlopModule(HloModule):
         """Each computation's lines that hold a product or call a computation: the only ones with
         FLOPs (`line_flops` of any other is 0). Most of a program is neither, and each count (as
         it runs, `bound`, `matmul_count`) read every line again."""
-        return {
-            name: [line for line in lines if any(op in line for op in _COUNTED)] for name, lines in self.bodies.items()
-        }
+        return {name: [line for line in lines if _may_have_flops(line)] for name, lines in self.bodies.items()}
 
     def lines_flops(self, lines: list[str]) -> float:
         """The FLOPs of some of a computation's lines (`line_flops` of each): of those that can have any."""
-        return sum((self.line_flops(line) for line in lines if any(op in line for op in _COUNTED)), 0.0)
+        return sum((self.line_flops(line) for line in lines if _may_have_flops(line)), 0.0)
 
     def own_flops(self, line: str) -> float:
         """2 x output elements x contracted size of a `dot`, cuBLAS GEMM or `ragged-dot` line; a
