@@ -497,6 +497,27 @@ def test_on_v5e_a_prefetching_update_writes_in_place_and_runs_nothing_on_the_hos
     assert loop_bodies(step["text"])  # the update still streams in loops
 
 
+def test_a_loops_first_fetch_waits_for_the_loop_before_through_an_index_xla_cannot_fold():
+    """Prefetching, each loop's first slice is fetched at index 0 computed from the loop before's
+    results: an optimization barrier did not order it (libtpu drops barriers before it schedules,
+    and every first fetch was issued at the start of the step: 13.86 GiB of HBM on a
+    DeepSeek-V3-width slice against 8.20). The index is 0 whatever the values, NaN and infinities
+    included, and the compiled program still reads them."""
+    from ferry.train.streamed_update import _zero_after
+
+    values = [
+        jnp.array([jnp.nan, 5.0]),
+        jnp.array([jnp.inf], jnp.bfloat16),
+        jnp.array([[-jnp.inf]]),
+        jnp.array([-3.0, 2.0]),
+        jnp.zeros((0,)),
+    ]
+    assert int(_zero_after(values)) == 0 and int(_zero_after([])) == 0
+    compiled = jax.jit(_zero_after).lower(values[:4]).compile().as_text()
+    root = next(line for line in compiled.splitlines() if line.lstrip().startswith("ROOT"))
+    assert "constant" not in root and "compare" in compiled
+
+
 def test_the_start_up_line_counts_three_steps_of_state_held_when_prefetching():
     """Prefetching, a loop holds a step's state, its new state and the next step's at once (on
     v5e, 2.70 against 2.14 GiB of temporaries for the 386M Llama): the start-up line's bound is
