@@ -22,13 +22,13 @@ needed. Cases run batch 16 first, then 8, then 4, and in each full_remat, then a
 presets, while the time budget (`--budget-s`) lasts;
 those left are recorded as skipped. The parent process never opens the chip, so each child can.
 
-Each preset's step is compiled ahead on the CPU (`mode=compile`, `--compile-workers` at a time,
-while the chip runs the cases before it), into the compilation cache its run then loads: a case
-takes about 20 s on the chip instead of 40 to 65. A step the compile finds over HBM is recorded
-as `oom` from that refusal, and its case does not run. (Run 6 on the v5e chip: every batch-8 case
-loaded its step, 22 to 30 s a case; the first two batch-16 cases, run while four compiles were
-under way, took 37 and 45 s to reach their first step, the first also compiling the state's init.
-The compiles now run at a lower CPU priority, `COMPILE_NICENESS`; not yet measured on the chip.)
+Each preset's step is compiled ahead on the CPU (`mode=compile`, `--compile-workers` at a time),
+into the compilation cache its run then loads: a case takes about 20 s on the chip instead of 40 to
+65. A step the compile finds over HBM is recorded as `oom` from that refusal, and its case does not
+run. Every compile ends before the link or any case is timed: a case timed beside them ran slow
+(run 10 on the v5e chip, 2026-12-07: full_remat at batch 8, first while six compiles ran at a
+lower CPU priority, took 0.402 s a step against 0.326 s alone; run 8's first case, 46,532 tokens/s
+against 50,227, was the same).
 """
 
 import argparse
@@ -88,12 +88,9 @@ EXTRA: list[str] = []
 AUTO_LEAST_S = 300
 CASE_LEAST_S = 20
 # `mode=compile` processes side by side on the chip machine's CPU (13 cores on the v5e VM; XLA
-# compiles on one core, and the chip's own case needs a few)
-COMPILE_WORKERS = 4
+# compiles on one core), all done before anything is timed (module docstring)
+COMPILE_WORKERS = 12
 COMPILE_TIMEOUT_S = 300
-# the compiles ahead yield the CPU to the case on the chip: in run 6 the first two cases, run while
-# four compiles were under way, took 37 and 45 s to reach their first step against 4 s later
-COMPILE_NICENESS = 10
 
 
 def least_time(case: str) -> float:
@@ -213,7 +210,7 @@ def compile_command(case: str, batch: int, seq: int = SEQ) -> list[str]:
     into the compilation cache its run loads; the run's own overrides, so the program is the same."""
     overrides = case_overrides(case, batch, Path(tempfile.gettempdir()) / "ferry-compile-only", False, seq=seq)
     launch = [sys.executable, str(ROOT / "launch" / "run.py"), *overrides, "mode=compile", f"target={TARGET}"]
-    return ["nice", "-n", str(COMPILE_NICENESS), *launch]
+    return launch
 
 
 class Compiles:
@@ -230,6 +227,12 @@ class Compiles:
 
     def get(self, key: tuple[str, int]) -> concurrent.futures.Future | None:
         return self.futures.get(key)
+
+    def wait(self) -> float:
+        """Seconds until every compile has ended (each within `COMPILE_TIMEOUT_S`)."""
+        started = time.perf_counter()
+        concurrent.futures.wait(list(self.futures.values()))
+        return time.perf_counter() - started
 
     def stop(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -517,6 +520,8 @@ def main() -> int:
     results: list[dict] = []
     order = [(case, batch) for batch in args.batches for case in case_order(args.presets) if case != "auto"]
     compiles = Compiles(order, args.seq, args.compile_workers) if args.compile_workers else None
+    if compiles is not None:  # nothing is timed beside them (module docstring)
+        print(f"compiled {len(order)} steps ahead in {compiles.wait():.0f} s", flush=True)
     link = {} if args.no_link else measure_link(timeout=120)
     if link:
         results.append({"preset": "host_link", "date": datetime.date.today().isoformat(), **link})
