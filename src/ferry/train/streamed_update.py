@@ -197,18 +197,15 @@ def _in_place(
     writes. `after` (prefetching): each step fetches the next step's slices before it updates its
     own, so the fetch overlaps this step's update and write-back (an async copy must finish within
     its loop iteration); the last step fetches its own slice again, unused (one step's fetch
-    more). The first step's fetch, before the loop, waits for `after` (the loop before's results).
-    Waiting for nothing, XLA's scheduler issued every loop's first fetch at the start of the step:
-    the fetches flew under the forward and backward passes, and their slices were held through
-    them (on v5e, the 386M Llama's state on host: 1.22x the step without prefetching in 0.56 GiB
-    more HBM, where now 1.05x in 0.43 GiB less; a DeepSeek-V3-width slice: 1.31x in 5.66 GiB more,
-    now 1.25x in 3.64 GiB more). Waiting for the loop before that instead (one loop of lookahead)
-    gained nothing on the 386M Llama (1.06x) and held 0.75 GiB more."""
+    more). The first step's fetch, before the loop, waits for `after`, the loop before's results
+    (`_zero_after`); the gradients, in HBM, are sliced where the update uses them."""
     if collect:
         return _collected(update, inputs, piece)
     params, grads, mu, nu = inputs
     compute = [jnp.zeros(x.shape, compute_dtype) if host else None for x, host in zip(params, host_params, strict=True)]
 
+    # the gradients, in HBM, are sliced where they are used: sliced a step ahead with the fetched state,
+    # they were held whole in float32 longer (DeepSeek-V3-width slice, v5e deviceless: 10.41 -> 9.61 GiB)
     def grads_at(k: jax.Array) -> list[jax.Array]:
         return [_part(piece, x, k) for x in grads]
 
@@ -229,9 +226,6 @@ def _in_place(
     if after is None or piece.steps == 1:
         return list(jax.lax.fori_loop(0, piece.steps, step, state))
 
-    # the gradients, in HBM, are sliced where they are used: sliced a step ahead too, outside the loop
-    # and in it, more of them were held whole in float32, and longer (the DeepSeek-V3-width slice
-    # compiled for v5e without the chip: 10.41 GiB of temporaries, now 9.61; 7.64 without prefetching)
     def prefetching_step(k: jax.Array, carry: tuple) -> tuple:
         state, (p, _, m, v) = carry
         ahead = update.fetch(sliced(jnp.minimum(k + 1, piece.steps - 1), state, False))  # not yet written: k's is
@@ -243,11 +237,15 @@ def _in_place(
 
 
 def _zero_after(values: list[Any]) -> jax.Array:
-    """0, as an index XLA can compute only once `values` are (`_in_place`'s `after`). An
-    `optimization_barrier` does not order it: libtpu drops the barriers before it schedules, and on
-    a DeepSeek-V3-width slice (v5e) every loop's first fetch was then issued at the start of the
-    step (13.86 GiB of HBM against 8.20 without prefetching). No value is both above 1 and below -1,
-    NaN and infinities included."""
+    """0, as an index XLA can compute only once `values` are: `_in_place`'s first fetch of a loop
+    after the loop before. An `optimization_barrier` does not order it, as libtpu drops the
+    barriers before it schedules. Waiting for nothing, every loop's first fetch was issued at the
+    start of the step, flew under the forward and backward passes and was held through them (on
+    v5e, the 386M Llama's state on host: 1.22x the step without prefetching in 0.56 GiB more HBM,
+    where waiting 1.05x in 0.43 GiB less; a DeepSeek-V3-width slice 1.31x in 5.66 GiB more, waiting
+    1.25x in 3.64 GiB more). Waiting for the loop before that instead (a loop of lookahead) ran the
+    386M Llama 1.06x in 0.75 GiB more. No value is both above 1 and below -1, NaN and infinities
+    included."""
     never = jnp.zeros((), bool)
     for value in (v for v in values if v.size):
         first = value.reshape(-1)[0]
