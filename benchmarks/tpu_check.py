@@ -209,8 +209,7 @@ def compile_command(case: str, batch: int, seq: int = SEQ) -> list[str]:
     """`mode=compile` of a case: its run's step compiled for the chip on the CPU (`ferry.run.precompile`),
     into the compilation cache its run loads; the run's own overrides, so the program is the same."""
     overrides = case_overrides(case, batch, Path(tempfile.gettempdir()) / "ferry-compile-only", False, seq=seq)
-    launch = [sys.executable, str(ROOT / "launch" / "run.py"), *overrides, "mode=compile", f"target={TARGET}"]
-    return launch
+    return [sys.executable, str(ROOT / "launch" / "run.py"), *overrides, "mode=compile", f"target={TARGET}"]
 
 
 class Compiles:

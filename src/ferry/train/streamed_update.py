@@ -209,9 +209,10 @@ def _in_place(
     def grads_at(k: jax.Array) -> list[jax.Array]:
         return [_part(piece, x, k) for x in grads]
 
-    def sliced(k: jax.Array, carry: tuple[list[Any], ...], with_grads: bool = True) -> list[list[jax.Array]]:
+    def sliced(k: jax.Array, carry: tuple[list[Any], ...], g: list[jax.Array]) -> list[list[jax.Array]]:
+        """Step `k`'s (params, grads, mu, nu), `g` standing for its gradients."""
         take = lambda xs: [_part(piece, x, k) for x in xs]
-        return [take(carry[0]), grads_at(k) if with_grads else [], take(carry[1]), take(carry[2])]
+        return [take(carry[0]), g, take(carry[1]), take(carry[2])]
 
     def written(k: jax.Array, carry: tuple[list[Any], ...], new: list[list[Any]]) -> tuple[list[Any], ...]:
         return tuple(
@@ -220,7 +221,7 @@ def _in_place(
         )
 
     def step(k: jax.Array, carry: tuple[list[Any], ...]) -> tuple[list[Any], ...]:
-        return written(k, carry, update(sliced(k, carry))[0])
+        return written(k, carry, update(sliced(k, carry, grads_at(k)))[0])
 
     state = (params, mu, nu, compute)
     if after is None or piece.steps == 1:
@@ -228,11 +229,11 @@ def _in_place(
 
     def prefetching_step(k: jax.Array, carry: tuple) -> tuple:
         state, (p, _, m, v) = carry
-        ahead = update.fetch(sliced(jnp.minimum(k + 1, piece.steps - 1), state, False))  # not yet written: k's is
+        ahead = update.fetch(sliced(jnp.minimum(k + 1, piece.steps - 1), state, []))  # not yet written: k's is
         ahead, new = _read_before_written(ahead, update.update([p, grads_at(k), m, v])[0])
         return written(k, state, update.store(new)), ahead
 
-    first = update.fetch(sliced(_zero_after(after), state, False))
+    first = update.fetch(sliced(_zero_after(after), state, []))
     return list(jax.lax.fori_loop(0, piece.steps, prefetching_step, (state, first))[0])
 
 
