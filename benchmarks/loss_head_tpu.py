@@ -2,11 +2,12 @@
 beside the chunked head (`train.loss_head=chunked`, at each `--chunk-mib`, its weight gradient in
 a walk of its own or the hidden state's: `train.loss_weight_grad=late|early`), the fused head
 (`train.loss_head=fused`, the loss and both gradients in one forward walk, at each `--chunk-mib`),
-and a plain-JAX
+the same with each chunk made by the Pallas kernel (`train.loss_kernel=pallas`, `ferry.head_kernel`;
+at each `--kernel-rows` block of tokens, default: the kernel's own choice), and a plain-JAX
 floor (the head's three matmuls alone, no softmax), in one run. The v5e shape of issue 46 by default:
 batch 8 x seq 2048 tokens, dim 2048, vocabulary 32,768, bfloat16.
 
-    python benchmarks/loss_head_tpu.py [--chunk-mib 128,256,512] [--repeats 10] [--out FILE]
+    python benchmarks/loss_head_tpu.py [--chunk-mib 128,256,512] [--kernel-rows 256,512] [--repeats 10] [--out FILE]
 
 Prints per head: its chunks, median milliseconds of loss + gradients (hidden and weight), the ratio
 to today's head and to the matmul floor, and the compiled program's temporaries; writes the same as
@@ -14,20 +15,22 @@ JSON to --out. Takes well under a minute on a v5e chip (a few seconds of compile
 """
 
 import argparse
+import contextlib
 import datetime
 import json
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from ferry import head_kernel
 from ferry.chunked_head import OutputHead, vocab_chunks
 from ferry.fused_head import sequence_chunks
-from ferry.loss import LossHead
+from ferry.loss import MIB, LossHead
 
 V5E_SHAPE = {"batch": 8, "seq": 2048, "dim": 2048, "vocab": 32768}
 CHUNK_MIB = (128.0, 256.0, 512.0)  # 256: the default (train.loss_chunk_mib)
@@ -70,6 +73,21 @@ def matmul_floor() -> Callable:
     return jax.jit(step)
 
 
+@contextlib.contextmanager
+def kernel_block_rows(block: int | None) -> Iterator[None]:
+    """Trace the Pallas head with blocks of `block` tokens (None: as `head_kernel.choose_tiles`
+    chooses), to time the choice against its neighbours."""
+    if block is None:
+        yield
+        return
+    chosen, budget = head_kernel.BLOCK_ROWS, head_kernel.VMEM_BUDGET
+    head_kernel.BLOCK_ROWS, head_kernel.VMEM_BUDGET = (block,), 120 * 2**20
+    try:
+        yield
+    finally:
+        head_kernel.BLOCK_ROWS, head_kernel.VMEM_BUDGET = chosen, budget
+
+
 def median_ms(step: Callable, args: Sequence[jax.Array], repeats: int) -> float:
     """Median wall milliseconds of `step(*args)` to completion, after two warm-up calls."""
     for _ in range(2):
@@ -88,21 +106,32 @@ def temp_bytes(compiled: Any) -> int | None:
     return None if analysis is None else int(analysis.temp_size_in_bytes)
 
 
-def measure(shape: dict[str, int], chunk_mibs: Sequence[float], repeats: int) -> dict:
+def measure(shape: dict[str, int], chunk_mibs: Sequence[float], repeats: int, kernel_rows: Sequence[int] = ()) -> dict:
     """Every head at `shape`, today's first, then the floor; ratios against today's and the floor."""
     args = head_inputs(**shape)
     tokens = shape["batch"] * shape["seq"]
     rows = []
-    heads = [("logits", LossHead("logits"))] + [
-        (f"chunked {c:g} MiB {walk}", LossHead("chunked", c, walk)) for c in chunk_mibs for walk in ("late", "early")
+    heads = [("logits", LossHead("logits"), None)] + [
+        (f"chunked {c:g} MiB {walk}", LossHead("chunked", c, walk), None)
+        for c in chunk_mibs
+        for walk in ("late", "early")
     ]
-    heads += [(f"fused {c:g} MiB", LossHead("fused", c)) for c in chunk_mibs]
-    for name, head in heads:
-        step = head_step(head).lower(*args).compile()  # compiled once: timed and read
+    heads += [(f"fused {c:g} MiB", LossHead("fused", c, kernel="xla"), None) for c in chunk_mibs]
+    for block in kernel_rows or [None]:
+        rows_name = "" if block is None else f" rows {block}"
+        for c in chunk_mibs:
+            positions = sequence_chunks(shape["batch"], shape["seq"], shape["vocab"], int(c * MIB))
+            if block is None or block <= shape["batch"] * positions.size:  # a block within the chunk's tokens
+                heads.append((f"pallas {c:g} MiB{rows_name}", LossHead("fused", c, kernel="pallas"), block))
+    for name, head, block in heads:
+        with kernel_block_rows(block):
+            step = head_step(head).lower(*args).compile()  # compiled once: timed and read
         chunked = head.kind == "chunked"
         row = {
             "head": name,
             "kind": head.kind,
+            "kernel": head.kernel,
+            "kernel_rows": block,
             "chunk_mib": None if head.kind == "logits" else head.chunk_mib,
             "weight_grad": head.weight_grad if chunked else None,
         }
@@ -152,6 +181,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     chunk_mibs = ",".join(f"{c:g}" for c in CHUNK_MIB)
     parser.add_argument("--chunk-mib", default=chunk_mibs, help="chunked and fused heads to time")
+    parser.add_argument(
+        "--kernel-rows", default="", help="the Pallas head's blocks of tokens to time (default: its choice)"
+    )
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     for key, value in V5E_SHAPE.items():
@@ -159,7 +191,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     shape = {key: getattr(args, key) for key in V5E_SHAPE}
     chunk_mibs = [float(c) for c in args.chunk_mib.split(",") if c]
-    result = measure(shape, chunk_mibs, args.repeats)
+    kernel_rows = [int(r) for r in args.kernel_rows.split(",") if r]
+    result = measure(shape, chunk_mibs, args.repeats, kernel_rows)
     print(table(result), flush=True)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -167,7 +167,8 @@ def test_the_config_takes_the_fused_head_and_start_up_names_its_chunks():
     assert config.train.head == LossHead("fused", 64.0)
     assert LossHead("fused").describe(8, 2048, 32768) == (
         "loss head: fused (train.loss_head=fused): the loss and both gradients in one walk of the forward pass, "
-        "8 chunks of 256 of the 2,048 positions, within train.loss_chunk_mib=256 MiB of float32 logits per chunk"
+        "8 chunks of 256 of the 2,048 positions, within train.loss_chunk_mib=256 MiB of float32 logits per chunk; "
+        "each chunk by XLA [train.loss_kernel=auto: cpu, not a TPU]"
     )
 
 
@@ -206,7 +207,7 @@ def test_on_v5e_the_fused_head_runs_three_matmuls_in_a_fraction_of_the_logits():
     args = [jax.ShapeDtypeStruct(shape, dtype, sharding=replicated) for shape, dtype in shapes]
     programs = {}
     for kind in ("fused", "logits", "chunked"):
-        head = LossHead(kind)
+        head = LossHead(kind, kernel="xla")  # the XLA fused head (`auto` takes the kernel on a TPU)
 
         def loss(h, w, t, head=head):
             w = w.astype(h.dtype) if head.kind == "logits" else w  # as `compute_copy` casts the whole head

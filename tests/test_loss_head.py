@@ -268,9 +268,11 @@ def test_the_tpu_benchmark_runs_on_cpu_at_a_tiny_shape(tmp_path):
     assert json.loads(out.read_text()) == result
     heads = result["heads"]
     names = ["logits"] + [f"chunked {c} MiB {walk}" for c in ("0.0625", "1") for walk in ("late", "early")]
-    assert [h["head"] for h in heads] == names + ["fused 0.0625 MiB", "fused 1 MiB"]
+    fused = ["fused 0.0625 MiB", "fused 1 MiB", "pallas 0.0625 MiB", "pallas 1 MiB"]
+    assert [h["head"] for h in heads] == names + fused
+    assert [h["kernel"] for h in heads[-4:]] == ["xla", "xla", "pallas", "pallas"]
     # 128 tokens: 128 columns fit 64 KiB; 2 rows x 8 positions of 1,024 columns do too
-    assert [h.get("chunks") for h in heads] == [None, 8, 8, 1, 1, 8, 1]
+    assert [h.get("chunks") for h in heads] == [None, 8, 8, 1, 1, 8, 1, 8, 1]
     assert heads[0]["vs_logits"] == 1.0 and all(h["ms"] > 0 and h["vs_floor"] > 0 for h in heads)
 
 

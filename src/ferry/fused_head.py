@@ -28,6 +28,11 @@ default: on an H200 plan of 2 layers of Llama 3.1 8B at 1 x 8,192 it needs 5.48 
 temporaries against the chunked head's 3.59 (the weight's gradient held through the layers'
 backward, 2 GiB at a vocabulary of 128,256).
 
+Who makes a chunk (`train.loss_kernel`, `choose_kernel`): XLA, which writes the chunk's float32
+logits to HBM and reads them back, or a Pallas TPU kernel that keeps them in VMEM
+(`ferry.head_kernel`; 0.940x XLA's whole logits alone, 0.990x in a full_remat step on v5e).
+`auto`, the default, takes the kernel on a TPU whose devices each hold the whole vocabulary.
+
 The chunk rule (`sequence_chunks`): a chunk's float32 logits on one device, its batch rows x its
 positions x its vocabulary columns x 4 bytes, stay within `budget_bytes` (`train.loss_chunk_mib`).
 The sequence is split in as few chunks as fit, evenly, each a multiple of 8 positions (TPU
@@ -40,10 +45,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
 from ferry.chunked_head import LOGIT_BYTES, OutputHead, chunk_owned, chunk_start, even_chunks, logits_share, pinned
-from ferry.sharding import PARAM_RULES, LogicalAxes, constrain, logical_spec
+from ferry.config_schema import ConfigError
+from ferry.head_kernel import choose_tiles, head_chunk
+from ferry.nn.kernels.choice import lowering_platform
+from ferry.sharding import PARAM_RULES, LogicalAxes, activation_spec, constrain, context_mesh, logical_spec
 
 SUBLANES = 8  # a chunk's positions are a multiple of this when at least this many fit the budget
 
@@ -87,17 +96,61 @@ def fused_loss(
     budget_bytes: int,
     z_loss_weight: float = 0.0,
     weights: Bool[Array, "batch seq"] | None = None,
+    kernel: str = "auto",
 ) -> tuple[Float[Array, ""], Float[Array, ""]]:
     """The mean cross-entropy of the logits `hidden @ head` plus `z_loss_weight * mean(logsumexp^2)`,
     and the cross-entropy alone (not differentiated), both float32; `weights`: which tokens count
-    (the means are over those; None: all). The gradients are made as the loss is (module docstring)."""
+    (the means are over those; None: all). The gradients are made as the loss is (module docstring),
+    each chunk's by XLA or by the Pallas kernel of `ferry.head_kernel`, as `choose_kernel` reads
+    `kernel` ("auto", "xla" or "pallas")."""
     batch, seq, _ = hidden.shape
     vocab = head.weight.shape[head.vocab_axis]
     counted = jnp.ones(targets.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
     share = counted / jnp.maximum(jnp.sum(counted), 1.0)
-    walk = _Walk(chunks_under_mesh(batch, seq, vocab, budget_bytes), head.vocab_axis, tuple(head.axes), z_loss_weight)
+    chunks = chunks_under_mesh(batch, seq, vocab, budget_bytes)
+    choice = choose_kernel(kernel, batch, seq, vocab)
+    walk = _Walk(chunks, head.vocab_axis, tuple(head.axes), z_loss_weight, choice.kernel, choice.interpret)
     loss, cross_entropy = _fused(hidden, head.weight, targets, share, walk)
     return loss, jax.lax.stop_gradient(cross_entropy)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelChoice:
+    """Who makes a fused head's chunks: XLA or the Pallas kernel ("xla" or "pallas"), the kernel
+    in interpret mode or not, and why."""
+
+    kernel: str
+    interpret: bool
+    why: str
+
+
+def choose_kernel(setting: str, batch: int, seq: int, vocab: int, mesh=None) -> KernelChoice:
+    """`train.loss_kernel`'s choice for this platform and mesh (default mesh: the context's):
+    `auto` takes the Pallas kernel on a TPU whose devices each hold the whole vocabulary, XLA
+    elsewhere; `pallas` is refused where it cannot run (a GPU: Mosaic is TPU-only; a mesh that
+    splits the vocabulary: a token's log-sum-exp would span devices), in interpret mode off a TPU."""
+    platform = lowering_platform()
+    whole = logits_share(batch, seq, vocab, mesh)[1] == vocab
+    if setting == "xla":
+        return KernelChoice("xla", False, "as set")
+    if setting == "auto":
+        if platform == "tpu" and whole:
+            return KernelChoice("pallas", False, "a TPU, the vocabulary whole on each device")
+        reason = "the mesh splits the vocabulary" if platform == "tpu" else f"{platform}, not a TPU"
+        return KernelChoice("xla", False, reason)
+    if platform == "gpu":
+        raise ConfigError(
+            "train.loss_kernel=pallas is a TPU kernel (Pallas Mosaic); on a GPU use train.loss_kernel=xla"
+        )
+    if not whole:
+        raise ConfigError(
+            "train.loss_kernel=pallas needs each device to hold the whole vocabulary, and this mesh splits the "
+            f"{vocab:,} logits columns over its tensor axis; use train.loss_kernel=xla (or auto) or mesh.tensor=1"
+        )
+    interpret = platform != "tpu"
+    return KernelChoice(
+        "pallas", interpret, f"as set, in Pallas interpret mode ({platform})" if interpret else "as set"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +161,8 @@ class _Walk:
     vocab_axis: int
     axes: LogicalAxes
     z_loss_weight: float
+    kernel: str = "xla"  # who makes a chunk's gradients: XLA, or the Pallas kernel ("pallas")
+    interpret: bool = False  # the Pallas kernel in interpret mode (not on a TPU)
 
     @property
     def weight_subscripts(self) -> str:
@@ -127,7 +182,6 @@ def _fused(hidden: Array, weight: Array, targets: Array, share: Array, walk: _Wa
 def _forward(hidden: Array, weight: Array, targets: Array, share: Array, walk: _Walk) -> tuple[tuple, tuple]:
     chunks, subscripts, z = walk.chunks, walk.weight_subscripts, walk.z_loss_weight
     compute_weight = weight.astype(hidden.dtype)  # cast once: every chunk reads all of it
-    columns = jnp.arange(weight.shape[walk.vocab_axis])
 
     def chunk(carry: tuple[Array, Array, Array], index: Array) -> tuple[tuple[Array, Array, Array], None]:
         sums, d_hidden, d_weight = carry
@@ -139,19 +193,11 @@ def _forward(hidden: Array, weight: Array, targets: Array, share: Array, walk: _
 
         rows, row_targets = positions(hidden), positions(targets)
         row_share = jnp.where(owned, positions(share), 0.0)
-        # in the compute dtype, then float32, as the whole logits are (half the bytes of float32 out of the MXU)
-        logits = jnp.einsum(f"bsd,{subscripts}->bsv", rows, compute_weight).astype(jnp.float32)
-        logits = constrain(logits, ("batch", None, "vocab"))
-        logsumexp = jax.nn.logsumexp(logits, axis=-1)
-        hit = row_targets[..., None] == columns
-        target_logit = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
+        gradients = _kernel_chunk if walk.kernel == "pallas" else _xla_chunk
+        logsumexp, target_logit, d_logits, d_rows = gradients(rows, compute_weight, row_targets, row_share, walk)
         sums = sums + jnp.stack(
             [jnp.sum(row_share * (logsumexp - target_logit)), jnp.sum(row_share * logsumexp * logsumexp)]
         )
-        scale = row_share * (1.0 + 2.0 * z * logsumexp)
-        d_logits = scale[..., None] * jnp.exp(logits - logsumexp[..., None]) - jnp.where(hit, row_share[..., None], 0.0)
-        d_logits = d_logits.astype(hidden.dtype)  # the compute dtype, as autodiff of the whole logits has it
-        d_rows = jnp.einsum(f"bsv,{subscripts}->bsd", d_logits, compute_weight)
         d_rows = jnp.where(owned[None, :, None], d_rows, positions(d_hidden))
         d_hidden = constrain(jax.lax.dynamic_update_slice_in_dim(d_hidden, d_rows, start, 1))
         d_chunk = jnp.einsum(f"bsd,bsv->{subscripts}", rows, d_logits, preferred_element_type=jnp.float32)
@@ -164,6 +210,51 @@ def _forward(hidden: Array, weight: Array, targets: Array, share: Array, walk: _
     # the weight's gradient rounded to the compute dtype, as autodiff of a compute-dtype head has it
     d_weight = d_weight.astype(hidden.dtype).astype(weight.dtype)
     return (cross_entropy + z * mean_square, cross_entropy), (d_hidden, d_weight, share)
+
+
+def _xla_chunk(rows: Array, weight: Array, targets: Array, share: Array, walk: _Walk) -> tuple[Array, ...]:
+    """A chunk's log-sum-exp and target logit, and the gradients of its logits and rows, as XLA
+    makes them: the chunk's float32 logits written to HBM and read back."""
+    subscripts, z = walk.weight_subscripts, walk.z_loss_weight
+    # in the compute dtype, then float32, as the whole logits are (half the bytes of float32 out of the MXU)
+    logits = jnp.einsum(f"bsd,{subscripts}->bsv", rows, weight).astype(jnp.float32)
+    logits = constrain(logits, ("batch", None, "vocab"))
+    logsumexp = jax.nn.logsumexp(logits, axis=-1)
+    hit = targets[..., None] == jnp.arange(weight.shape[walk.vocab_axis])
+    target_logit = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
+    scale = share * (1.0 + 2.0 * z * logsumexp)
+    d_logits = scale[..., None] * jnp.exp(logits - logsumexp[..., None]) - jnp.where(hit, share[..., None], 0.0)
+    d_logits = d_logits.astype(rows.dtype)  # the compute dtype, as autodiff of the whole logits has it
+    return logsumexp, target_logit, d_logits, jnp.einsum(f"bsv,{subscripts}->bsd", d_logits, weight)
+
+
+def _kernel_chunk(rows: Array, weight: Array, targets: Array, share: Array, walk: _Walk) -> tuple[Array, ...]:
+    """The same from the Pallas kernel (`ferry.head_kernel`), the logits only in VMEM. A Pallas
+    kernel has no partitioning rule: on a mesh it runs under shard_map on each device's batch
+    rows, the weight whole on every device (the vocabulary unsplit: `check_kernel_mesh`)."""
+
+    def per_device(rows: Array, weight: Array, targets: Array, share: Array) -> tuple[Array, ...]:
+        batch, positions, dim = rows.shape
+        flat = batch * positions
+        tiles = choose_tiles(flat, weight.shape[walk.vocab_axis], dim, rows.dtype.itemsize)
+        outputs = head_chunk(
+            rows.reshape(flat, dim), weight, targets.reshape(flat), share.reshape(flat),
+            tiles, walk.vocab_axis, walk.z_loss_weight, walk.interpret,
+        )  # fmt: skip
+        return tuple(out.reshape(batch, positions, *out.shape[1:]) for out in outputs)
+
+    mesh = context_mesh()
+    if mesh is None or mesh.size == 1:
+        return per_device(rows, weight, targets, share)
+    spec = activation_spec(rows, ("batch", None, None), mesh)
+    per_token = PartitionSpec(*spec[:2])
+    return jax.shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=(spec, PartitionSpec(), per_token, per_token),
+        out_specs=(per_token, per_token, spec, spec),
+        check_vma=False,
+    )(rows, weight, targets, share)
 
 
 def _backward(walk: _Walk, residuals: tuple, cotangents: tuple[Array, Array]) -> tuple:

@@ -11,11 +11,12 @@ from jaxtyping import Array, Bool, Float, Int
 
 from ferry.chunked_head import OutputHead, chunks_under_mesh, logsumexp_and_target_logit
 from ferry.config_schema import ConfigError
+from ferry.fused_head import choose_kernel, fused_loss
 from ferry.fused_head import chunks_under_mesh as sequence_chunks_under_mesh
-from ferry.fused_head import fused_loss
 
 LOSS_HEADS = ("chunked", "fused", "logits")
 WEIGHT_GRADS = ("late", "early")
+LOSS_KERNELS = ("auto", "xla", "pallas")
 MIB = 1 << 20
 
 
@@ -61,6 +62,7 @@ class LossHead:
     kind: str = "chunked"
     chunk_mib: float = 256.0
     weight_grad: str = "late"
+    kernel: str = "auto"  # the fused head's chunks by XLA or by the Pallas kernel (`ferry.fused_head.choose_kernel`)
 
     def __post_init__(self) -> None:
         if self.kind not in LOSS_HEADS:
@@ -69,6 +71,13 @@ class LossHead:
             raise ConfigError(f"train.loss_chunk_mib={self.chunk_mib} must be positive (MiB of logits per chunk)")
         if self.weight_grad not in WEIGHT_GRADS:
             raise ConfigError(f"train.loss_weight_grad is {self.weight_grad!r}; use one of {', '.join(WEIGHT_GRADS)}")
+        if self.kernel not in LOSS_KERNELS:
+            raise ConfigError(f"train.loss_kernel is {self.kernel!r}; use one of {', '.join(LOSS_KERNELS)}")
+        if self.kernel == "pallas" and self.kind != "fused":
+            raise ConfigError(
+                f"train.loss_kernel=pallas makes the fused head's chunks, and train.loss_head is {self.kind}; "
+                "set train.loss_head=fused"
+            )
 
     @property
     def budget_bytes(self) -> int:
@@ -87,13 +96,19 @@ class LossHead:
         if self.kind == "logits":
             return next_token_loss(whole_logits(hidden, head), targets, z_loss_weight, weights)
         if self.kind == "fused":
-            return fused_loss(hidden, head, targets, self.budget_bytes, z_loss_weight, weights)
+            return fused_loss(hidden, head, targets, self.budget_bytes, z_loss_weight, weights, self.kernel)
         logsumexp, target_logit = logsumexp_and_target_logit(hidden, head, targets, self.budget_bytes, self.weight_grad)
         mean = jnp.mean if weights is None else lambda x: _weighted_mean(x, weights)
         cross_entropy = mean(logsumexp - target_logit)
         if z_loss_weight == 0.0:
             return cross_entropy, cross_entropy
         return cross_entropy + z_loss_weight * mean(logsumexp * logsumexp), cross_entropy
+
+    def kernel_line(self, batch: int, seq: int, vocab: int, mesh=None) -> str:
+        """Who makes the fused head's chunks, and why (refusing a kernel that cannot run under `mesh`)."""
+        choice = choose_kernel(self.kernel, batch, seq, vocab, mesh)
+        who = "XLA" if choice.kernel == "xla" else "the Pallas kernel, its logits only in VMEM"
+        return f"each chunk by {who} [train.loss_kernel={self.kernel}: {choice.why}]"
 
     def describe(self, batch: int, seq: int, vocab: int, mesh=None) -> str:
         """The start-up line: which head, and for the chunked one its chunks for a micro batch of
@@ -109,7 +124,8 @@ class LossHead:
             return (
                 f"loss head: fused (train.loss_head=fused): the loss and both gradients in one walk of the forward "
                 f"pass, {count} chunk{'s' if count > 1 else ''} of {positions.size:,} of the {seq:,} "
-                f"positions, within train.loss_chunk_mib={self.chunk_mib:g} MiB of float32 logits per chunk"
+                f"positions, within train.loss_chunk_mib={self.chunk_mib:g} MiB of float32 logits per chunk; "
+                + self.kernel_line(batch, seq, vocab, mesh)
             )
         chunks = chunks_under_mesh(batch, seq, vocab, self.budget_bytes, mesh)
         return (

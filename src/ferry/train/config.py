@@ -38,6 +38,10 @@ class TrainConfig:
     # loss_head=chunked: the head's weight gradient in a backward walk of its own, after the layers'
     # (late: less HBM, one more logits matmul) or with the hidden state's (early)
     loss_weight_grad: str = "late"
+    # loss_head=fused: each chunk's logits, softmax and gradients by XLA (xla), or by a Pallas TPU kernel that
+    # keeps the logits in VMEM (pallas; Pallas interpret mode off a TPU, refused on a GPU); auto: pallas on a
+    # TPU whose devices hold the whole vocabulary, else xla
+    loss_kernel: str = "auto"
     compute_dtype: str = "bfloat16"
     seed: int = 0
     log_every: int = 10
@@ -51,7 +55,7 @@ class TrainConfig:
     @property
     def head(self) -> LossHead:
         """How the loss reads the output head (`loss_head`, `loss_chunk_mib`)."""
-        return LossHead(self.loss_head, self.loss_chunk_mib, self.loss_weight_grad)
+        return LossHead(self.loss_head, self.loss_chunk_mib, self.loss_weight_grad, self.loss_kernel)
 
     def micro_steps(self, data_parallel: int = 1) -> int:
         """Micro batches accumulated per optimizer step when a batch is split `data_parallel` ways."""
@@ -133,9 +137,9 @@ class TrainConfig:
             )
         if self.on_nonfinite not in ("stop", "skip"):
             raise ConfigError(f"train.on_nonfinite is {self.on_nonfinite!r}; use stop or skip")
-        LossHead(
-            self.loss_head, self.loss_chunk_mib, self.loss_weight_grad
-        )  # refuses an unknown head or a chunk of no bytes
+        LossHead(  # refuses an unknown head or kernel, or a chunk of no bytes
+            self.loss_head, self.loss_chunk_mib, self.loss_weight_grad, self.loss_kernel
+        )
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"train.compute_dtype is {self.compute_dtype!r}; use float32 or bfloat16")
 
