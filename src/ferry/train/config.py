@@ -201,7 +201,7 @@ class OffloadConfig:
     stream_mib: float = 1024.0
     # the update fetches the next step's state while it writes back this one's (both directions of the host
     # link at once; each step within half of stream_mib, 1.5x stream_mib held at once). On v5e: the 386M
-    # Llama with its state on host 1.05x in 0.43 GiB less HBM, a DeepSeek-V3-width slice 1.25x in 3.64 GiB
+    # Llama with its state on host 1.05x in 0.56 GiB less HBM, a DeepSeek-V3-width slice 1.25x in 2.27 GiB
     # more; off by default, as HBM is what a run that streams its state lacks
     stream_prefetch: bool = False
     pipelined: bool = True  # a scanned stack's copies one layer apart (ferry.offload_scan)

@@ -243,8 +243,8 @@ def _zero_after(values: list[Any]) -> jax.Array:
     barriers before it schedules. Waiting for nothing, every loop's first fetch was issued at the
     start of the step, flew under the forward and backward passes and was held through them (on
     v5e, the 386M Llama's state on host: 1.22x the step without prefetching in 0.56 GiB more HBM,
-    where waiting 1.05x in 0.43 GiB less; a DeepSeek-V3-width slice 1.31x in 5.66 GiB more, waiting
-    1.25x in 3.64 GiB more). Waiting for the loop before that instead (a loop of lookahead) ran the
+    where waiting 1.05x in 0.56 GiB less; a DeepSeek-V3-width slice 1.31x in 5.66 GiB more, waiting
+    1.25x in 2.27 GiB more, run 11). Waiting for the loop before that instead (a loop of lookahead) ran the
     386M Llama 1.06x in 0.75 GiB more. No value is both above 1 and below -1, NaN and infinities
     included."""
     never = jnp.zeros((), bool)
