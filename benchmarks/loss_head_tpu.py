@@ -80,12 +80,12 @@ def kernel_block_rows(block: int | None) -> Iterator[None]:
     if block is None:
         yield
         return
-    chosen, budget = head_kernel.BLOCK_ROWS, head_kernel.VMEM_BUDGET
-    head_kernel.BLOCK_ROWS, head_kernel.VMEM_BUDGET = (block,), 120 * 2**20
+    chosen = head_kernel.BLOCK_ROWS
+    head_kernel.BLOCK_ROWS = (block,)
     try:
         yield
     finally:
-        head_kernel.BLOCK_ROWS, head_kernel.VMEM_BUDGET = chosen, budget
+        head_kernel.BLOCK_ROWS = chosen
 
 
 def median_ms(step: Callable, args: Sequence[jax.Array], repeats: int) -> float:

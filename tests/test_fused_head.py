@@ -165,7 +165,7 @@ def test_models_train_on_the_same_loss_and_gradients(name):
 def test_the_config_takes_the_fused_head_and_start_up_names_its_chunks():
     config = compose_config("train.loss_head=fused", "train.loss_chunk_mib=64")
     assert config.train.head == LossHead("fused", 64.0)
-    assert LossHead("fused").describe(8, 2048, 32768) == (
+    assert LossHead("fused").describe(8, 2048, 32768, 2048) == (
         "loss head: fused (train.loss_head=fused): the loss and both gradients in one walk of the forward pass, "
         "8 chunks of 256 of the 2,048 positions, within train.loss_chunk_mib=256 MiB of float32 logits per chunk; "
         "each chunk by XLA [train.loss_kernel=auto: cpu, not a TPU]"

@@ -11,9 +11,9 @@ import pytest
 
 from ferry.chunked_head import OutputHead
 from ferry.config_schema import ConfigError
-from ferry.fused_head import KernelChoice, choose_kernel
-from ferry.head_kernel import HeadTiles, choose_tiles, head_chunk, vmem_bytes
+from ferry.head_kernel import HeadTiles, choose_tiles, head_chunk, vmem_bytes, vmem_capacity
 from ferry.loss import MIB, LossHead
+from ferry.loss_kernel import KernelChoice, choose_kernel
 from ferry.nn.kernels.choice import attention_platform
 from ferry.plan.replay import total_dot_flops
 from tests.conftest import compose_config, needs_libtpu
@@ -87,34 +87,62 @@ def test_one_chunk_of_the_kernel(tokens, vocab, columns):
 
 
 def test_the_tile_rule():
-    """The largest block of tokens whose VMEM fits 112 MiB and divides the tokens padded to whole
-    sublane tiles (16 rows of 16 bits)."""
+    """The largest block of tokens whose VMEM fits the core's less 16 MiB and divides the tokens
+    padded to whole sublane tiles (16 rows of 16 bits)."""
     assert choose_tiles(8 * 2048, 32768, 2048) == HeadTiles(1024, 512)  # the v5e shape: 1,024 timed fastest
     assert choose_tiles(8192, 128256, 4096) == HeadTiles(256, 512)  # Llama 3.1 8B: 8,192 tokens
+    assert choose_tiles(8 * 2048, 32768, 2048, vmem=64 * MIB) == HeadTiles(256, 512, 64 * MIB)  # a v5p core
     assert choose_tiles(13, 1000, 16) == HeadTiles(16, 512)  # padded to 16
     assert choose_tiles(13, 1000, 16, itemsize=4) == HeadTiles(16, 512)  # float32: padded to 8, 16 divides 16
     assert vmem_bytes(HeadTiles(1024, 512), 32768, 2048) <= 112 * MIB < vmem_bytes(HeadTiles(2048, 512), 32768, 2048)
     with pytest.raises(ValueError, match="no block of rows fits"):
         choose_tiles(8192, 64 * 2**20, 4096)
+    assert vmem_capacity("TPU v5 lite") == 128 * MIB and vmem_capacity("TPU v5") == 64 * MIB
+    assert vmem_capacity("NVIDIA H200") is None and vmem_capacity(None) is None
 
 
-def test_auto_takes_the_kernel_on_a_tpu_holding_the_whole_vocabulary():
-    tensor_split = jax.sharding.AbstractMesh(
-        (1, 1, 2, 1), ("data", "fsdp", "tensor", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 4
-    )
-    assert choose_kernel("auto", 8, 2048, 32768) == KernelChoice("xla", False, "cpu, not a TPU")
-    assert choose_kernel("pallas", 8, 2048, 32768) == KernelChoice(
-        "pallas", True, "as set, in Pallas interpret mode (cpu)"
-    )
-    with attention_platform("tpu"):
-        assert choose_kernel("auto", 8, 2048, 32768).kernel == "pallas"
-        assert choose_kernel("pallas", 8, 2048, 32768) == KernelChoice("pallas", False, "as set")
-        assert choose_kernel("auto", 8, 2048, 32768, tensor_split).why == "the mesh splits the vocabulary"
-        with pytest.raises(ConfigError, match="needs each device to hold the whole vocabulary"):
-            choose_kernel("pallas", 8, 2048, 32768, tensor_split)
+def v5e_mesh(tensor: int = 1):
+    """A compile-only mesh of v5e chips (its devices name their kind): one, or `tensor` split."""
+    from ferry.plan.planner import compile_only_mesh
+    from ferry.sharding import MeshConfig
+    from ferry.xla.targets import TARGETS
+
+    return compile_only_mesh(TARGETS["v5e"], MeshConfig(tensor=tensor))
+
+
+V5E_SHAPE = (8 * 2048, 32768, 32768, 2048, 2)  # a chunk's tokens, its columns, the vocabulary, width, bf16
+
+
+def test_off_a_tpu_auto_takes_xla_and_pallas_is_interpreted_or_refused():
+    assert choose_kernel("auto", *V5E_SHAPE) == KernelChoice("xla", None, False, "cpu, not a TPU")
+    interpreted = choose_kernel("pallas", *V5E_SHAPE)
+    assert interpreted == KernelChoice("pallas", HeadTiles(1024, 512), True, "as set, in Pallas interpret mode (cpu)")
+    assert choose_kernel("xla", *V5E_SHAPE) == KernelChoice("xla", None, False, "as set")
     with attention_platform("gpu"), pytest.raises(ConfigError, match="is a TPU kernel"):
-        choose_kernel("pallas", 8, 2048, 32768)
-    assert choose_kernel("xla", 8, 2048, 32768) == KernelChoice("xla", False, "as set")
+        choose_kernel("pallas", *V5E_SHAPE)
+
+
+@needs_libtpu
+def test_on_v5e_auto_takes_the_kernel_where_it_beats_xla():
+    """On a TPU whose devices hold the whole vocabulary and whose VMEM holds blocks of 512 tokens
+    or more (v5e: 1,024 at the benchmark's shape); XLA elsewhere, saying why; `pallas` refused
+    where it cannot run."""
+    with attention_platform("tpu"):
+        mesh = v5e_mesh()
+        chosen = choose_kernel("auto", *V5E_SHAPE, mesh)
+        assert chosen == KernelChoice(
+            "pallas", HeadTiles(1024, 512), False, "a TPU v5 lite, the vocabulary whole on each device"
+        )
+        llama_8b = (8192, 128256, 128256, 4096, 2)  # 256-token blocks at this vocabulary: XLA
+        assert choose_kernel("auto", *llama_8b, mesh).why == (
+            "128 MiB of VMEM holds blocks of 256 tokens here, under the 512 that beat XLA"
+        )
+        assert choose_kernel("pallas", *llama_8b, mesh).tiles == HeadTiles(256, 512)
+        assert choose_kernel("auto", 16384, 16384, 32768, 2048, 2, mesh).why == "the mesh splits the vocabulary"
+        with pytest.raises(ConfigError, match="needs each device to hold the whole vocabulary"):
+            choose_kernel("pallas", 16384, 16384, 32768, 2048, 2, mesh)
+        with pytest.raises(ConfigError, match="no block of tokens fits 128 MiB of VMEM"):
+            choose_kernel("pallas", 8192, 64 * 2**20, 64 * 2**20, 4096, 2, mesh)
 
 
 def test_the_config_takes_the_kernel_and_refuses_what_cannot_be():
@@ -124,9 +152,9 @@ def test_the_config_takes_the_kernel_and_refuses_what_cannot_be():
         LossHead("fused", kernel="mosaic")
     with pytest.raises(ConfigError, match="set train.loss_head=fused"):
         LossHead("chunked", kernel="pallas")
-    line = pallas(8, 2048, 32768).describe(8, 2048, 32768)
+    line = pallas(8, 2048, 32768).describe(8, 2048, 32768, 2048)
     assert line.endswith(
-        "each chunk by the Pallas kernel, its logits only in VMEM "
+        "each chunk by the Pallas kernel, its logits only in VMEM, in blocks of 1,024 tokens "
         "[train.loss_kernel=pallas: as set, in Pallas interpret mode (cpu)]"
     ), line
 
@@ -171,12 +199,9 @@ def test_on_v5e_the_kernel_is_a_mosaic_call_and_no_logits_are_held():
     bfloat16 (1 GiB), no float32 logits (2 GiB)."""
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from ferry.plan.planner import compile_only_mesh
-    from ferry.sharding import MeshConfig
     from ferry.xla.hlo_flops import matmul_flops
-    from ferry.xla.targets import TARGETS
 
-    mesh = compile_only_mesh(TARGETS["v5e"], MeshConfig())
+    mesh = v5e_mesh()
     batch, seq, dim, vocab = 8, 2048, 2048, 32768
     replicated = NamedSharding(mesh, PartitionSpec())
     shapes = ((batch, seq, dim), jnp.bfloat16), ((dim, vocab), jnp.float32), ((batch, seq), jnp.int32)

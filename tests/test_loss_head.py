@@ -277,10 +277,10 @@ def test_the_tpu_benchmark_runs_on_cpu_at_a_tiny_shape(tmp_path):
 
 
 def test_start_up_names_the_head_its_chunks_and_its_walk():
-    assert LossHead().describe(8, 2048, 32768) == (
+    assert LossHead().describe(8, 2048, 32768, 2048) == (
         "loss head: chunked (train.loss_head=chunked): the logits are never whole; 8 chunks of 4,096 of each "
         "device's 32,768 vocabulary columns, within train.loss_chunk_mib=256 MiB of float32 logits per chunk; the "
         "head's weight gradient in a walk of its own, after the layers' backward (train.loss_weight_grad=late)"
     )
-    assert "in the hidden state's walk" in LossHead("chunked", 256.0, "early").describe(1, 8192, 128256)
-    assert "the whole 8 x 2048 x 32,768 logits" in LossHead("logits").describe(8, 2048, 32768)
+    assert "in the hidden state's walk" in LossHead("chunked", 256.0, "early").describe(1, 8192, 128256, 4096)
+    assert "the whole 8 x 2048 x 32,768 logits" in LossHead("logits").describe(8, 2048, 32768, 2048)

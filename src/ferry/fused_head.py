@@ -31,7 +31,8 @@ backward, 2 GiB at a vocabulary of 128,256).
 Who makes a chunk (`train.loss_kernel`, `choose_kernel`): XLA, which writes the chunk's float32
 logits to HBM and reads them back, or a Pallas TPU kernel that keeps them in VMEM
 (`ferry.head_kernel`; 0.940x XLA's whole logits alone, 0.990x in a full_remat step on v5e).
-`auto`, the default, takes the kernel on a TPU whose devices each hold the whole vocabulary.
+`auto`, the default, takes the kernel on a TPU whose devices each hold the whole vocabulary
+(`ferry.loss_kernel`).
 
 The chunk rule (`sequence_chunks`): a chunk's float32 logits on one device, its batch rows x its
 positions x its vocabulary columns x 4 bytes, stay within `budget_bytes` (`train.loss_chunk_mib`).
@@ -49,9 +50,8 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
 from ferry.chunked_head import LOGIT_BYTES, OutputHead, chunk_owned, chunk_start, even_chunks, logits_share, pinned
-from ferry.config_schema import ConfigError
-from ferry.head_kernel import choose_tiles, head_chunk
-from ferry.nn.kernels.choice import lowering_platform
+from ferry.head_kernel import head_chunk
+from ferry.loss_kernel import KernelChoice, choose_kernel
 from ferry.sharding import PARAM_RULES, LogicalAxes, activation_spec, constrain, context_mesh, logical_spec
 
 SUBLANES = 8  # a chunk's positions are a multiple of this when at least this many fit the budget
@@ -108,49 +108,20 @@ def fused_loss(
     counted = jnp.ones(targets.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
     share = counted / jnp.maximum(jnp.sum(counted), 1.0)
     chunks = chunks_under_mesh(batch, seq, vocab, budget_bytes)
-    choice = choose_kernel(kernel, batch, seq, vocab)
-    walk = _Walk(chunks, head.vocab_axis, tuple(head.axes), z_loss_weight, choice.kernel, choice.interpret)
+    choice = kernel_for(kernel, batch, seq, vocab, hidden.shape[-1], hidden.dtype.itemsize, budget_bytes)
+    walk = _Walk(chunks, head.vocab_axis, tuple(head.axes), z_loss_weight, choice)
     loss, cross_entropy = _fused(hidden, head.weight, targets, share, walk)
     return loss, jax.lax.stop_gradient(cross_entropy)
 
 
-@dataclasses.dataclass(frozen=True)
-class KernelChoice:
-    """Who makes a fused head's chunks: XLA or the Pallas kernel ("xla" or "pallas"), the kernel
-    in interpret mode or not, and why."""
-
-    kernel: str
-    interpret: bool
-    why: str
-
-
-def choose_kernel(setting: str, batch: int, seq: int, vocab: int, mesh=None) -> KernelChoice:
-    """`train.loss_kernel`'s choice for this platform and mesh (default mesh: the context's):
-    `auto` takes the Pallas kernel on a TPU whose devices each hold the whole vocabulary, XLA
-    elsewhere; `pallas` is refused where it cannot run (a GPU: Mosaic is TPU-only; a mesh that
-    splits the vocabulary: a token's log-sum-exp would span devices), in interpret mode off a TPU."""
-    platform = lowering_platform()
-    whole = logits_share(batch, seq, vocab, mesh)[1] == vocab
-    if setting == "xla":
-        return KernelChoice("xla", False, "as set")
-    if setting == "auto":
-        if platform == "tpu" and whole:
-            return KernelChoice("pallas", False, "a TPU, the vocabulary whole on each device")
-        reason = "the mesh splits the vocabulary" if platform == "tpu" else f"{platform}, not a TPU"
-        return KernelChoice("xla", False, reason)
-    if platform == "gpu":
-        raise ConfigError(
-            "train.loss_kernel=pallas is a TPU kernel (Pallas Mosaic); on a GPU use train.loss_kernel=xla"
-        )
-    if not whole:
-        raise ConfigError(
-            "train.loss_kernel=pallas needs each device to hold the whole vocabulary, and this mesh splits the "
-            f"{vocab:,} logits columns over its tensor axis; use train.loss_kernel=xla (or auto) or mesh.tensor=1"
-        )
-    interpret = platform != "tpu"
-    return KernelChoice(
-        "pallas", interpret, f"as set, in Pallas interpret mode ({platform})" if interpret else "as set"
-    )
+def kernel_for(
+    setting: str, batch: int, seq: int, vocab: int, dim: int, itemsize: int, budget_bytes: int, mesh=None
+) -> KernelChoice:
+    """`train.loss_kernel`'s choice (`ferry.loss_kernel`) for a fused head over `batch` x `seq`
+    tokens of width `dim` under `mesh` (default: the context's): one device's chunk."""
+    rows, columns = logits_share(batch, seq, vocab, mesh)
+    chunks = sequence_chunks(rows, seq, columns, budget_bytes)
+    return choose_kernel(setting, rows * chunks.size, columns, vocab, dim, itemsize, mesh)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,8 +132,7 @@ class _Walk:
     vocab_axis: int
     axes: LogicalAxes
     z_loss_weight: float
-    kernel: str = "xla"  # who makes a chunk's gradients: XLA, or the Pallas kernel ("pallas")
-    interpret: bool = False  # the Pallas kernel in interpret mode (not on a TPU)
+    maker: KernelChoice  # who makes a chunk's gradients: XLA, or the Pallas kernel in its blocks
 
     @property
     def weight_subscripts(self) -> str:
@@ -193,7 +163,7 @@ def _forward(hidden: Array, weight: Array, targets: Array, share: Array, walk: _
 
         rows, row_targets = positions(hidden), positions(targets)
         row_share = jnp.where(owned, positions(share), 0.0)
-        gradients = _kernel_chunk if walk.kernel == "pallas" else _xla_chunk
+        gradients = _kernel_chunk if walk.maker.kernel == "pallas" else _xla_chunk
         logsumexp, target_logit, d_logits, d_rows = gradients(rows, compute_weight, row_targets, row_share, walk)
         sums = sums + jnp.stack(
             [jnp.sum(row_share * (logsumexp - target_logit)), jnp.sum(row_share * logsumexp * logsumexp)]
@@ -231,15 +201,15 @@ def _xla_chunk(rows: Array, weight: Array, targets: Array, share: Array, walk: _
 def _kernel_chunk(rows: Array, weight: Array, targets: Array, share: Array, walk: _Walk) -> tuple[Array, ...]:
     """The same from the Pallas kernel (`ferry.head_kernel`), the logits only in VMEM. A Pallas
     kernel has no partitioning rule: on a mesh it runs under shard_map on each device's batch
-    rows, the weight whole on every device (the vocabulary unsplit: `check_kernel_mesh`)."""
+    rows, the weight whole on every device (the vocabulary unsplit: `ferry.loss_kernel`)."""
 
     def per_device(rows: Array, weight: Array, targets: Array, share: Array) -> tuple[Array, ...]:
         batch, positions, dim = rows.shape
-        flat = batch * positions
-        tiles = choose_tiles(flat, weight.shape[walk.vocab_axis], dim, rows.dtype.itemsize)
+        flat, maker = batch * positions, walk.maker
+        assert maker.tiles is not None  # a choice of the kernel names its blocks
         outputs = head_chunk(
             rows.reshape(flat, dim), weight, targets.reshape(flat), share.reshape(flat),
-            tiles, walk.vocab_axis, walk.z_loss_weight, walk.interpret,
+            maker.tiles, walk.vocab_axis, walk.z_loss_weight, maker.interpret,
         )  # fmt: skip
         return tuple(out.reshape(batch, positions, *out.shape[1:]) for out in outputs)
 

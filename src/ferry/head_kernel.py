@@ -23,7 +23,7 @@ no HBM traffic, the gradient of the logits one write and one read in the compute
 The weight is walked in full once per pass per block of tokens: the block's rows set how often
 (the weight's tile is pipelined under the matmul when the block has enough rows, about 240 on a
 v5e chip). The scratch is rows x vocabulary x 2 bytes of VMEM (`vmem_bytes`); the
-largest block within 112 MiB is taken (`choose_tiles`): 1,024 tokens at the shape above, where
+largest block within the core's VMEM less 16 MiB is taken (`choose_tiles`): 1,024 tokens at the shape above, where
 blocks of 256, 512 and 1,024 ran 44.06, 40.42 and 39.66 ms before the vector work was moved off
 each step's matmul tile (run 11, call 1). That move (each step's vector work on the tile before
 or after its matmul's) took the kernel alone from 26.93 to 25.63 ms.
@@ -52,16 +52,29 @@ BLOCK_ROWS = (
     8,
 )  # multiples of every sublane tile  # largest first: fewer walks of the weight
 BLOCK_COLUMNS = 512
-VMEM_LIMIT = 128 * 2**20  # a v5e or v6e TensorCore's VMEM
-VMEM_BUDGET = 112 * 2**20  # of a v5e or v6e core's 128 MiB: the rest for Mosaic's own buffers
+V5E_VMEM = 128 * 2**20  # a v5e TensorCore's VMEM (and a v6e's)
+SPARE_VMEM = 16 * 2**20  # of a core's VMEM, left to Mosaic's own buffers
 
 
 @dataclasses.dataclass(frozen=True)
 class HeadTiles:
-    """The kernel's blocks: `rows` tokens by `columns` vocabulary columns."""
+    """The kernel's blocks: `rows` tokens by `columns` vocabulary columns, within `vmem` bytes of
+    VMEM (the core's)."""
 
     rows: int
     columns: int
+    vmem: int = V5E_VMEM
+
+
+def vmem_capacity(device_kind: str | None) -> int | None:
+    """A TensorCore's VMEM on a TPU of `device_kind` ("TPU v5 lite": 128 MiB), from JAX's table of
+    chips (a private module: None where it is missing or does not name the kind)."""
+    try:
+        from jax._src.pallas.mosaic import tpu_info
+    except ImportError:
+        return None
+    chip = tpu_info.chip_version_from_device_kind(device_kind) if device_kind else None
+    return None if chip is None else int(tpu_info.get_tpu_info_for_chip(chip, 1).vmem_capacity_bytes)
 
 
 def vmem_bytes(tiles: HeadTiles, vocab: int, dim: int, itemsize: int = 2) -> int:
@@ -73,15 +86,16 @@ def vmem_bytes(tiles: HeadTiles, vocab: int, dim: int, itemsize: int = 2) -> int
     return scratch + buffers + 8 * tiles.rows * tiles.columns * 4  # float32 temporaries of a tile
 
 
-def choose_tiles(tokens: int, vocab: int, dim: int, itemsize: int = 2) -> HeadTiles:
-    """The largest block of rows whose VMEM fits `VMEM_BUDGET` and that divides the tokens padded to a
-    whole sublane tile (`sublanes`: no padding, hence no copy, when the tokens fill whole tiles)."""
+def choose_tiles(tokens: int, vocab: int, dim: int, itemsize: int = 2, vmem: int = V5E_VMEM) -> HeadTiles:
+    """The largest block of rows whose VMEM fits `vmem` less `SPARE_VMEM` and that divides the
+    tokens padded to a whole sublane tile (`sublanes`: no padding, hence no copy, when the tokens
+    fill whole tiles)."""
     padded = padded_tokens(tokens, itemsize)
     for rows in BLOCK_ROWS:
-        tiles = HeadTiles(rows, BLOCK_COLUMNS)
-        if rows <= padded and padded % rows == 0 and vmem_bytes(tiles, vocab, dim, itemsize) <= VMEM_BUDGET:
+        tiles = HeadTiles(rows, BLOCK_COLUMNS, vmem)
+        if rows <= padded and padded % rows == 0 and vmem_bytes(tiles, vocab, dim, itemsize) <= vmem - SPARE_VMEM:
             return tiles
-    raise ValueError(f"no block of rows fits {VMEM_BUDGET / 2**20:.0f} MiB of VMEM at a vocabulary of {vocab:,}")
+    raise ValueError(f"no block of rows fits {vmem / 2**20:.0f} MiB of VMEM at a vocabulary of {vocab:,}")
 
 
 def sublanes(itemsize: int) -> int:
@@ -155,7 +169,7 @@ def head_chunk(
         ],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary"),
-            vmem_limit_bytes=min(vmem_bytes(tiles, vocab, dim, rows.dtype.itemsize) + 16 * 2**20, VMEM_LIMIT),
+            vmem_limit_bytes=min(vmem_bytes(tiles, vocab, dim, rows.dtype.itemsize) + SPARE_VMEM, tiles.vmem),
         ),
         interpret=interpret,
     )(targets[:, None].astype(jnp.int32), share[:, None].astype(jnp.float32), rows, weight)

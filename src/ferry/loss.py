@@ -11,8 +11,8 @@ from jaxtyping import Array, Bool, Float, Int
 
 from ferry.chunked_head import OutputHead, chunks_under_mesh, logsumexp_and_target_logit
 from ferry.config_schema import ConfigError
-from ferry.fused_head import choose_kernel, fused_loss
 from ferry.fused_head import chunks_under_mesh as sequence_chunks_under_mesh
+from ferry.fused_head import fused_loss, kernel_for
 
 LOSS_HEADS = ("chunked", "fused", "logits")
 WEIGHT_GRADS = ("late", "early")
@@ -104,15 +104,18 @@ class LossHead:
             return cross_entropy, cross_entropy
         return cross_entropy + z_loss_weight * mean(logsumexp * logsumexp), cross_entropy
 
-    def kernel_line(self, batch: int, seq: int, vocab: int, mesh=None) -> str:
+    def kernel_line(self, batch: int, seq: int, vocab: int, dim: int, itemsize: int, mesh=None) -> str:
         """Who makes the fused head's chunks, and why (refusing a kernel that cannot run under `mesh`)."""
-        choice = choose_kernel(self.kernel, batch, seq, vocab, mesh)
-        who = "XLA" if choice.kernel == "xla" else "the Pallas kernel, its logits only in VMEM"
+        choice = kernel_for(self.kernel, batch, seq, vocab, dim, itemsize, self.budget_bytes, mesh)
+        who = "XLA"
+        if choice.tiles is not None:
+            who = f"the Pallas kernel, its logits only in VMEM, in blocks of {choice.tiles.rows:,} tokens"
         return f"each chunk by {who} [train.loss_kernel={self.kernel}: {choice.why}]"
 
-    def describe(self, batch: int, seq: int, vocab: int, mesh=None) -> str:
-        """The start-up line: which head, and for the chunked one its chunks for a micro batch of
-        `batch` x `seq` tokens over `mesh`."""
+    def describe(self, batch: int, seq: int, vocab: int, dim: int, itemsize: int = 2, mesh=None) -> str:
+        """The start-up line: which head, and for the chunked and fused ones their chunks for a
+        micro batch of `batch` x `seq` tokens of width `dim` (the compute dtype `itemsize` bytes)
+        over `mesh`."""
         if self.kind == "logits":
             return (
                 f"loss head: logits (train.loss_head=logits): the whole {batch} x {seq} x {vocab:,} logits "
@@ -125,7 +128,7 @@ class LossHead:
                 f"loss head: fused (train.loss_head=fused): the loss and both gradients in one walk of the forward "
                 f"pass, {count} chunk{'s' if count > 1 else ''} of {positions.size:,} of the {seq:,} "
                 f"positions, within train.loss_chunk_mib={self.chunk_mib:g} MiB of float32 logits per chunk; "
-                + self.kernel_line(batch, seq, vocab, mesh)
+                + self.kernel_line(batch, seq, vocab, dim, itemsize, mesh)
             )
         chunks = chunks_under_mesh(batch, seq, vocab, self.budget_bytes, mesh)
         return (

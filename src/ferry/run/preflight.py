@@ -214,7 +214,10 @@ def announce(config: FerryConfig, num_parameters: int, corpus: Corpus, console: 
 def announce_loss_head(config: FerryConfig, mesh: Mesh, console: Console) -> None:
     """How the loss reads the output head (train.loss_head), for one micro step's batch."""
     micro_batch = config.train.rows_per_micro_step(config.mesh.data_parallel)
-    line = config.train.head.describe(micro_batch, config.train.seq_len, config.model.vocab_size, mesh)
+    itemsize = jnp.dtype(config.train.compute_dtype).itemsize
+    line = config.train.head.describe(
+        micro_batch, config.train.seq_len, config.model.vocab_size, config.model.dim, itemsize, mesh
+    )
     console.print(line, highlight=False)
 
 
