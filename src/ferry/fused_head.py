@@ -28,11 +28,11 @@ default: on an H200 plan of 2 layers of Llama 3.1 8B at 1 x 8,192 it needs 5.48 
 temporaries against the chunked head's 3.59 (the weight's gradient held through the layers'
 backward, 2 GiB at a vocabulary of 128,256).
 
-Who makes a chunk (`train.loss_kernel`, `choose_kernel`): XLA, which writes the chunk's float32
+Who makes a chunk (`train.loss_kernel`, `kernel_for`): XLA, which writes the chunk's float32
 logits to HBM and reads them back, or a Pallas TPU kernel that keeps them in VMEM
 (`ferry.head_kernel`; 0.940x XLA's whole logits alone, 0.990x in a full_remat step on v5e).
-`auto`, the default, takes the kernel on a TPU whose devices each hold the whole vocabulary
-(`ferry.loss_kernel`).
+`auto`, the default, takes the kernel on a TPU whose devices each hold the whole vocabulary and
+whose VMEM holds blocks of 512 tokens or more (`ferry.loss_kernel`).
 
 The chunk rule (`sequence_chunks`): a chunk's float32 logits on one device, its batch rows x its
 positions x its vocabulary columns x 4 bytes, stay within `budget_bytes` (`train.loss_chunk_mib`).

@@ -40,7 +40,7 @@ class TrainConfig:
     loss_weight_grad: str = "late"
     # loss_head=fused: each chunk's logits, softmax and gradients by XLA (xla), or by a Pallas TPU kernel that
     # keeps the logits in VMEM (pallas; Pallas interpret mode off a TPU, refused on a GPU); auto: pallas on a
-    # TPU whose devices hold the whole vocabulary, else xla
+    # TPU whose devices hold the whole vocabulary and whose VMEM holds blocks of 512 tokens, else xla
     loss_kernel: str = "auto"
     compute_dtype: str = "bfloat16"
     seed: int = 0
