@@ -101,7 +101,7 @@ def fused_loss(
     """The mean cross-entropy of the logits `hidden @ head` plus `z_loss_weight * mean(logsumexp^2)`,
     and the cross-entropy alone (not differentiated), both float32; `weights`: which tokens count
     (the means are over those; None: all). The gradients are made as the loss is (module docstring),
-    each chunk's by XLA or by the Pallas kernel of `ferry.head_kernel`, as `choose_kernel` reads
+    each chunk's by XLA or by the Pallas kernel of `ferry.head_kernel`, as `kernel_for` reads
     `kernel` ("auto", "xla" or "pallas")."""
     batch, seq, _ = hidden.shape
     vocab = head.weight.shape[head.vocab_axis]

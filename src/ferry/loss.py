@@ -57,12 +57,13 @@ class LossHead:
     of the forward pass, a chunk of the sequence at a time within `chunk_mib` (`ferry.fused_head`):
     the whole logits' three matmuls, none of their memory. `logits` makes them whole, as the model's `__call__`
     returns them, and takes today's cross-entropy of them (`next_token_loss`): the reference, and
-    what the chunked head must equal."""
+    what the chunked head must equal. `kernel` says who makes the fused head's chunks: XLA, or the
+    Pallas kernel that keeps their logits in VMEM (`train.loss_kernel`, `ferry.loss_kernel`)."""
 
     kind: str = "chunked"
     chunk_mib: float = 256.0
     weight_grad: str = "late"
-    kernel: str = "auto"  # the fused head's chunks by XLA or by the Pallas kernel (`ferry.fused_head.choose_kernel`)
+    kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if self.kind not in LOSS_HEADS:
@@ -108,7 +109,7 @@ class LossHead:
         """Who makes the fused head's chunks, and why (refusing a kernel that cannot run under `mesh`)."""
         choice = kernel_for(self.kernel, batch, seq, vocab, dim, itemsize, self.budget_bytes, mesh)
         who = "XLA"
-        if choice.tiles is not None:
+        if choice.tiles is not None:  # the kernel's choice names its blocks
             who = f"the Pallas kernel, its logits only in VMEM, in blocks of {choice.tiles.rows:,} tokens"
         return f"each chunk by {who} [train.loss_kernel={self.kernel}: {choice.why}]"
 

@@ -10,6 +10,8 @@ no block of tokens fits the VMEM; off a TPU it runs in Pallas interpret mode (th
 
 import dataclasses
 
+from jax.sharding import AbstractMesh, Mesh
+
 from ferry.config_schema import ConfigError
 from ferry.head_kernel import V5E_VMEM, HeadTiles, choose_tiles, vmem_capacity
 from ferry.nn.kernels.choice import lowering_platform
@@ -33,11 +35,10 @@ class KernelChoice:
     why: str
 
 
-def device_kind(mesh) -> str | None:
-    """The kind of the devices the step is traced for ("TPU v5 lite"): the mesh's, where it names
-    devices (a concrete or a compile-only mesh), else None."""
-    devices = getattr(mesh, "devices", None)
-    return None if devices is None or not hasattr(devices, "flat") else devices.flat[0].device_kind
+def device_kind(mesh: Mesh | AbstractMesh | None) -> str | None:
+    """The kind of the devices the step is traced for ("TPU v5 lite"): a concrete mesh's (a
+    compile-only mesh of a target's devices too), else None (as `mesh_platform` reads a mesh)."""
+    return mesh.devices.flat[0].device_kind if isinstance(mesh, Mesh) else None
 
 
 def choose_kernel(
