@@ -30,16 +30,16 @@ from pathlib import Path
 from typing import Any
 
 import jax
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from ferry.config.overrides import hydra_compose
+from ferry.config.root import FerryConfig, load_config
 from ferry.models.registry import abstract_model
+from ferry.offload.schedule import format_bytes
 from ferry.platform import apply_platform
-from ferry.run.config import FerryConfig, load_config
 from ferry.run.policy_check import TOLERANCE, PolicyCheckError, check_policy, one_device_mesh
-from ferry.schedule import format_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
@@ -63,8 +63,7 @@ MAX_MICRO_BATCH = 64
 
 def compose_run(*overrides: str) -> FerryConfig:
     """The validated config `python launch/run.py OVERRIDES...` would run."""
-    with initialize_config_dir(str(CONFIGS), version_base=None):
-        cfg = compose("train", overrides=list(overrides))
+    cfg = hydra_compose(CONFIGS, "train", list(overrides))
     return load_config(OmegaConf.to_container(cfg, resolve=True))
 
 
@@ -388,4 +387,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    from ferry.cpu_only import keep_jax_to_the_cpu
+
+    keep_jax_to_the_cpu()  # before JAX starts a backend: no accelerator plugin's traceback on a CPU-only machine
     sys.exit(main())

@@ -25,7 +25,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from ferry.offload import to_memory
+from ferry.offload.engine import to_memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +194,9 @@ def _rate(copies) -> float:
 
 
 if __name__ == "__main__":  # python benchmarks/host_link.py: the probe, then the link by concurrency
+    from ferry.cpu_only import keep_jax_to_the_cpu
+
+    keep_jax_to_the_cpu()  # before JAX starts a backend: no accelerator plugin's traceback on a CPU-only machine
     print(measure_traced().describe(), flush=True)
     print(measure_wall_clock().describe(), flush=True)
     for row in measure_concurrency():

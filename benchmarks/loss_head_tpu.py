@@ -2,7 +2,7 @@
 beside the chunked head (`train.loss_head=chunked`, at each `--chunk-mib`, its weight gradient in
 a walk of its own or the hidden state's: `train.loss_weight_grad=late|early`), the fused head
 (`train.loss_head=fused`, the loss and both gradients in one forward walk, at each `--chunk-mib`),
-the same with each chunk made by the Pallas kernel (`train.loss_kernel=pallas`, `ferry.head_kernel`;
+the same with each chunk made by the Pallas kernel (`train.loss_kernel=pallas`, `ferry.head.kernel`;
 at each `--kernel-rows` block of tokens, default: the kernel's own choice), and a plain-JAX
 floor (the head's three matmuls alone, no softmax), in one run. The v5e shape of issue 46 by default:
 batch 8 x seq 2048 tokens, dim 2048, vocabulary 32,768, bfloat16.
@@ -27,10 +27,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ferry import head_kernel
-from ferry.chunked_head import OutputHead, vocab_chunks
-from ferry.fused_head import sequence_chunks
-from ferry.loss import MIB, LossHead
+from ferry.head import kernel as head_kernel
+from ferry.head.chunked import OutputHead, vocab_chunks
+from ferry.head.fused import sequence_chunks
+from ferry.head.loss import MIB, LossHead
 
 V5E_SHAPE = {"batch": 8, "seq": 2048, "dim": 2048, "vocab": 32768}
 CHUNK_MIB = (128.0, 256.0, 512.0)  # 256: the default (train.loss_chunk_mib)
@@ -201,4 +201,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    from ferry.cpu_only import keep_jax_to_the_cpu
+
+    keep_jax_to_the_cpu()  # before JAX starts a backend: no accelerator plugin's traceback on a CPU-only machine
     main()

@@ -19,11 +19,11 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from ferry.config.train import OffloadConfig, TrainConfig
 from ferry.config_schema import from_dict
 from ferry.models.registry import abstract_model, build_model, model_config
 from ferry.sharding import batch_sharded, make_mesh, replicated
 from ferry.train.compiled_step import batch_spec_of, compile_from_layout, layout_of
-from ferry.train.config import OffloadConfig, TrainConfig
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer
 from ferry.train.step import LossSettings, train_step_body
 from ferry.train.train_state import init_state
@@ -109,4 +109,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from ferry.cpu_only import keep_jax_to_the_cpu
+
+    keep_jax_to_the_cpu()  # before JAX starts a backend: no accelerator plugin's traceback on a CPU-only machine
     main()

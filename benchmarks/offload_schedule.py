@@ -1,7 +1,7 @@
 """Which copy schedule hides host copies best, compiled side by side for a GPU target:
 
 - per layer: each copy issued inside its layer (`offload.pipelined=false`);
-- ferry: copies one layer apart, in Python (`ferry.offload_scan`, the default);
+- ferry: copies one layer apart, in Python (`ferry.offload.scan`, the default);
 - ferry, peel 1 / peel 2: the same with each stack's first layer and its last one or two outside
   its loop (`offload.peel`): no placeholder copies, and the copies of those layers free of a loop;
 - XLA: XLA's pipelined host offloading (`xla_gpu_enable_pipelined_host_offloading`) on the
@@ -132,4 +132,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    from ferry.cpu_only import keep_jax_to_the_cpu
+
+    keep_jax_to_the_cpu()  # before JAX starts a backend: no accelerator plugin's traceback on a CPU-only machine
     sys.exit(main())

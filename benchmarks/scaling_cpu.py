@@ -33,12 +33,12 @@ class Layout:
     def __init__(self, model: str, layout: str, batch: int, seq_len: int, root: Path):
         import jax
         import numpy as np
-        from hydra import compose, initialize_config_dir
         from omegaconf import OmegaConf
         from rich.console import Console
 
+        from ferry.config.overrides import hydra_compose
+        from ferry.config.root import load_config
         from ferry.data.placement import device_batch
-        from ferry.run.config import load_config
         from ferry.run.preflight import prepare
         from ferry.train.compiled_step import batch_spec_of, compile_from_layout, layout_of
         from ferry.train.optimizer import learning_rate_schedule, make_optimizer
@@ -49,8 +49,7 @@ class Layout:
         overrides = [f"model={model}", f"train.global_batch_size={batch}", f"train.seq_len={seq_len}"]
         overrides += [f"mesh.{axis}" for axis in layout.split()]
         overrides += [f"run.dir={root / layout.replace(' ', '_').replace('=', '')}", "train.warmup_steps=1"]
-        with initialize_config_dir(str(CONFIGS), version_base=None):
-            cfg = compose("train", overrides=[*overrides, f"platform.cpu_devices={DEVICES}"])
+        cfg = hydra_compose(CONFIGS, "train", [*overrides, f"platform.cpu_devices={DEVICES}"])
         prepared = prepare(load_config(OmegaConf.to_container(cfg, resolve=True)), Console(quiet=True))
         config, self.mesh = prepared.config, prepared.mesh
         optimizer = make_optimizer(config.train)
@@ -139,4 +138,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from ferry.cpu_only import keep_jax_to_the_cpu
+
+    keep_jax_to_the_cpu()  # before JAX starts a backend: no accelerator plugin's traceback on a CPU-only machine
     main()

@@ -89,22 +89,21 @@ def plan_here(preset: str, moe_matmul: str, out: Path, mesh: str) -> None:
     its plan. Only the plan: `mode=plan` would also compile `save_all` for its recompute check,
     which does not fit a v5p at this shape (130 GiB of temporaries, a compile-time OOM)."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin would otherwise try to start a GPU
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    from ferry.config.overrides import hydra_compose
+    from ferry.config.root import load_config
+    from ferry.config.train import OffloadConfig
     from ferry.config_schema import from_dict
     from ferry.models.registry import abstract_model
     from ferry.plan.planner import plan_memory
     from ferry.platform import PlatformConfig
-    from ferry.run.config import load_config
-    from ferry.train.config import OffloadConfig
     from ferry.xla.targets import TARGETS
 
     configs = ROOT / "configs"
     offload = MAXTEXT_BEST if preset == "maxtext_best" else (f"offload={preset}",)
     overrides = ["mode=plan", "target=v5p", *SHAPE, *MESHES[mesh], f"model.moe_matmul={moe_matmul}", *offload]
-    with initialize_config_dir(str(configs), version_base=None):
-        config = load_config(OmegaConf.to_container(compose("train", overrides=overrides), resolve=True))
+    config = load_config(OmegaConf.to_container(hydra_compose(configs, "train", overrides), resolve=True))
     preset_config = (
         config.offload
         if preset == "maxtext_best"
@@ -168,4 +167,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    from ferry.cpu_only import keep_jax_to_the_cpu
+
+    keep_jax_to_the_cpu()  # before JAX starts a backend: no accelerator plugin's traceback on a CPU-only machine
     sys.exit(main())

@@ -21,11 +21,11 @@ from pathlib import Path
 import jax
 from omegaconf import OmegaConf
 
+from ferry.config.root import FerryConfig, load_config
 from ferry.errors import FerryError
 from ferry.hf import save_pretrained
 from ferry.hf.pretrained import EXPORT_DTYPES
 from ferry.run.checkpoint import Checkpoints, checkpoint_steps
-from ferry.run.config import FerryConfig, load_config
 from ferry.sharding import MeshConfig, make_mesh
 from ferry.train.state_layout import run_state_layout
 
@@ -105,4 +105,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    from ferry.cpu_only import keep_jax_to_the_cpu
+
+    keep_jax_to_the_cpu()  # before JAX starts a backend: no accelerator plugin's traceback on a CPU-only machine
     sys.exit(main(sys.argv[1:]))

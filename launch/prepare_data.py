@@ -25,20 +25,23 @@ def exit_interrupted(line: str) -> None:
 
 if __name__ == "__main__":  # the imports below take seconds; Ctrl-C during them is one line too
     signal.signal(signal.SIGINT, lambda signum, frame: exit_interrupted("interrupted before anything was written"))
+    from ferry.cpu_only import keep_jax_to_the_cpu
+
+    keep_jax_to_the_cpu()  # before JAX starts a backend: no accelerator plugin's traceback on a CPU-only machine
 
 from pathlib import Path  # noqa: E402
 
 from rich.console import Console  # noqa: E402
 from rich.markup import escape  # noqa: E402
 
-from ferry.config_schema import ConfigError, from_dict  # noqa: E402
+from ferry.config.overrides import compose_node  # noqa: E402
+from ferry.config.paths import check_directory_to_write  # noqa: E402
+from ferry.config_schema import from_dict  # noqa: E402
 from ferry.data.config import DataConfig  # noqa: E402
 from ferry.data.prepare import prepare_corpus  # noqa: E402
 from ferry.data.shards import SPLITS  # noqa: E402
 from ferry.data.tokenizer import load_tokenizer  # noqa: E402
-from ferry.errors import FerryError  # noqa: E402
-from ferry.overrides import compose_node  # noqa: E402
-from ferry.paths import check_directory_to_write  # noqa: E402
+from ferry.errors import ConfigError, FerryError  # noqa: E402
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 

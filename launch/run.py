@@ -7,7 +7,7 @@ then checks it against the names the model really tags.
 Without `offload=`, the run uses offload=auto's choice where `mode=plan offload=auto` planned this
 step for this accelerator under run.root, else minimal (the fastest measured preset), or full_remat
 where minimal's compiled step does not fit; one start-up line says which and why
-(`ferry.default_policy`). `--cfg job` prints the resolved config and exits without starting JAX.
+(`ferry.run.default_policy`). `--cfg job` prints the resolved config and exits without starting JAX.
 `mode=compile target=v5e platform=tpu offload=<preset> ...` compiles the run's step for that TPU on
 this machine's CPU into JAX's compilation cache, so the run on the chip starts without compiling
 (`ferry.run.precompile`); `mode=plan target=...` plans presets for a target.
@@ -35,6 +35,9 @@ def exit_interrupted(line: str) -> None:
 
 if __name__ == "__main__":  # the imports below take seconds; Ctrl-C during them is one line too
     signal.signal(signal.SIGINT, lambda signum, frame: exit_interrupted(EARLY_INTERRUPT))
+    from ferry.cpu_only import keep_jax_to_the_cpu
+
+    keep_jax_to_the_cpu()  # before JAX starts a backend: no accelerator plugin's traceback on a CPU-only machine
 
 from pathlib import Path  # noqa: E402
 
@@ -44,21 +47,21 @@ from rich.console import Console  # noqa: E402
 from rich.markup import escape  # noqa: E402
 
 from ferry import distributed  # noqa: E402
-from ferry.config_schema import ConfigError, from_dict  # noqa: E402
-from ferry.default_policy import DefaultChoice, choose_default, names_preset, sets_offload_keys  # noqa: E402
-from ferry.errors import FerryError  # noqa: E402
+from ferry.config.overrides import compose_node  # noqa: E402
+from ferry.config.root import FerryConfig, load_config  # noqa: E402
+from ferry.config.train import OffloadConfig  # noqa: E402
+from ferry.config_schema import from_dict  # noqa: E402
+from ferry.errors import ConfigError, FerryError  # noqa: E402
 from ferry.memory import InsufficientMemoryError  # noqa: E402
-from ferry.overrides import compose_node  # noqa: E402
 from ferry.platform import PlatformConfig, apply_platform, check_gpu_jax, check_platform  # noqa: E402
 from ferry.run.checkpoint import checkpoint_steps  # noqa: E402
-from ferry.run.config import FerryConfig, load_config  # noqa: E402
 from ferry.run.config_paths import check_config_paths  # noqa: E402
+from ferry.run.default_policy import DefaultChoice, choose_default, names_preset, sets_offload_keys  # noqa: E402
 from ferry.run.directory import resolve_run_dir  # noqa: E402
 from ferry.run.nonfinite import NonFiniteLossError  # noqa: E402
 from ferry.run.precompile import check_compile_target, precompile  # noqa: E402
 from ferry.run.preflight import PreparedRun, prepare  # noqa: E402
 from ferry.run.training import train  # noqa: E402
-from ferry.train.config import OffloadConfig  # noqa: E402
 from ferry.xla.hardware import accelerator_name  # noqa: E402
 from ferry.xla.scheduler_costs import scheduler_target  # noqa: E402
 
@@ -79,7 +82,7 @@ def make_console(quiet: bool = False) -> Console:
 
 def compose_overrides(argv: list[str]) -> dict:
     """The resolved config for these overrides, as a plain dict; every refusal (a bad override,
-    an unknown key, a missing preset) a one-line ConfigError (`ferry.overrides`)."""
+    an unknown key, a missing preset) a one-line ConfigError (`ferry.config.overrides`)."""
     for arg in argv:
         if arg.startswith("-"):  # `--cfg job` is taken by `config_request` before
             raise ConfigError(f"{arg}: ferry takes config overrides (key=value), not options; see {__file__}")
@@ -141,7 +144,7 @@ def main(argv: list[str]) -> int:
 
 def train_run(argv: list[str], node: dict, config: FerryConfig, console: Console, runs: list[PreparedRun]) -> None:
     """Prepare and train (each prepared run appended to `runs`); a command that names no preset
-    trains with `ferry.default_policy`'s choice, full_remat where minimal's compiled step is over
+    trains with `ferry.run.default_policy`'s choice, full_remat where minimal's compiled step is over
     the device (refused before anything is written)."""
     choice = None if names_preset(argv) else choose_default(config, accelerator(), sets_offload_keys(argv))
     while True:
@@ -246,9 +249,10 @@ def plan(config: FerryConfig, console: Console, node: dict) -> int:
     # run beside a training run (or another plan) there
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     console = Console(width=max(console.width, 150), soft_wrap=console.soft_wrap)  # the tables are wide
-    from ferry.plan.auto_measure import candidate_run, resolve_measure, subprocess_compiler, subprocess_measurer
+    from ferry.plan.auto_measure import candidate_run, resolve_measure, subprocess_measurer
     from ferry.plan.measure import accelerator_present
     from ferry.plan.report import plan_presets, run_plan, target_platform, write_plan
+    from ferry.run.compile_ahead import subprocess_compiler
     from ferry.xla.targets import TARGETS
 
     if config.target is None:  # FerryConfig refuses mode=plan without one; said again for the type checker

@@ -22,8 +22,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ferry.config.root import FerryConfig as ROOT  # the one import naming where the root config lives
 from ferry.models.registry import FAMILIES
-from ferry.run.config import FerryConfig as ROOT  # the one import naming where the root config lives
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "reference" / "config.md"
 # the root's fields that no override sets: derived from the model group, or printed notes
@@ -246,4 +246,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    from ferry.cpu_only import keep_jax_to_the_cpu
+
+    keep_jax_to_the_cpu()  # before JAX starts a backend: no accelerator plugin's traceback on a CPU-only machine
     sys.exit(main(sys.argv[1:]))

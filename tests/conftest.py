@@ -39,14 +39,14 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from ferry.config.overrides import hydra_compose
+from ferry.config.root import FerryConfig, load_config
+from ferry.config.train import OffloadConfig
 from ferry.config_schema import from_dict
 from ferry.models.registry import model_config
 from ferry.platform import PlatformConfig
-from ferry.run.config import FerryConfig, load_config
-from ferry.train.config import OffloadConfig
 from tests.old_default import with_old_default
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,8 +91,7 @@ def load_model_config(name: str, **overrides):
 def compose_config(*overrides: str) -> FerryConfig:
     """The validated config `python launch/run.py OVERRIDES...` would run (offload=minimal_offloaded
     where they name no preset)."""
-    with initialize_config_dir(str(CONFIGS), version_base=None):
-        cfg = compose("train", overrides=list(with_old_default(overrides)))
+    cfg = hydra_compose(CONFIGS, "train", list(with_old_default(overrides)))
     return load_config(OmegaConf.to_container(cfg, resolve=True))
 
 

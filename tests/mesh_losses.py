@@ -14,12 +14,12 @@ import json
 import shlex
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from rich.console import Console
 
+from ferry.config.overrides import hydra_compose
+from ferry.config.root import load_config
 from ferry.platform import PlatformConfig, apply_platform
-from ferry.run.config import load_config
 from ferry.run.preflight import prepare
 from ferry.run.training import train
 
@@ -35,14 +35,13 @@ def main() -> None:
     args = parser.parse_args()
     apply_platform(PlatformConfig("cpu", cpu_devices=args.cpu_devices))
     losses = []
-    with initialize_config_dir(str(CONFIGS), version_base=None):
-        for index, run in enumerate(args.run):
-            overrides = shlex.split(args.common) + shlex.split(run) + [f"run.dir={args.root / str(index)}"]
-            cfg = compose("train", overrides=[*overrides, f"platform.cpu_devices={args.cpu_devices}"])
-            config = load_config(OmegaConf.to_container(cfg, resolve=True))
-            run_dir = train(prepare(config, Console(quiet=True)), OmegaConf.to_yaml(cfg), Console(quiet=True))
-            records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-            losses.append([r["loss"] for r in records if "loss" in r])
+    for index, run in enumerate(args.run):
+        overrides = shlex.split(args.common) + shlex.split(run) + [f"run.dir={args.root / str(index)}"]
+        cfg = hydra_compose(CONFIGS, "train", [*overrides, f"platform.cpu_devices={args.cpu_devices}"])
+        config = load_config(OmegaConf.to_container(cfg, resolve=True))
+        run_dir = train(prepare(config, Console(quiet=True)), OmegaConf.to_yaml(cfg), Console(quiet=True))
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        losses.append([r["loss"] for r in records if "loss" in r])
     print(json.dumps(losses))
 
 

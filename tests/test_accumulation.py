@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ferry.config.train import TrainConfig
 from ferry.models.registry import build_model
 from ferry.train.compiled_step import compile_from_layout, layout_of
-from ferry.train.config import TrainConfig
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer
 from ferry.train.step import LossSettings, train_step_body
 from ferry.train.train_state import init_state

@@ -17,22 +17,21 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from ferry.config_schema import ConfigError
 from ferry.data.segments import DocumentMask
+from ferry.errors import ConfigError
 from ferry.models.registry import abstract_model, build_model
 from ferry.nn.kernels.choice import (
     AttentionCall,
     AttentionChoiceError,
-    attention_platform,
     choose_attention,
-    lowering_platform,
 )
 from ferry.nn.kernels.cudnn import DEVICELESS_CUDNN_VERSION, CudnnAttention, cudnn_unavailable_reason
 from ferry.nn.kernels.flash import ATTENTION_LSE, ATTENTION_OUT
 from ferry.nn.kernels.splash import SplashAttention, block_size
 from ferry.nn.kernels.xla import XlaAttention
-from ferry.offload import record_tags
+from ferry.offload.engine import record_tags
 from ferry.plan.planner import compile_config_step, compile_only_mesh
+from ferry.sharding import attention_platform, lowering_platform
 from ferry.train.step import LossSettings, batch_loss
 from ferry.xla.hlo_flops import matmul_flops
 from ferry.xla.targets import TARGETS
@@ -318,7 +317,7 @@ def test_v5e_program_reruns_the_forward_kernel_only_where_its_residuals_are_reco
 
 @needs_libtpu
 def test_v5e_programs_kernels_are_priced_in_the_jaxpr_only():
-    """Splash's causal share (`ferry.expected_work`) prices its kernels where auto traces the
+    """Splash's causal share (`ferry.xla.expected_work`) prices its kernels where auto traces the
     layer's jaxpr. The compiled TPU program's kernels carry neither that scope nor a cost estimate
     (their lines have no op name), so the plan's compiled FLOP count leaves them out, marked or
     not: nothing is discounted twice."""

@@ -14,10 +14,13 @@ import pytest
 import yaml
 from rich.console import Console
 
-from ferry.config_schema import ConfigError, from_dict
+from ferry.config.root import load_config
+from ferry.config.train import AutoMeasureConfig, OffloadConfig
+from ferry.config_schema import from_dict
+from ferry.errors import ConfigError
 from ferry.plan import auto, auto_measure, report
 from ferry.plan.auto import PEEL
-from ferry.plan.auto_measure import candidate_run, resolve_measure, subprocess_compiler, subprocess_measurer
+from ferry.plan.auto_measure import candidate_run, resolve_measure, subprocess_measurer
 from ferry.plan.auto_search import MIN_GAIN
 from ferry.plan.measure import (
     MeasureError,
@@ -31,9 +34,9 @@ from ferry.plan.memory_plan import MemoryPlan
 from ferry.plan.planner import plan_memory
 from ferry.plan.report import run_plan, write_plan
 from ferry.plan.transfers import TransferSummary
-from ferry.run.config import load_config
+from ferry.run import compile_ahead as compile_ahead_module
+from ferry.run.compile_ahead import subprocess_compiler
 from ferry.run.policy_check import one_device_mesh
-from ferry.train.config import AutoMeasureConfig, OffloadConfig
 from ferry.xla.targets import TARGETS
 from tests.conftest import CONFIGS, compose_config, load_platform, load_preset, needs_cuda_plugin, run_launcher
 
@@ -86,11 +89,11 @@ def test_measuring_is_on_where_the_targets_accelerator_is_and_refused_where_aske
 
 def compose_node(*overrides: str) -> dict:
     """The resolved config node `python launch/run.py OVERRIDES...` would load."""
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    with initialize_config_dir(str(CONFIGS), version_base=None):
-        return OmegaConf.to_container(compose("train", overrides=list(overrides)), resolve=True)
+    from ferry.config.overrides import hydra_compose
+
+    return OmegaConf.to_container(hydra_compose(CONFIGS, "train", list(overrides)), resolve=True)
 
 
 _plans = {}
@@ -141,7 +144,7 @@ def measured_plan(fastest: int | None):
         compile_ahead = subprocess_compiler(run_node, "v5e")
     with (
         mock.patch.object(auto_measure, "measure_in_subprocess", measure_here),
-        mock.patch.object(auto_measure, "compile_in_subprocesses", compile_here),
+        mock.patch.object(compile_ahead_module, "compile_in_subprocesses", compile_here),
         mock.patch.object(report, "plan_memory", plan_once),
     ):
         result = run_plan(config, load_preset, load_platform, console, measure_one, compile_ahead)

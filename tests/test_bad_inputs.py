@@ -301,8 +301,8 @@ def test_a_parquet_file_of_garbage_is_refused_naming_it(tmp_path):
 
 
 def test_directory_checks(tmp_path):
-    from ferry.config_schema import ConfigError
-    from ferry.paths import check_directory_to_write, check_existing_directory, check_existing_file
+    from ferry.config.paths import check_directory_to_write, check_existing_directory, check_existing_file
+    from ferry.errors import ConfigError
 
     (tmp_path / "file").write_text("x")
     check_directory_to_write("k", str(tmp_path / "new" / "deeper"))  # makes nothing
@@ -320,8 +320,8 @@ def test_directory_checks(tmp_path):
 
 
 def test_unicode_values_and_reserved_characters_need_no_quotes(tmp_path):
-    from ferry.config_schema import ConfigError
-    from ferry.overrides import compose_node, quote_non_ascii
+    from ferry.config.overrides import compose_node, quote_non_ascii
+    from ferry.errors import ConfigError
 
     run_dir = str(tmp_path / "ünïcødé" / "rün")
     assert quote_non_ascii(f"run.dir={run_dir}") == f"run.dir='{run_dir}'"
@@ -335,7 +335,7 @@ def test_unicode_values_and_reserved_characters_need_no_quotes(tmp_path):
 
 
 def test_open_mappings_take_new_entries_and_deletions():
-    from ferry.overrides import compose_node
+    from ferry.config.overrides import compose_node
 
     node = compose_node(
         "train",
@@ -395,7 +395,7 @@ def test_prepare_data_takes_its_own_keys_only(tmp_path, capsys):
 
 
 def test_a_refusal_keeps_its_brackets(capsys):
-    from ferry.config_schema import ConfigError
+    from ferry.errors import ConfigError
     from tests.launcher_cases import load_launcher
 
     assert load_launcher().refuse(ConfigError('pip install -e ".[parquet]"')) == 2
@@ -443,7 +443,7 @@ def test_a_checkpoint_weight_holding_nan_is_refused_naming_the_tensor(tmp_path):
     import numpy as np
     from safetensors.numpy import save_file
 
-    from ferry.hf_format.safetensors_io import CheckpointError, CheckpointReader
+    from ferry.hf.safetensors_io import CheckpointError, CheckpointReader
 
     weight = np.ones((4, 4), np.float32)
     weight[2, 3] = np.nan
@@ -457,8 +457,8 @@ def test_a_checkpoint_weight_holding_nan_is_refused_naming_the_tensor(tmp_path):
 
 
 def test_an_evaluation_longer_than_the_held_out_split_is_noted():
+    from ferry.config.train import TrainConfig
     from ferry.run.training import held_out_note
-    from ferry.train.config import TrainConfig
 
     train = TrainConfig(global_batch_size=4, seq_len=32, eval_batches=3)
     assert held_out_note(train, held_out_windows=12) is None

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import Mesh
 
 from ferry.models.llama import llama_decoder_layer
-from ferry.offload import Policy, offloaded
+from ferry.offload.engine import Policy, offloaded
 from ferry.xla.hlo_host_copies import host_copies
 from ferry.xla.targets import TARGETS
 from tests.conftest import GPU_FLAGS, load_model_config, needs_cuda_plugin

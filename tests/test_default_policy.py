@@ -1,4 +1,4 @@
-"""The offload preset of a command that names none (`ferry.default_policy`): a plan's offload=auto
+"""The offload preset of a command that names none (`ferry.run.default_policy`): a plan's offload=auto
 choice where one of this step on this accelerator exists, else minimal, else full_remat when
 minimal's compiled step does not fit; said at start-up in one line."""
 
@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from ferry.default_policy import FASTEST, SMALLER, choose_default, names_preset, sets_offload_keys
 from ferry.memory import InsufficientMemoryError
-from ferry.run.plan_advice import step_identity
+from ferry.plan.advice import step_identity
+from ferry.run.default_policy import FASTEST, SMALLER, choose_default, names_preset, sets_offload_keys
 from tests.conftest import SMALL_RUN, compose_config, run_launcher
 from tests.launcher_cases import load_launcher
 

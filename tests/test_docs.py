@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from ferry.overrides import compose_node
-from ferry.run.config import load_config
+from ferry.config.overrides import compose_node
+from ferry.config.root import load_config
 from tests.conftest import CONFIGS, ROOT
 from tests.test_readme import launcher_overrides
 

@@ -14,7 +14,7 @@ from ferry.models.registry import build_model
 from ferry.nn.attention import GroupedQueryAttention, causal_attention
 from ferry.nn.mla import MultiHeadLatentAttention
 from ferry.nn.rope import Llama3RopeScaling, YarnScaling
-from ferry.offload import SAVE_ALL
+from ferry.offload.engine import SAVE_ALL
 from tests.conftest import load_model_config, preset_policy
 
 EOD = 0

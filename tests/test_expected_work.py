@@ -1,6 +1,6 @@
 """Work a program's static shape overstates (a dropless MoE's tiles, sized as if every slot a
 device sees routed to its own experts) is counted as it runs where the model marks it
-(`ferry.expected_work`): in the compiled program, in the jaxpr auto prices, and in the plan."""
+(`ferry.xla.expected_work`): in the compiled program, in the jaxpr auto prices, and in the plan."""
 
 import re
 
@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ferry.expected_work import expected_fraction, expected_work
 from ferry.plan.planner import compile_only_mesh
 from ferry.plan.replay import total_dot_flops
 from ferry.sharding import MeshConfig
+from ferry.xla.expected_work import expected_fraction, expected_work
 from ferry.xla.hlo_flops import matmul_count, matmul_flops
 from ferry.xla.targets import TARGETS
 from tests.conftest import GPU_FLAGS, needs_cuda_plugin, needs_libtpu

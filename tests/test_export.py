@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+from ferry.config.overrides import compose_node
 from ferry.hf import load_pretrained
-from ferry.overrides import compose_node
 from ferry.run.checkpoint import Checkpoints
 from ferry.sharding import MeshConfig, make_mesh
 from ferry.train.state_layout import run_state_layout

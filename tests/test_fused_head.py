@@ -1,4 +1,4 @@
-"""The fused loss head (`ferry.fused_head`, `train.loss_head=fused`): its loss and both gradients,
+"""The fused loss head (`ferry.head.fused`, `train.loss_head=fused`): its loss and both gradients,
 made in the forward pass, equal today's cross-entropy of the whole logits in float32 (z-loss, loss
 weights, a tied head, uneven chunks); its chunks follow the stated rule; and the compiled head
 holds no logits and runs the whole logits' three matmuls, not the chunked head's five."""
@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ferry.chunked_head import OutputHead
-from ferry.fused_head import SequenceChunks, chunks_under_mesh, sequence_chunks
-from ferry.loss import MIB, LossHead
+from ferry.head.chunked import OutputHead
+from ferry.head.fused import SequenceChunks, chunks_under_mesh, sequence_chunks
+from ferry.head.loss import MIB, LossHead
 from ferry.models.registry import build_model
 from ferry.xla.hlo_flops import matmul_flops
 from tests.conftest import compose_config, load_model_config, needs_libtpu

@@ -1,4 +1,4 @@
-"""The fused head's Pallas kernel (`ferry.head_kernel`, `train.loss_kernel`): in Pallas interpret
+"""The fused head's Pallas kernel (`ferry.head.kernel`, `train.loss_kernel`): in Pallas interpret
 mode on CPU its loss and both gradients equal today's cross-entropy of the whole logits (a head
 or a tied embedding, z-loss and weights, uneven chunks, a vocabulary that ends inside a tile,
 tokens that do not fill a tile), `auto` picks it where it runs and a setting that cannot run is
@@ -9,13 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ferry.chunked_head import OutputHead
-from ferry.config_schema import ConfigError
-from ferry.head_kernel import HeadTiles, choose_tiles, head_chunk, vmem_bytes, vmem_capacity
-from ferry.loss import MIB, LossHead
-from ferry.loss_kernel import KernelChoice, choose_kernel
-from ferry.nn.kernels.choice import attention_platform
+from ferry.errors import ConfigError
+from ferry.head.chunked import OutputHead
+from ferry.head.kernel import HeadTiles, choose_tiles, head_chunk, vmem_bytes, vmem_capacity
+from ferry.head.kernel_choice import KernelChoice, choose_kernel
+from ferry.head.loss import MIB, LossHead
 from ferry.plan.replay import total_dot_flops
+from ferry.sharding import attention_platform
 from tests.conftest import compose_config, needs_libtpu
 from tests.test_loss_head import ATOL, RTOL, axes_of, head_case, loss_and_grads
 

@@ -8,9 +8,11 @@ import pytest
 import yaml
 from rich.console import Console
 
+from ferry.config.overrides import compose_node
+from ferry.config.root import load_config
+from ferry.config.train import DEVICE_STATE, OffloadConfig
 from ferry.config_schema import from_dict
-from ferry.offload import Policy
-from ferry.overrides import compose_node
+from ferry.offload.engine import Policy
 from ferry.plan import report
 from ferry.plan.auto import Tried, auto_plan
 from ferry.plan.auto_measure import candidate_offload
@@ -18,10 +20,7 @@ from ferry.plan.auto_search import Prediction
 from ferry.plan.estimate import StepEstimate
 from ferry.plan.memory_plan import MemoryPlan
 from ferry.plan.transfers import TransferSummary
-from ferry.run.config import load_config
 from ferry.run.policy_check import one_device_mesh
-from ferry.train.config import OffloadConfig
-from ferry.train.state_memory import DEVICE_STATE
 from ferry.xla.targets import TARGETS
 from tests.conftest import CONFIGS, load_platform, load_preset
 

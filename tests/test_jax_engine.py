@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from ferry.offload import LAYER_INPUT, Policy, PolicyError
+from ferry.offload.engine import LAYER_INPUT, Policy, PolicyError
 from ferry.train.step import LossSettings, batch_loss
 from tests.conftest import preset_policy
 from tests.placements import count_device_puts

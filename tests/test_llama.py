@@ -8,7 +8,7 @@ import jaxtyping
 import numpy as np
 import pytest
 
-from ferry.loss import next_token_loss
+from ferry.head.loss import next_token_loss
 from ferry.models.llama import Llama
 from ferry.models.registry import parameter_count
 from ferry.nn.attention import causal_attention

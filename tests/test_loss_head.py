@@ -1,4 +1,4 @@
-"""The chunked loss head (`ferry.chunked_head`, `train.loss_head=chunked`): the loss and its
+"""The chunked loss head (`ferry.head.chunked`, `train.loss_head=chunked`): the loss and its
 gradients equal today's cross-entropy of the whole logits (`next_token_loss`) in float32, with
 z-loss, loss weights and a tied head; its chunks follow the stated rule; and a compiled step never
 holds the logits (its temporaries, read from the compiled program)."""
@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ferry.chunked_head import OutputHead, VocabChunks, chunks_under_mesh, vocab_chunks
-from ferry.config_schema import ConfigError
-from ferry.loss import MIB, LossHead, next_token_loss, whole_logits
+from ferry.config.train import TrainConfig
+from ferry.errors import ConfigError
+from ferry.head.chunked import OutputHead, VocabChunks, chunks_under_mesh, vocab_chunks
+from ferry.head.loss import MIB, LossHead, next_token_loss, whole_logits
 from ferry.models.registry import build_model
-from ferry.offload import SAVE_ALL
-from ferry.train.config import TrainConfig
+from ferry.offload.engine import SAVE_ALL
 from tests.conftest import compose_config, load_model_config, needs_cuda_plugin
 
 # float32 throughout: the chunked head sums the same products in another order

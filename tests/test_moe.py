@@ -16,7 +16,7 @@ from jax.sharding import AbstractMesh, AxisType
 from ferry.models.deepseek_v3 import _update_bias
 from ferry.nn.moe import DeepSeekMoE, Experts, dropless_moe, route, tile_layout
 from ferry.nn.moe.megablox import megablox_matmul
-from ferry.offload import record_tags
+from ferry.offload.engine import record_tags
 from ferry.sharding import MESH_AXES, MeshError
 from tests.conftest import needs_libtpu, run_python
 from tests.moe_reference import dense_moe

@@ -7,7 +7,7 @@ import pytest
 from rich.console import Console
 
 from benchmarks import moe_slice_tpu
-from ferry.schedule import LayerGroup, StateCopy, TransferSchedule, schedule_table
+from ferry.offload.schedule import LayerGroup, StateCopy, TransferSchedule, schedule_table
 from tests.conftest import compose_config
 
 

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ferry.offload import LAYER_INPUT, Policy, PolicyError, offloaded, tag, tagged_names
-from ferry.schedule import transfer_schedule
+from ferry.offload.engine import LAYER_INPUT, Policy, PolicyError, offloaded, tag, tagged_names
+from ferry.offload.schedule import transfer_schedule
 from tests.placements import count_device_puts
 
 

@@ -1,4 +1,4 @@
-"""The pipelined stack (`ferry.offload_scan`): the same gradients as the per-layer engine, bit for
+"""The pipelined stack (`ferry.offload.scan`): the same gradients as the per-layer engine, bit for
 bit, for every kind of residual it moves (tagged values, the layer input, a MoE's statistics,
 packed documents' segments as an extra input); and its copies one layer apart in the program."""
 
@@ -13,8 +13,8 @@ import pytest
 
 from ferry.data.segments import DocumentMask
 from ferry.models.registry import build_model
-from ferry.offload import Policy
-from ferry.schedule import model_schedule
+from ferry.offload.engine import Policy
+from ferry.offload.schedule import model_schedule
 from tests.conftest import load_model_config, preset_policy
 
 EOD = 0

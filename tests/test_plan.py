@@ -13,9 +13,10 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ferry import offload
 from ferry.models.registry import abstract_model
 from ferry.nn.attention import QUERY_CHUNK
+from ferry.offload import engine as offload
+from ferry.offload.schedule import model_schedule
 from ferry.plan.auto import (
     MAX_CHECKS,
     PEEL,
@@ -33,7 +34,6 @@ from ferry.plan.estimate import StepEstimate
 from ferry.plan.memory_plan import PlanError
 from ferry.plan.planner import compile_only_mesh, for_target, plan_memory
 from ferry.plan.replay import LayerGroupTrace, recompute_flops
-from ferry.schedule import model_schedule
 from ferry.sharding import MeshConfig
 from ferry.train.step import LossSettings, batch_loss
 from ferry.xla.hlo_flops import matmul_flops, xla_rematerialised
@@ -423,10 +423,10 @@ def test_auto_peels_the_stack_where_only_its_peeled_twin_fits(tmp_path):
     (nothing recomputed or copied beats it), and the preset auto writes trains with its peel."""
     import yaml
 
+    from ferry.config.root import check_peel
+    from ferry.config.train import OffloadConfig
     from ferry.config_schema import from_dict
     from ferry.plan.report import write_plan
-    from ferry.run.config import check_peel
-    from ferry.train.config import OffloadConfig
 
     _, _, over = auto_choice(H200, 0.01, seq_len=64)
     loop, twin = (t.plan.device_bytes for t in over[:2])
@@ -451,9 +451,9 @@ def test_auto_moves_the_train_state_to_host_when_only_that_fits(tmp_path):
     into the preset a run trains with."""
     import yaml
 
+    from ferry.config.train import OffloadConfig
     from ferry.config_schema import from_dict
     from ferry.plan.report import write_plan
-    from ferry.train.config import OffloadConfig
 
     remat = plan("llama_tiny", "full_remat", seq_len=64).device_bytes
     state_on_host = plan("llama_tiny", "full_remat", "offload.optimizer=host", "offload.params=host", seq_len=64)

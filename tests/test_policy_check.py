@@ -11,10 +11,10 @@ import jax
 import pytest
 from rich.console import Console
 
-import ferry.offload
-import ferry.offload_scan
+import ferry.offload.engine
+import ferry.offload.scan
 from ferry.models.registry import abstract_model
-from ferry.offload import Policy
+from ferry.offload.engine import Policy
 from ferry.run.policy_check import (
     CHECK_LAYERS,
     TOLERANCE,
@@ -69,15 +69,15 @@ def broken_restore(monkeypatch):
     """An engine whose copy back from host memory returns each value 0.1% off (the size of error a
     misplaced host read gives is far larger); compiled programs cached before or after are
     dropped, so no test sees another's."""
-    restore = ferry.offload.to_memory
+    restore = ferry.offload.engine.to_memory
 
     def off_by_a_little(x, memory_kind, *args, **kwargs):
         out = restore(x, memory_kind, *args, **kwargs)
         return out * 1.001 if memory_kind == "device" else out
 
     jax.clear_caches()
-    monkeypatch.setattr(ferry.offload, "to_memory", off_by_a_little)  # per-layer engine
-    monkeypatch.setattr(ferry.offload_scan, "to_memory", off_by_a_little)  # pipelined stacks
+    monkeypatch.setattr(ferry.offload.engine, "to_memory", off_by_a_little)  # per-layer engine
+    monkeypatch.setattr(ferry.offload.scan, "to_memory", off_by_a_little)  # pipelined stacks
     yield
     jax.clear_caches()
 
@@ -141,11 +141,11 @@ def test_the_launcher_refuses_a_broken_engine_with_status_2(tmp_path):
     run_dir = tmp_path / "run"
     code = f"""
 import runpy, sys
-import ferry.offload
-import ferry.offload_scan
-restore = ferry.offload.to_memory
-ferry.offload.to_memory = lambda x, kind, *a, **k: restore(x, kind, *a, **k) * (1.001 if kind == "device" else 1)
-ferry.offload_scan.to_memory = ferry.offload.to_memory
+import ferry.offload.engine
+import ferry.offload.scan
+restore = ferry.offload.engine.to_memory
+ferry.offload.engine.to_memory = lambda x, kind, *a, **k: restore(x, kind, *a, **k) * (1.001 if kind == "device" else 1)
+ferry.offload.scan.to_memory = ferry.offload.engine.to_memory
 sys.argv = ["launch/run.py", "train.check_policy=true", "train.seq_len={SEQ}", "data=synthetic", "run.dir={run_dir}",
             "offload=minimal_offloaded"]  # an offloading preset: the broken restore is on its path
 runpy.run_path("launch/run.py", run_name="__main__")

@@ -24,7 +24,7 @@ def test_the_step_and_the_init_land_in_the_cache_and_nothing_else_is_written(tmp
 
 
 def test_a_run_that_chooses_its_preset_at_start_up_is_refused(tmp_path):
-    """Without offload= a run picks its preset on its own chip (`ferry.default_policy`): which
+    """Without offload= a run picks its preset on its own chip (`ferry.run.default_policy`): which
     step to compile is not known here."""
     done = run_launcher(*COMPILE, f"run.dir={tmp_path}", old_default=False)
     assert done.returncode == 2 and "error: mode=compile compiles one preset's step" in done.stdout
@@ -32,10 +32,10 @@ def test_a_run_that_chooses_its_preset_at_start_up_is_refused(tmp_path):
 
 @needs_libtpu
 def test_autos_candidates_compile_ahead_side_by_side_each_saying_how_it_went(tmp_path, monkeypatch):
-    """`ferry.plan.compile_ahead`: each run config in its own process, at once; one that cannot be
+    """`ferry.run.compile_ahead`: each run config in its own process, at once; one that cannot be
     compiled for the chip says why, and costs the others nothing."""
-    from ferry.overrides import compose_node
-    from ferry.plan.compile_ahead import compile_in_subprocesses
+    from ferry.config.overrides import compose_node
+    from ferry.run.compile_ahead import compile_in_subprocesses
     from tests.conftest import CONFIGS
 
     monkeypatch.delenv(CACHE_VARIABLE, raising=False)

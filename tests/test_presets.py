@@ -13,8 +13,8 @@ import pytest
 from ferry.models.llama import Llama
 from ferry.models.registry import abstract_model
 from ferry.nn.kernels.flash import ATTENTION_LSE
-from ferry.offload import PolicyError
-from ferry.schedule import model_schedule
+from ferry.offload.engine import PolicyError
+from ferry.offload.schedule import model_schedule
 from ferry.train.step import LossSettings, batch_loss
 from ferry.xla.hlo_flops import matmul_flops
 from tests.conftest import MOE_ONLY_PRESETS, PRESETS, load_model_config, preset_policy

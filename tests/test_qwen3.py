@@ -18,11 +18,11 @@ from transformers import Qwen3Config as HFQwen3Config  # noqa: E402
 from transformers import Qwen3ForCausalLM  # noqa: E402
 
 from ferry.hf import CheckpointError, load_pretrained, save_pretrained  # noqa: E402
-from ferry.hf_format.config_json import check_matches  # noqa: E402
+from ferry.hf.config_json import check_matches  # noqa: E402
 from ferry.models import qwen3  # noqa: E402
 from ferry.models.llama import Llama  # noqa: E402
 from ferry.models.registry import abstract_model, parameter_count  # noqa: E402
-from ferry.offload import PolicyError  # noqa: E402
+from ferry.offload.engine import PolicyError  # noqa: E402
 from ferry.train.step import LossSettings, batch_loss  # noqa: E402
 from ferry.train.step_flops import training_flops  # noqa: E402
 from tests.conftest import MOE_ONLY_PRESETS, PRESETS, load_model_config, preset_policy, run_launcher  # noqa: E402

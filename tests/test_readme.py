@@ -11,9 +11,9 @@ from typing import Any
 import equinox as eqx
 import pytest
 
-from ferry.offload import Policy
-from ferry.overrides import compose_node
-from ferry.run.config import load_config
+from ferry.config.overrides import compose_node
+from ferry.config.root import load_config
+from ferry.offload.engine import Policy
 from ferry.xla.hlo_flops import matmul_flops
 from tests.conftest import CONFIGS, ROOT
 

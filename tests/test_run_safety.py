@@ -21,10 +21,9 @@ from rich.console import Console
 from safetensors.numpy import save_file
 
 import ferry.memory as memory_module
-from ferry.config_schema import ConfigError
-from ferry.errors import JsonFileError, read_json
+from ferry.errors import ConfigError, JsonFileError, read_json
 from ferry.hf import CheckpointError as HFCheckpointError
-from ferry.hf_format.safetensors_io import read_header
+from ferry.hf.safetensors_io import read_header
 from ferry.memory import CompiledMemory, InsufficientMemoryError, check_step_fits
 from ferry.run.checkpoint import Checkpoints, RunCheckpointError, array_checksums, checkpoint_steps
 from ferry.run.lock import LOCK_FILE, acquire
@@ -288,7 +287,7 @@ def test_damaged_hf_checkpoints_through_the_launcher(tmp_path):
 def test_checkpoint_final_false_saves_only_the_periodic_steps(tmp_path):
     """checkpoint.final=false (a benchmark's throwaway run): no save after the last step, the
     periodic ones and SIGTERM's kept."""
-    from ferry.run.config import CheckpointConfig
+    from ferry.config.root import CheckpointConfig
 
     keeping = Checkpoints(tmp_path / "a", CheckpointConfig(every=5))
     throwaway = Checkpoints(tmp_path / "b", CheckpointConfig(every=5, final=False))

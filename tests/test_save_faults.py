@@ -178,7 +178,7 @@ import shutil, sys, time
 from pathlib import Path
 import jax.numpy as jnp
 from ferry.run.checkpoint import Checkpoints, CheckpointSaveError
-from ferry.run.config import CheckpointConfig
+from ferry.config.root import CheckpointConfig
 directory = Path(sys.argv[1])
 checkpoints = Checkpoints(directory, CheckpointConfig(every=1))
 checkpoints.save(1, {"x": jnp.zeros(3)}, {"next_index": 1}, {})
@@ -258,7 +258,7 @@ def test_an_unwritable_checkpoint_directory_is_one_refusal(tmp_path):
 def test_metrics_on_a_full_disk_stop_the_run_in_one_line(tmp_path):
     """metrics.jsonl on a disk that is full (/dev/full): the write is refused naming the step and
     the file, and the file is closed, so the interpreter does not fail again on it at exit."""
-    from ferry.run.config import LogConfig
+    from ferry.config.root import LogConfig
     from ferry.run.loggers import RunLogError, RunLoggers
 
     (tmp_path / "metrics.jsonl").symlink_to("/dev/full")

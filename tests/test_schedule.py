@@ -8,8 +8,8 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType
 
 from ferry.models.registry import abstract_model
-from ferry.offload import Policy
-from ferry.schedule import model_schedule
+from ferry.offload.engine import Policy
+from ferry.offload.schedule import model_schedule
 from ferry.sharding import MESH_AXES, data_parallel_size
 from tests.conftest import load_model_config, preset_policy
 
@@ -69,7 +69,7 @@ def test_schedule_is_sized_per_device_of_the_mesh(shape, mla_q_width, moe_rows):
 def rendered(schedule, width: int) -> str:
     from rich.console import Console
 
-    from ferry.schedule import schedule_table
+    from ferry.offload.schedule import schedule_table
 
     console = Console(width=width, record=True, file=io.StringIO())
     console.print(schedule_table(schedule))
@@ -81,7 +81,7 @@ def test_table_fits_the_terminal_with_every_tensor_name_whole(width):
     """deepseek_v3_tiny (the longest names, three layer groups, pipelined and not) with a streamed
     train state: no line wider than the terminal, and every name a user types (offload.tensors.NAME)
     whole on one line."""
-    from ferry.schedule import StateCopy
+    from ferry.offload.schedule import StateCopy
 
     model = abstract_model(load_model_config("deepseek_v3_tiny"))
     policy = preset_policy("minimal_offloaded", model)

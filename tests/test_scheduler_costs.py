@@ -153,7 +153,7 @@ def test_a_peeled_stack_moves_no_placeholder_and_peeling_two_layers_of_four_meet
 def test_a_peeled_loop_of_one_layer_keeps_its_copies():
     """Peeled at 3 layers, the loop runs one layer and XLA unrolls it: the store it issues is then
     read straight back by the backward pass, and XLA would fold the pair into nothing, but the
-    host values pass a barrier with the cotangent (`ferry.offload_scan`), so every read tensor
+    host values pass a barrier with the cotangent (`ferry.offload.scan`), so every read tensor
     still crosses the link twice each way."""
     overrides = ("model.num_layers=3", "train.seq_len=512", "train.global_batch_size=1", "offload.peel=1")
     read = [c for c in planned("llama3_1_8b", "minimal_offloaded", *overrides).verification.copies if c.status != DEAD]

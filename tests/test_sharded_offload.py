@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
-from ferry.offload import LAYER_INPUT, Policy, offloaded, tag
+from ferry.offload.engine import LAYER_INPUT, Policy, offloaded, tag
 from ferry.sharding import HEADS, MESH_AXES
 from tests.placements import host_copies
 

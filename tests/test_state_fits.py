@@ -4,8 +4,8 @@ the device: host-placed master weights and moments move to the host's side of th
 import pytest
 
 from ferry import memory
+from ferry.config.train import StatePlacement
 from ferry.memory import InsufficientMemoryError, StateBytes, check_fits
-from ferry.train.state_memory import StatePlacement
 
 GIB = 2**30
 

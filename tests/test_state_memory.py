@@ -17,20 +17,14 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rich.console import Console
 
+from ferry.config.train import StatePlacement, TrainConfig
 from ferry.models.registry import build_model
 from ferry.run.preflight import prepare
 from ferry.run.training import train as train_run
 from ferry.train.compiled_step import compile_from_layout, layout_of
-from ferry.train.config import TrainConfig
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer, streamed_update
 from ferry.train.state_layout import StateLayout
-from ferry.train.state_memory import (
-    StatePlacement,
-    float_params,
-    state_map,
-    state_on_host,
-    with_memory_kinds,
-)
+from ferry.train.state_memory import float_params, state_map, state_on_host, with_memory_kinds
 from ferry.train.step import LossSettings, train_step_body
 from ferry.train.streamed_update import StreamedUpdate
 from ferry.train.train_state import init_state

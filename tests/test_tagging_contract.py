@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, AxisType
 
-from ferry import offload_tags
 from ferry.nn.stack import LayerStack
-from ferry.offload import NestedTagError, Policy, PolicyError, offloaded, tag
+from ferry.offload import tags as offload_tags
+from ferry.offload.engine import NestedTagError, Policy, PolicyError, offloaded, tag
 
 POLICIES = ({"h": "offload"}, {"h": "device"}, {})
 

@@ -9,8 +9,8 @@ import pytest
 
 from benchmarks import tpu_check
 from benchmarks.tpu_report import frontier, markdown_table
-from ferry.overrides import compose_node
-from ferry.run.config import load_config
+from ferry.config.overrides import compose_node
+from ferry.config.root import load_config
 from tests.conftest import CONFIGS, compose_config
 
 GIB = 2**30

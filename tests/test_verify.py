@@ -17,9 +17,11 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 from rich.console import Console
 
+from ferry.config.root import FerryConfig
 from ferry.models.registry import abstract_model
 from ferry.nn.stack import LayerStack
-from ferry.offload import LAYER_INPUT, Policy, tag
+from ferry.offload.engine import LAYER_INPUT, Policy, tag
+from ferry.offload.schedule import format_bytes
 from ferry.plan import replay, verify
 from ferry.plan.copy_match import DEAD, STATE_GROUP
 from ferry.plan.memory_plan import MemoryPlan
@@ -43,8 +45,6 @@ from ferry.plan.verify import (
     verify_program,
     verify_recompute,
 )
-from ferry.run.config import FerryConfig
-from ferry.schedule import format_bytes
 from ferry.sharding import MeshConfig
 from ferry.xla.hlo_flops import matmul_count, matmul_flops
 from ferry.xla.hlo_host_copies import host_copies

@@ -1,9 +1,9 @@
-"""ferry: an Equinox LLM trainer with explicit activation offloading to pinned host memory."""
+"""ferry: an Equinox LLM trainer with explicit activation offloading to pinned host memory.
 
-from ferry.cpu_only import keep_jax_to_the_cpu
+Importing ferry defines things and does nothing else: keeping JAX to the CPU on a machine without
+an accelerator (`ferry.cpu_only.keep_jax_to_the_cpu`) and registering configs with Hydra happen
+where a run starts (the launchers, the benchmarks, the tests' conftest)."""
 
-keep_jax_to_the_cpu()  # before JAX starts a backend: no accelerator plugin's traceback on a CPU-only machine
-
-from ferry.offload import Policy, offloaded, tag  # noqa: E402
+from ferry.offload import Policy, offloaded, tag
 
 __all__ = ["Policy", "offloaded", "tag"]

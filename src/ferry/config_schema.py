@@ -11,12 +11,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from ferry.errors import FerryError
-
-
-class ConfigError(FerryError, ValueError):
-    """A config that names a key the schema does not have, or has a value of the wrong kind."""
-
+from ferry.errors import ConfigError, FerryError
 
 T = TypeVar("T")
 

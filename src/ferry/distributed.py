@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import jax
 
-from ferry.config_schema import ConfigError
+from ferry.errors import ConfigError
 
 
 def check_address(address: str) -> None:

@@ -16,6 +16,10 @@ class FerryError(Exception):
     """A refusal: the input cannot be used, and the message says why and what to do instead."""
 
 
+class ConfigError(FerryError, ValueError):
+    """A config that names a key the schema does not have, or has a value of the wrong kind."""
+
+
 class DataError(FerryError, ValueError):
     """The data a run was pointed at cannot be read or is too small for the run."""
 

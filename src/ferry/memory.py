@@ -8,8 +8,8 @@ from typing import Any
 import jax
 import psutil
 
+from ferry.config.train import HOST, StatePlacement
 from ferry.errors import FerryError
-from ferry.train.state_memory import HOST, StatePlacement
 
 
 class InsufficientMemoryError(FerryError, RuntimeError):

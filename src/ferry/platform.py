@@ -12,8 +12,7 @@ import os
 import re
 from collections.abc import Iterator, Mapping
 
-from ferry.config_schema import ConfigError
-from ferry.errors import FerryError
+from ferry.errors import ConfigError, FerryError
 from ferry.xla.flags import check_xla_flags
 
 _FLAG_VARIABLE = {"cpu": "XLA_FLAGS", "gpu": "XLA_FLAGS", "tpu": "LIBTPU_INIT_ARGS"}

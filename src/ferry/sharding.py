@@ -20,9 +20,11 @@ never silently replicated.
 from __future__ import annotations
 
 import abc
+import contextlib
+import contextvars
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -292,3 +294,34 @@ def constrain(x: jax.Array, axes: Sequence[str | None] | None = None) -> jax.Arr
 def check_divisible(what: str, size: int, axis: str, axis_size: int, fix: str) -> None:
     if size % axis_size:
         raise MeshError(f"{what} ({size}) is not divisible by mesh.{axis}={axis_size}; {fix}")
+
+
+# The platform a trace lowers for: attention kernels and the loss head choose by it.
+_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar("ferry_attention_platform", default=None)
+
+
+@contextlib.contextmanager
+def attention_platform(platform: str | None) -> Iterator[None]:
+    """Trace attention for `platform` ("cpu", "gpu", "tpu"; None: as `lowering_platform` finds it)
+    inside this block: an abstract trace for a target has no devices to say it."""
+    token = _PLATFORM.set(platform)
+    try:
+        yield
+    finally:
+        _PLATFORM.reset(token)
+
+
+def _platform_name(platform: str) -> str:
+    return "gpu" if platform in ("cuda", "rocm") else platform
+
+
+def mesh_platform(mesh: Any) -> str | None:
+    """The platform of a concrete mesh's devices (None: no mesh, or an abstract one)."""
+    return _platform_name(mesh.devices.flat[0].platform) if isinstance(mesh, Mesh) else None
+
+
+def lowering_platform() -> str:
+    """The platform the program being traced is for ("cpu", "gpu" or "tpu"): `attention_platform`'s,
+    else the context mesh's devices where `jax.set_mesh` set a concrete mesh, else JAX's default
+    backend."""
+    return _PLATFORM.get() or mesh_platform(context_mesh()) or _platform_name(jax.default_backend())

@@ -18,9 +18,9 @@ from ferry.data.config import DataConfig
 from ferry.data.prepare import cache_directory, is_held_out, prepare_corpus, token_dtype
 from ferry.data.segments import DocumentMask
 from ferry.data.shards import Manifest, PreparedDataError, ShardedTokens, check_prepared, read_manifest
-from ferry.data.tokenizer import Tokenizer
+from ferry.data.tokenizer import Tokenizer, load_tokenizer
 
-__all__ = ["Corpus", "check_vocab", "is_held_out", "load_corpus", "open_prepared", "token_dtype"]
+__all__ = ["Corpus", "check_vocab", "document_mask_of", "is_held_out", "load_corpus", "open_prepared", "token_dtype"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,11 +31,16 @@ class Corpus:
     description: str  # for the start-up line, e.g. "1,812 stdlib documents"
     end_of_document: int | None = None  # None: synthetic tokens, which have no documents
 
-    def document_mask(self, config: DataConfig) -> DocumentMask | None:
-        """What the model needs to keep packed documents apart (data.document_mask), or None."""
-        if not config.document_mask or self.end_of_document is None:
-            return None
-        return DocumentMask(self.end_of_document, config.loss_across_documents)
+
+def document_mask_of(config: DataConfig) -> DocumentMask | None:
+    """What the model needs to keep packed documents apart (data.document_mask), or None; from the
+    config's tokenizer alone, so a plan builds the mask a run trains with without reading the corpus
+    (a prepared corpus's end-of-document token is checked against the same tokenizer when opened)."""
+    if not config.document_mask:
+        return None
+    return DocumentMask(
+        load_tokenizer(config.tokenizer, config.eos_token).end_of_document, config.loss_across_documents
+    )
 
 
 def check_vocab(tokenizer: Tokenizer, vocab_size: int, model_name: str) -> None:

@@ -13,9 +13,10 @@ import numpy as np
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from ferry.errors import read_json
-from ferry.hf_format.config_json import check_matches
-from ferry.hf_format.layout import TensorMap, check_tensors, host_tensors, load_array
-from ferry.hf_format.safetensors_io import CheckpointError, CheckpointReader, ShardedWriter
+from ferry.hf.config_json import check_matches
+from ferry.hf.layout import TensorMap, check_tensors, host_tensors, load_array
+from ferry.hf.mapping import MAPPINGS, family_of_model_type, mapping_of
+from ferry.hf.safetensors_io import CheckpointError, CheckpointReader, ShardedWriter
 from ferry.models import registry
 from ferry.models.base import AbstractLanguageModel
 from ferry.models.family import Family
@@ -46,15 +47,15 @@ def open_checkpoint(directory: str | Path) -> Checkpoint:
             "(config.json, *.safetensors and, when sharded, model.safetensors.index.json)"
         )
     hf = read_json(config_file, "the checkpoint's config")
-    family = registry.hf_family(hf.get("model_type"))
+    family = family_of_model_type(hf.get("model_type"))
     if family is None:
-        known = sorted(f.hf.MODEL_TYPE for f in registry.FAMILIES.values())
-        architectures = ", ".join(f.hf.ARCHITECTURE for f in registry.FAMILIES.values())
+        known = sorted(m.MODEL_TYPE for m in MAPPINGS.values())
+        architectures = ", ".join(m.ARCHITECTURE for m in MAPPINGS.values())
         raise CheckpointError(
             f"{config_file} has model_type {hf.get('model_type')!r}; ferry imports {known} ({architectures})"
         )
     reader = CheckpointReader(directory, _fp8_block(hf))
-    config = family.hf.config_from_hf(hf, family.hf.mtp_layers(reader.names(), hf))
+    config = mapping_of(family).config_from_hf(hf, mapping_of(family).mtp_layers(reader.names(), hf))
     return Checkpoint(directory, hf, family, config, reader)
 
 
@@ -83,11 +84,11 @@ def matching_config(checkpoint: Checkpoint, config: Any) -> Any:
     family = checkpoint.family
     if type(config) is not family.config:
         raise CheckpointError(
-            f"{checkpoint.directory} is a {family.hf.FAMILY} checkpoint but the model config is a "
+            f"{checkpoint.directory} is a {mapping_of(family).FAMILY} checkpoint but the model config is a "
             f"{type(config).__name__}"
         )
     where = str(checkpoint.directory / "config.json")
-    check_matches(config, checkpoint.config, family.hf.CONFIG_KEYS, where, at_most=frozenset({"mtp_depth"}))
+    check_matches(config, checkpoint.config, mapping_of(family).CONFIG_KEYS, where, at_most=frozenset({"mtp_depth"}))
     return config
 
 
@@ -107,10 +108,13 @@ def check_checkpoint(directory: str | Path, config: Any | None = None) -> Checke
     config.json describes) with the right shape: headers only, before any tensor is read."""
     checkpoint = open_checkpoint(directory)
     config = checkpoint.config if config is None else matching_config(checkpoint, config)
-    maps = checkpoint.family.hf.tensor_maps(config, checkpoint.hf_config)
+    maps = mapping_of(checkpoint.family).tensor_maps(config, checkpoint.hf_config)
     abstract = registry.abstract_model(config)
     check_tensors(
-        checkpoint.reader, maps, _leaves(abstract, maps), checkpoint.family.hf.ignored(config, checkpoint.hf_config)
+        checkpoint.reader,
+        maps,
+        _leaves(abstract, maps),
+        mapping_of(checkpoint.family).ignored(config, checkpoint.hf_config),
     )
     return CheckedCheckpoint(checkpoint, config, abstract, maps)
 
@@ -153,7 +157,7 @@ def save_pretrained(
         raise TypeError(f"save_pretrained exports models of ferry's families ({known}), not a {type(model).__name__}")
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype is {dtype!r}; export as one of {sorted(EXPORT_DTYPES)}")
-    mapping = family.hf
+    mapping = mapping_of(family)
     hf = mapping.config_to_hf(model.config)
     merged = hf | (config_overrides or {})
     if mapping.config_to_hf(mapping.config_from_hf(merged, model.config.mtp_depth)) != hf:

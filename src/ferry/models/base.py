@@ -15,14 +15,14 @@ import jax
 from equinox import AbstractVar
 from jaxtyping import Array, Float, Int
 
-from ferry.chunked_head import OutputHead
 from ferry.data.segments import DocumentMask, document_segments, loss_weights
-from ferry.loss import DEFAULT_HEAD, LossHead
+from ferry.head.chunked import OutputHead
+from ferry.head.loss import DEFAULT_HEAD, LossHead
 from ferry.nn.attention import Segments
 from ferry.nn.kernels.choice import check_attention_setting, describe_attention
 from ferry.nn.kernels.flash import with_declared_lse
-from ferry.offload import SAVE_ALL, Policy, tagged_names
-from ferry.schedule import LayerKind
+from ferry.offload.engine import SAVE_ALL, Policy, tagged_names
+from ferry.offload.schedule import LayerKind
 
 MeshDim = tuple[str, int, str]
 """(config field, its size, the mesh axis the sharding rules split it over)."""

@@ -12,7 +12,8 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from ferry.config_schema import ConfigError, from_dict
+from ferry.config_schema import from_dict
+from ferry.errors import ConfigError
 from ferry.models import deepseek_v3, llama, qwen3
 from ferry.models.base import AbstractLanguageModel, AbstractModelConfig
 from ferry.models.family import Family
@@ -33,11 +34,6 @@ def family_of(config: AbstractModelConfig) -> Family:
         if type(config) is family.config:
             return family
     raise ConfigError(f"no model family takes a {type(config).__name__}; known families: {sorted(FAMILIES)}")
-
-
-def hf_family(model_type: Any) -> Family | None:
-    """The family of a Hugging Face config.json's `model_type`, None when ferry has none."""
-    return next((f for f in FAMILIES.values() if f.hf.MODEL_TYPE == model_type), None)
 
 
 def model_config(node: Mapping[str, Any]) -> AbstractModelConfig:

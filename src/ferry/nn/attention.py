@@ -13,7 +13,7 @@ from ferry.nn.kernels.xla import QUERY_CHUNK, causal_attention
 from ferry.nn.linear import Linear
 from ferry.nn.norm import RMSNorm
 from ferry.nn.rope import Llama3RopeScaling, apply_rope, rope_frequencies
-from ferry.offload import tag
+from ferry.offload.engine import tag
 from ferry.sharding import EMBED, HEADS
 
 __all__ = [

@@ -13,7 +13,7 @@ from ferry.nn.kernels.choice import attend
 from ferry.nn.linear import Linear
 from ferry.nn.norm import RMSNorm
 from ferry.nn.rope import YarnScaling, apply_rope, yarn_frequencies, yarn_mscale
-from ferry.offload import tag
+from ferry.offload.engine import tag
 from ferry.sharding import EMBED, HEADS, LATENT, SPLIT_HEADS
 
 

@@ -5,7 +5,7 @@ import jax
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from ferry.nn.linear import Linear
-from ferry.offload import tag
+from ferry.offload.engine import tag
 from ferry.sharding import EMBED, MLP
 
 

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from ferry.config_schema import ConfigError, require_positive
+from ferry.config_schema import require_positive
+from ferry.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

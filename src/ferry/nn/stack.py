@@ -14,8 +14,8 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from ferry.nn.block import LayerOutput
 from ferry.nn.kernels.flash import with_declared_lse
-from ferry.offload import Policy, offloaded, tagged_names
-from ferry.offload_scan import offloaded_scan
+from ferry.offload.engine import Policy, offloaded, tagged_names
+from ferry.offload.scan import offloaded_scan
 
 
 class LayerStack(eqx.Module):

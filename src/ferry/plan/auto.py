@@ -38,9 +38,11 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from ferry.config.root import FerryConfig
+from ferry.config.train import DEVICE, DEVICE_STATE, HOST, StatePlacement
 from ferry.models.registry import abstract_model
-from ferry.nn.kernels.choice import attention_platform
-from ferry.offload import LAYER_INPUT, Policy
+from ferry.offload.engine import LAYER_INPUT, Policy
+from ferry.offload.schedule import model_schedule
 from ferry.plan.auto_search import (
     Baseline,
     Decision,
@@ -56,19 +58,9 @@ from ferry.plan.memory_plan import MemoryPlan
 from ferry.plan.planner import for_target
 from ferry.plan.replay import LayerGroupTrace, backward_reads, recompute_flops, record_names, total_dot_flops
 from ferry.precision import cast_floating
-from ferry.run.config import FerryConfig
-from ferry.schedule import model_schedule
+from ferry.sharding import attention_platform
 from ferry.train.state_layout import run_state_layout
-from ferry.train.state_memory import (
-    DEVICE,
-    DEVICE_STATE,
-    HOST,
-    MASTER_WEIGHTS,
-    MOMENTS,
-    StatePlacement,
-    float_params,
-    state_copies,
-)
+from ferry.train.state_memory import MASTER_WEIGHTS, MOMENTS, float_params, state_copies
 from ferry.xla.targets import TARGETS, Target
 
 MAX_CHECKS = 6  # candidates compiled after the all-on-device one (and its peeled twin), at most
@@ -301,7 +293,7 @@ def auto_plan(
     compiled even where the loop fits (see the module). Where nothing fits: the candidate closest
     to fitting."""
     costs, forward = tensor_costs(config, target, mesh)
-    micro_steps = config.train.micro_steps(config.mesh.data_parallel)
+    micro_steps = config.micro_steps
     decisions = tensor_decisions(costs, micro_steps) + list(extra)
     compile_values = compile_choice or (lambda policy, values: compile_policy(policy, "auto"))
     all_device = tuple(d.options[0].value for d in decisions)
@@ -447,7 +439,7 @@ def choices_of(
     """The choices of a compiled candidate other than the search's own pick (the one measuring
     chose: `ferry.plan.auto_measure`), each decision's saying `why`."""
     costs, _ = tensor_costs(config, target, mesh)
-    decisions = tensor_decisions(costs, config.train.micro_steps(config.mesh.data_parallel)) + list(extra)
+    decisions = tensor_decisions(costs, config.micro_steps) + list(extra)
     return _choices(pick, costs, decisions, [], why)
 
 

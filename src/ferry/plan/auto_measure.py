@@ -16,14 +16,13 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ferry.config_schema import ConfigError
+from ferry.config.root import FerryConfig
+from ferry.config.train import AutoMeasureConfig, OffloadConfig
+from ferry.errors import ConfigError
 from ferry.plan.auto import PEEL, STATE_DECISIONS, Tried, departures, is_peeled_twin, state_of
 from ferry.plan.auto_search import banded_rank
-from ferry.plan.compile_ahead import compile_in_subprocesses
 from ferry.plan.measure import MeasureError, Measurement, StepTimer, measure_in_subprocess
 from ferry.platform import PlatformConfig
-from ferry.run.config import FerryConfig
-from ferry.train.config import AutoMeasureConfig, OffloadConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +100,7 @@ def measure_candidates(
     step of those that fit the device. Where this machine cannot run
     them at all (`MeasureError`: the mesh is not its devices, say), the search's pick stands and
     the record says why; `strict` (offload.auto.measure=true) refuses instead. `compile_ahead`
-    first compiles them all at once (`subprocess_compiler`), each saying how it went."""
+    first compiles them all at once (`ferry.run.compile_ahead.subprocess_compiler`), each saying how it went."""
     measured = []
     ranked = ranked_candidates(tried, count)
     if compile_ahead is not None and ranked:
@@ -193,15 +192,6 @@ def subprocess_measurer(
     (`measure_in_subprocess`) as the run `run_node` makes of it (`candidate_run`)."""
     timer = StepTimer(settings.warmup_steps, settings.steps)
     return lambda number, candidate: measure_in_subprocess(run_node(number, candidate), timer)
-
-
-def subprocess_compiler(
-    run_node: Callable[[int, Tried], dict[str, Any]], target: str
-) -> Callable[[Sequence[tuple[int, Tried]]], list[str]]:
-    """`compile_ahead` for `measure_candidates` on a TPU: the candidates' runs, as
-    `subprocess_measurer` times them, compiled for `target` on the CPU all at once
-    (`ferry.plan.compile_ahead`), so each measuring process loads its step from the cache."""
-    return lambda numbered: compile_in_subprocesses([run_node(n, c) for n, c in numbered], target)
 
 
 def candidate_run(

@@ -7,7 +7,7 @@ import re
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
-from ferry.schedule import TransferSchedule
+from ferry.offload.schedule import TransferSchedule
 from ferry.train.state_memory import StateWrite
 from ferry.xla.hlo_flops import parsed
 from ferry.xla.hlo_host_copies import HostCopy, host_copies
@@ -42,7 +42,7 @@ class _Slot:
     expected: int
     layers: int  # how often one copy of this slot runs per step where the group is one loop
     required: int  # at least this many: an unpeeled pipelined stack's first store and last reload
-    # move a placeholder (`ferry.offload_scan`), which a compiler that unrolls the loop drops as dead
+    # move a placeholder (`ferry.offload.scan`), which a compiler that unrolls the loop drops as dead
     found: int = 0
     named: bool = False
     state: bool = False  # a write-back of the train state's update (`state_writes`), not a residual

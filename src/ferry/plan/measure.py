@@ -28,10 +28,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from ferry.config.root import FerryConfig
 from ferry.cpu_only import device_accelerator, pci_vendors
-from ferry.data.segments import DocumentMask
 from ferry.errors import FerryError
-from ferry.run.config import FerryConfig
 
 T = TypeVar("T")
 # a candidate's compile and its steps, in its own process; a 386M model on a v5e compiles in about a minute
@@ -120,18 +119,16 @@ def measure_train_step(
     config: FerryConfig,
     timer: StepTimer,
     mesh: Mesh | None = None,
-    documents: DocumentMask | None = None,
     capacity_bytes: int | None = None,
 ) -> Measurement:
     """Compile `config`'s train step over `mesh` (default: the run's mesh over this machine's
     devices) and time it with `timer` on a fresh random state (never a checkpoint's) and zero
-    batches of the run's shape, each made anew (the step donates its batch). `documents`: the
-    run's `DocumentMask`, where its data packs documents apart. A step that runs out of memory,
+    batches of the run's shape, each made anew (the step donates its batch). A step that runs out of memory,
     at compile time or while it runs, or whose compiled program exceeds the device's limit
     (`capacity_bytes`, default the `bytes_limit` of the mesh's first device), is not timed: `fits` is False and
     `reason` says why."""
     from ferry.memory import CompiledMemory
-    from ferry.schedule import format_bytes
+    from ferry.offload.schedule import format_bytes
     from ferry.sharding import make_mesh
 
     config = dataclasses.replace(config, init=dataclasses.replace(config.init, from_hf=None))  # a random init
@@ -140,7 +137,7 @@ def measure_train_step(
     capacity = (device.memory_stats() or {}).get("bytes_limit") if capacity_bytes is None else capacity_bytes
     facts = {"capacity_bytes": None if capacity is None else int(capacity), "device_kind": device.device_kind}
     try:
-        step = _compiled(config, mesh, documents)
+        step = _compiled(config, mesh)
     except jax.errors.JaxRuntimeError as error:
         if not out_of_memory(error):
             raise
@@ -179,28 +176,18 @@ class _Compiled(NamedTuple):
     optimizer: Any
 
 
-def _compiled(config: FerryConfig, mesh: Mesh, documents: DocumentMask | None) -> _Compiled:
-    """The step a run of `config` trains with (`run_step_body`: its loss head and settings too),
-    compiled as the run compiles it (its scheduler costs included)."""
+def _compiled(config: FerryConfig, mesh: Mesh) -> _Compiled:
+    """The step a run of `config` trains with (its `StepRecipe`: its loss head, settings and
+    document mask too), compiled as the run compiles it (its scheduler costs included)."""
     from ferry.data.placement import BatchPlacement
-    from ferry.models.registry import abstract_model
-    from ferry.run.training import run_step_body
-    from ferry.train.compiled_step import compile_step
-    from ferry.train.optimizer import make_optimizer
-    from ferry.train.state_layout import run_state_layout
-    from ferry.train.step import LossSettings
+    from ferry.train.recipe import StepRecipe
     from ferry.xla.scheduler_costs import ProfileCache, scheduler_target
 
-    tc = config.train
-    policy = config.offload.policy(abstract_model(config.model).tagged_names())
-    optimizer = make_optimizer(tc)
-    layout = run_state_layout(config, mesh)
-    body = run_step_body(config, layout, LossSettings.of(tc, policy, documents), optimizer)
-    placement = BatchPlacement.on(mesh, (tc.global_batch_size, tc.seq_len + 1))
+    recipe = StepRecipe.of(config, mesh)
     scheduler = scheduler_target(config.platform, mesh.devices.flat[0].device_kind)
-    with jax.set_mesh(mesh):
-        compiled, run = compile_step(body, layout, placement.spec(), scheduler, ProfileCache.of(config.platform))
-    return _Compiled(compiled, run, layout, placement, optimizer)
+    step = recipe.compile(scheduler, ProfileCache.of(config.platform))
+    placement = BatchPlacement.on(mesh, recipe.batch_shape)
+    return _Compiled(step.compiled, step.run, recipe.layout, placement, recipe.optimizer)
 
 
 def _timed(step: _Compiled, config: FerryConfig, mesh: Mesh, timer: StepTimer) -> StepTiming:
@@ -253,8 +240,8 @@ def child_environment() -> dict[str, str]:
 def main(argv: list[str]) -> int:
     """`python -m ferry.plan.measure REQUEST RESULT`: measure the request's config, write the
     result (or, for a refused config, `{"refused": why}`) as JSON."""
+    from ferry.config.root import load_config
     from ferry.platform import apply_platform, check_platform
-    from ferry.run.config import load_config
 
     request_path, result_path = Path(argv[0]), Path(argv[1])
     request = json.loads(request_path.read_text())

@@ -42,7 +42,7 @@ class MemoryPlan:
     pipeline_bytes: int = 0  # offloaded values a pipelined schedule keeps in HBM (`TransferSchedule.pipeline_bytes`)
     scheduler_costs: str = "xla"  # who timed the ops for XLA's scheduler: ferry's cost model or XLA's estimates
     # the program's static count of them, an upper bound: a MoE's tiles as if every slot of a device
-    # routed to one device's experts (`ferry.expected_work`); None: no work is marked, `flops`
+    # routed to one device's experts (`ferry.xla.expected_work`); None: no work is marked, `flops`
     flops_bound: float | None = None
     xla_rematerialised: int = 0  # instructions XLA's own rematerialisation added (`hlo_flops.xla_rematerialised`)
     profile_cached: bool = False  # ferry's cost profile came from its cache: one compile, not two

@@ -16,22 +16,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from ferry.config.root import FerryConfig
 from ferry.models.registry import abstract_model
-from ferry.nn.kernels.choice import attention_platform
-from ferry.offload import LAYER_INPUT, Policy
+from ferry.offload.engine import LAYER_INPUT, Policy
+from ferry.offload.schedule import TransferSchedule, model_schedule
 from ferry.plan import verify  # verify.verify_program, looked up when called (tests wrap it)
 from ferry.plan.estimate import collective_traffic
 from ferry.plan.memory_plan import MemoryPlan, PlanError
 from ferry.plan.replay import LayerGroupTrace, backward_reads
 from ferry.plan.transfers import TransferSummary, time_transfers
-from ferry.run.config import FerryConfig
-from ferry.schedule import TransferSchedule, model_schedule
-from ferry.sharding import MESH_AXES, MeshConfig, batch_sharded
-from ferry.train.compiled_step import CompiledStep, compile_from_layout
-from ferry.train.optimizer import learning_rate_schedule, make_optimizer
-from ferry.train.state_layout import StateLayout, run_state_layout
+from ferry.sharding import MESH_AXES, MeshConfig, attention_platform
+from ferry.train.compiled_step import CompiledStep
+from ferry.train.recipe import StepRecipe
+from ferry.train.state_layout import StateLayout
 from ferry.train.state_memory import state_writes
-from ferry.train.step import LossSettings, train_step_body
 from ferry.train.step_flops import training_flops
 from ferry.xla.compile_oom import StepOverHbm
 from ferry.xla.hlo_flops import matmul_count, matmul_flops, xla_rematerialised
@@ -104,31 +102,16 @@ def compile_config_step(
     scheduler_costs: bool = False,
     costs_cache: ProfileCache | None = None,
 ) -> CompiledTrainStep:
-    """Compile the step training runs (`train_step_body`, compiled by `compile_from_layout` as a
-    run compiles it) from the state's shapes alone, over `mesh`, with the per-compile XLA
-    `options`, the model as it runs on `target` (None: as configured, for this process's
-    backend). `scheduler_costs`: on a GPU target, XLA's scheduler times the ops with ferry's cost
-    model (`ferry.xla.scheduler_costs`, as `platform.scheduler_costs=ferry` runs do; its profile
-    kept in `costs_cache`)."""
+    """Compile the step training runs (its `StepRecipe`, compiled as a run compiles it) from the
+    state's shapes alone, over `mesh`, with the per-compile XLA `options`, the model as it runs
+    on `target` (None: as configured, for this process's backend). `scheduler_costs`: on a GPU
+    target, XLA's scheduler times the ops with ferry's cost model (`ferry.xla.scheduler_costs`,
+    as `platform.scheduler_costs=ferry` runs do; its profile kept in `costs_cache`)."""
     model_config = config.model if target is None else for_target(config.model, target)
-    layout = run_state_layout(config, mesh, model_config)  # offload.optimizer/params: part maybe on host
-    batch = jax.ShapeDtypeStruct(
-        (config.train.global_batch_size, config.train.seq_len + 1), jnp.int32, sharding=batch_sharded(mesh)
-    )
-    body = train_step_body(
-        make_optimizer(config.train),
-        LossSettings.of(config.train, policy),
-        learning_rate_schedule(config.train),
-        config.train.micro_steps(config.mesh.data_parallel),
-        layout.sharding,
-        stream=layout.streamed_update(config.train),
-    )
+    recipe = StepRecipe.of(config, mesh, model_config, policy)  # offload.optimizer/params: part maybe on host
     scheduler = target if scheduler_costs and isinstance(target, GpuTarget) else None
     where = f"{mesh.size} x {target.description if target else mesh.devices.flat[0].device_kind}"
-    # traced under `jax.set_mesh` of the mesh, so the engine sees whether its devices have
-    # memories (`has_memory_kinds`; compile-only devices have none)
-    with jax.set_mesh(mesh):
-        step = compile_from_layout(body, layout, batch, scheduler, costs_cache, options, where)
+    step = recipe.compile(scheduler, costs_cache, options, where)
     return CompiledTrainStep(step, model_config, mesh, dict(options))
 
 
@@ -240,7 +223,7 @@ def _read_plan(
     verification = verify.verify_program(
         hlo,
         schedule,
-        config.train.micro_steps(config.mesh.data_parallel),
+        config.micro_steps,
         BackwardReads(config, step.model_config, policy),
         f"policy {policy_name} compiled for {target.name}",
         writes,

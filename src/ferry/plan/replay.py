@@ -22,9 +22,9 @@ import numpy as np
 from jax.extend import core as jex
 from jax.sharding import Mesh
 
-from ferry.expected_work import expected_fraction
-from ferry.offload import COPY_SCOPE, LAYER_INPUT, Policy, offloaded, record_tags, tagged_names
+from ferry.offload.engine import COPY_SCOPE, LAYER_INPUT, Policy, offloaded, record_tags, tagged_names
 from ferry.precision import cast_floating
+from ferry.xla.expected_work import expected_fraction
 
 _MATMULS = ("dot_general", "ragged_dot")
 _ONE_TO_ONE = ("device_put", "optimization_barrier")  # output k is input k, moved or fenced
@@ -67,7 +67,7 @@ class _Needed:
     host_copies: int = 0  # device_puts to pinned host
     host_scopes: list[str] = dataclasses.field(default_factory=list)  # each one's whole name stack
     matmuls: float = 0.0  # every execution the program holds
-    matmul_flops: float = 0.0  # of work marked as run in part (`ferry.expected_work`), what runs
+    matmul_flops: float = 0.0  # of work marked as run in part (`ferry.xla.expected_work`), what runs
 
 
 def dot_flops(eqn: Any) -> float:
@@ -81,7 +81,7 @@ def dot_flops(eqn: Any) -> float:
 
 
 def _share(eqn: Any) -> float:
-    """The share of an equation's work that runs (`ferry.expected_work`; the scopes of its inner
+    """The share of an equation's work that runs (`ferry.xla.expected_work`; the scopes of its inner
     jaxprs' equations are relative to it, so the share passes down to them)."""
     return expected_fraction(str(eqn.source_info.name_stack))
 
@@ -102,7 +102,7 @@ def _kernel_trips(eqn: Any) -> int:
 def total_dot_flops(jaxpr: Any, share: float = 1.0) -> float:
     """Matmul FLOPs of every equation of a jaxpr, needed or not, a scan's body counted by its
     length and a kernel's by its grid; of work the model marked as run in part
-    (`ferry.expected_work`), what runs."""
+    (`ferry.xla.expected_work`), what runs."""
     total = 0.0
     for eqn in jaxpr.eqns:
         runs = share * _share(eqn)
@@ -196,7 +196,7 @@ def read_by_backward(model: Any, group: LayerGroupTrace, policy: Policy, tensor:
     return _needed(model, group, _alone(policy, [tensor])).host_copies > 0
 
 
-# the tensor a host copy moves, from its name stack (`ferry.offload.copy_scope`, inside transforms)
+# the tensor a host copy moves, from its name stack (`ferry.offload.engine.copy_scope`, inside transforms)
 _TO_HOST = re.compile(rf"{COPY_SCOPE}/[^/()|]+/([^/()|]+)/to_host")
 
 

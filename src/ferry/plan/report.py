@@ -12,9 +12,13 @@ from typing import Any
 import yaml
 from rich.console import Console
 
-from ferry.config_schema import ConfigError
+from ferry.config.root import FerryConfig, check_mesh_shape
+from ferry.config.train import OffloadConfig, StatePlacement
+from ferry.errors import ConfigError
 from ferry.models.registry import abstract_model
-from ferry.offload import Policy
+from ferry.offload.engine import Policy
+from ferry.offload.schedule import format_bytes
+from ferry.plan.advice import step_identity
 from ferry.plan.auto import (
     PEEL,
     STATE_DECISIONS,
@@ -57,11 +61,6 @@ from ferry.plan.tables import (
 )
 from ferry.plan.verify import RecomputeNotChecked, explain_recompute, recompute_checked
 from ferry.platform import PlatformConfig
-from ferry.run.config import FerryConfig, check_mesh_shape
-from ferry.run.plan_advice import step_identity
-from ferry.schedule import format_bytes
-from ferry.train.config import OffloadConfig
-from ferry.train.state_memory import StatePlacement
 from ferry.xla.scheduler_costs import ProfileCache
 from ferry.xla.targets import TARGETS, Target
 
@@ -202,7 +201,7 @@ def _recompute_checked(
     config, target = compiler.config, compiler.target
     model_config = for_target(config.model, target)
     model, groups = abstract_model(model_config), layer_group_traces(config, model_config)
-    micro_steps = config.train.micro_steps(config.mesh.data_parallel)
+    micro_steps = config.micro_steps
     layers = {kind.name: kind.num_layers * micro_steps for kind in model.layer_kinds()}
     try:
         return recompute_checked(
@@ -322,7 +321,7 @@ def write_plan(
     measured: MeasuredPick | None = None,
 ) -> list[Path]:
     """`plan.json` (with the step planned, `step_identity`, where `config` is given: a run of that
-    step over HBM reads what fitted: `ferry.run.plan_advice`), and for offload=auto the chosen
+    step over HBM reads what fitted: `ferry.plan.advice`), and for offload=auto the chosen
     placement as a preset to train with; where auto measured its candidates, the record of them in
     both (`measured`)."""
     run_dir.mkdir(parents=True, exist_ok=True)

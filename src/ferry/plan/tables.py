@@ -3,6 +3,8 @@ and what the verifier found, and `offload=auto`'s candidates and choices."""
 
 from rich.table import Table
 
+from ferry.config.root import FerryConfig
+from ferry.offload.schedule import format_bytes
 from ferry.plan.auto import (
     HEADROOM,
     Choice,
@@ -16,8 +18,6 @@ from ferry.plan.auto_search import MIN_GAIN
 from ferry.plan.copy_match import DEAD
 from ferry.plan.estimate import REFERENCE, ranked
 from ferry.plan.memory_plan import MemoryPlan
-from ferry.run.config import FerryConfig
-from ferry.schedule import format_bytes
 from ferry.xla.targets import TARGETS
 
 HOST_POOL_VARIABLE = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"  # GiB of pinned host XLA's GPU client sets up

@@ -33,11 +33,11 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from ferry.offload import Policy
+from ferry.offload.engine import Policy
+from ferry.offload.schedule import TransferSchedule, format_bytes
 from ferry.plan.copy_match import SCOPE, CopyCheck, check_copies
 from ferry.plan.memory_plan import MemoryPlan, PlanError
 from ferry.plan.replay import LayerGroupTrace, all_saved, recomputed_producers, record_names, untagged_matmuls
-from ferry.schedule import TransferSchedule, format_bytes
 from ferry.train.state_memory import StateWrite
 from ferry.xla.hlo_slice_walks import host_slice_walks
 

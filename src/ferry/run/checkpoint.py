@@ -40,8 +40,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jaxtyping import Array, UInt32
 
+from ferry.config.root import CheckpointConfig
 from ferry.errors import FerryError
-from ferry.run.config import CheckpointConfig
 from ferry.train.state_memory import on_host
 
 ITEMS = ("state", "data", "model", "checksums")

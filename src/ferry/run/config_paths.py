@@ -1,12 +1,12 @@
-"""The run's paths checked for kind and reach before the backend starts (`ferry.paths`): the
+"""The run's paths checked for kind and reach before the backend starts (`ferry.config.paths`): the
 run directory (or the root a new one goes under), the token cache, a prepared directory, a
 Hugging Face checkpoint and a saved dataset."""
 
 from pathlib import Path
 
-from ferry.config_schema import ConfigError
-from ferry.paths import check_directory_to_write, check_existing_directory
-from ferry.run.config import FerryConfig
+from ferry.config.paths import check_directory_to_write, check_existing_directory
+from ferry.config.root import FerryConfig
+from ferry.errors import ConfigError
 
 
 def check_config_paths(config: FerryConfig) -> None:

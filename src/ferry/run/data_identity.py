@@ -6,9 +6,9 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+from ferry.config.root import FerryConfig
 from ferry.data.shards import MANIFEST
 from ferry.data.tokenizer import Tokenizer
-from ferry.run.config import FerryConfig
 
 # the data.* keys that decide a raw source's documents (a prepared corpus is named by its manifest)
 SOURCE_KEYS = ("source", "path", "pattern", "field", "separator", "document_bytes", "eval_fraction")

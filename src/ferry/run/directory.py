@@ -13,14 +13,14 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from ferry.config.root import FerryConfig
 from ferry.distributed import is_main_process
 from ferry.errors import FerryError
+from ferry.offload.schedule import TransferSchedule
 from ferry.run.checkpoint import Checkpoints, RunCheckpointError, checkpoint_steps, identity_difference
-from ferry.run.config import FerryConfig
 from ferry.run.data_identity import data_difference
 from ferry.run.lock import LOCK_FILE, RunDirectoryError, RunLock, acquire
 from ferry.run.members import check_members
-from ferry.schedule import TransferSchedule
 
 
 def resolve_run_dir(config: FerryConfig) -> Path:

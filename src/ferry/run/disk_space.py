@@ -10,7 +10,7 @@ from typing import Any
 import jax
 
 from ferry.errors import FerryError
-from ferry.schedule import format_bytes
+from ferry.offload.schedule import format_bytes
 
 # Orbax's metadata beside the arrays (a few files of a few KiB per step), with room to spare
 METADATA_BYTES = 2**20

@@ -7,10 +7,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ferry.config_schema import ConfigError
-from ferry.errors import FerryError
+from ferry.config.root import LogConfig
+from ferry.errors import ConfigError, FerryError
 from ferry.metrics import MetricsWriter
-from ferry.run.config import LogConfig
 
 
 class RunLogError(FerryError, OSError):

@@ -16,6 +16,7 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 
+from ferry.config.train import TrainConfig
 from ferry.data.placement import BatchPlacement
 from ferry.distributed import is_main_process
 from ferry.run.checkpoint import Checkpoints
@@ -24,7 +25,6 @@ from ferry.run.meter import StepMeter
 from ferry.run.nonfinite import NonFiniteWatch
 from ferry.run.preemption import SigtermStop
 from ferry.run.profiling import StepProfiler
-from ferry.train.config import TrainConfig
 from ferry.train.train_state import TrainState
 
 

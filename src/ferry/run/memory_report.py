@@ -6,9 +6,9 @@ import resource
 
 import jax
 
+from ferry.config.root import FerryConfig
 from ferry.memory import CompiledMemory
-from ferry.run.config import FerryConfig
-from ferry.schedule import TransferSchedule, format_bytes
+from ferry.offload.schedule import TransferSchedule, format_bytes
 
 
 def step_fit_advice(config: FerryConfig) -> str:

@@ -7,11 +7,11 @@ from typing import Any
 
 import jax
 
+from ferry.config.root import FerryConfig
 from ferry.memory import CompiledMemory
-from ferry.run.config import FerryConfig
+from ferry.offload.schedule import TransferSchedule
 from ferry.run.memory_report import device_memory_peak
 from ferry.run.peak import device_peak
-from ferry.schedule import TransferSchedule
 from ferry.train.step_flops import training_flops
 
 

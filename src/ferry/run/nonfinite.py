@@ -7,8 +7,8 @@ import dataclasses
 
 import jax
 
+from ferry.config.root import FerryConfig
 from ferry.errors import FerryError
-from ferry.run.config import FerryConfig
 
 
 class NonFiniteLossError(FerryError, RuntimeError):

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import jax
 
+from ferry.config.root import FerryConfig
 from ferry.memory import InsufficientMemoryError
-from ferry.run.config import FerryConfig
-from ferry.run.plan_advice import plan_advice
+from ferry.plan.advice import plan_advice
 from ferry.xla.compile_oom import StepOverHbm
 from ferry.xla.hardware import accelerator_name
 
@@ -15,7 +15,7 @@ from ferry.xla.hardware import accelerator_name
 def over_hbm_refusal(over: StepOverHbm, config: FerryConfig, accelerator: str | None = None) -> InsufficientMemoryError:
     """The refusal of a run whose step is over HBM: XLA's figures, then what the newest plan of
     this step on the accelerator (default: this machine's) under `run.root` found to fit
-    (`ferry.run.plan_advice`), else how to make one, then the levers that shrink a step."""
+    (`ferry.plan.advice`), else how to make one, then the levers that shrink a step."""
     accelerator = accelerator or accelerator_name(jax.devices()[0].device_kind)
     advice = plan_advice(Path(config.run.root), config, accelerator)
     target = accelerator or "<gpu or tpu>"

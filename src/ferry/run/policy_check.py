@@ -34,11 +34,11 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from omegaconf import OmegaConf
 from rich.console import Console
 
+from ferry.config.root import FerryConfig
 from ferry.models.registry import abstract_model, family_of, model_config
 from ferry.nn.stack import LayerStack
-from ferry.offload import Policy, PolicyError
-from ferry.run.config import FerryConfig
-from ferry.schedule import LayerKind
+from ferry.offload.engine import Policy, PolicyError
+from ferry.offload.schedule import LayerKind
 from ferry.sharding import MESH_AXES
 
 CHECK_LAYERS = 3

@@ -5,7 +5,7 @@ benchmark's shape the step's compile is 36 s of a 53 s start, the init's 17.5 s 
 run of a model). It never opens a chip, so compiles run side by side, beside a run that holds the
 chip. A step over the chip's HBM is the run's own one-line refusal, before any run starts.
 
-The program is the run's to the byte (`run_step_body`, compiled by `compile_step` over a mesh of
+The program is the run's to the byte (`ferry.train.recipe.StepRecipe`, compiled over a mesh of
 the target's compile-only devices), under the run's XLA flags: JAX keys its cache on the program,
 the flags (`LIBTPU_INIT_ARGS`), the compile options and the chip's topology, and a run misses the
 cache, compiling as before, where any of them differs."""
@@ -17,20 +17,15 @@ import time
 import jax
 from rich.console import Console
 
-from ferry.config_schema import ConfigError
-from ferry.data.placement import BatchPlacement
+from ferry.config.root import FerryConfig
+from ferry.errors import ConfigError
 from ferry.memory import CompiledMemory
-from ferry.models.registry import abstract_model
 from ferry.plan.planner import compile_only_mesh, for_target
 from ferry.platform import CACHE_VARIABLE
-from ferry.run.config import FerryConfig
 from ferry.run.out_of_memory import over_hbm_refusal
 from ferry.run.preflight import checked_corpus, checked_tokenizer
-from ferry.run.training import run_step_body
-from ferry.train.compiled_step import compile_from_layout
-from ferry.train.optimizer import make_optimizer
-from ferry.train.state_layout import random_init, run_state_layout
-from ferry.train.step import LossSettings
+from ferry.train.recipe import StepRecipe
+from ferry.train.state_layout import random_init
 from ferry.xla.compile_oom import StepOverHbm
 from ferry.xla.scheduler_costs import ProfileCache
 from ferry.xla.targets import TARGETS, Target
@@ -65,16 +60,11 @@ def precompile(config: FerryConfig, console: Console) -> str:
     jax.config.update("jax_compilation_cache_dir", cache)
     config = dataclasses.replace(config, model=for_target(config.model, target))  # as the chip runs it
     mesh = compile_only_mesh(target, config.mesh)
-    policy = config.offload.policy(abstract_model(config.model).tagged_names())
-    layout = run_state_layout(config, mesh)
-    corpus = checked_corpus(config, checked_tokenizer(config), console)
-    settings = LossSettings.of(config.train, policy, corpus.document_mask(config.data))
-    body = run_step_body(config, layout, settings, make_optimizer(config.train))
-    batch = BatchPlacement.on(mesh, (config.train.global_batch_size, config.train.seq_len + 1)).spec()
+    checked_corpus(config, checked_tokenizer(config), console)  # the data prepared too: the run reads its cache
+    recipe = StepRecipe.of(config, mesh)
     where = f"{mesh.size} x {target.description}"
-    try:
-        with jax.set_mesh(mesh):  # as the run compiles it (`compile_step`): no per-compile options
-            step = compile_from_layout(body, layout, batch, None, ProfileCache.of(config.platform), None, where)
+    try:  # as the run compiles it (`compile_checked`): no per-compile options
+        step = recipe.compile(None, ProfileCache.of(config.platform), None, where)
     except StepOverHbm as over:
         raise over_hbm_refusal(over, config, target.name) from over
     memory = CompiledMemory.of(step.compiled)
@@ -83,6 +73,6 @@ def precompile(config: FerryConfig, console: Console) -> str:
     if config.init.from_hf is None:  # the state's random init, which the run compiles before its first step
         started = time.perf_counter()
         with jax.set_mesh(mesh):  # as the run builds its state
-            random_init(layout).lower().compile()
+            random_init(recipe.layout).lower().compile()
         init = f" and the state's random init in {time.perf_counter() - started:.1f} s"
     return f"compiled the train step for {where} in {step.seconds:.1f} s{size}{init}, into {cache}"

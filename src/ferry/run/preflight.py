@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from rich.console import Console
 
+from ferry.config.root import FerryConfig, check_mesh_shape
 from ferry.data.corpus import Corpus, check_vocab, load_corpus, open_prepared
 from ferry.data.pipeline import PackedWindows, window_batches
 from ferry.data.tokenizer import Tokenizer, load_tokenizer
@@ -22,17 +23,17 @@ from ferry.hf import CheckpointError as HFCheckpointError
 from ferry.hf import check_checkpoint
 from ferry.memory import StateBytes, check_fits
 from ferry.models.registry import abstract_model, count_parameters, family_of, size_summary
-from ferry.offload import Policy
+from ferry.offload.engine import Policy
+from ferry.offload.schedule import TransferSchedule, format_bytes, model_schedule
 from ferry.run.checkpoint import model_identity
-from ferry.run.config import FerryConfig, check_mesh_shape
 from ferry.run.data_identity import data_identity
 from ferry.run.directory import RunDirectory, run_directory
 from ferry.run.disk_space import check_checkpoint_space, state_bytes
 from ferry.run.loggers import check_wandb
 from ferry.run.policy_check import check_before_training
-from ferry.schedule import TransferSchedule, format_bytes, model_schedule
 from ferry.sharding import make_mesh, parameters_per_device
-from ferry.train.state_layout import StateLayout, run_state_layout
+from ferry.train.recipe import StepRecipe
+from ferry.train.state_layout import StateLayout
 from ferry.train.state_memory import state_copies, stream_line
 
 
@@ -44,11 +45,21 @@ class PreparedRun:
     config: FerryConfig
     corpus: Corpus | None  # None for a run that is already complete
     schedule: TransferSchedule
-    policy: Policy
     directory: RunDirectory  # locked by process 0 until `release`
-    mesh: Mesh
     identity: dict[str, Any]
-    layout: StateLayout  # the train state's shapes and shardings, traced once
+    recipe: StepRecipe  # the step: its policy, the state's layout (traced once), the loss settings
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.recipe.mesh
+
+    @property
+    def policy(self) -> Policy:
+        return self.recipe.policy
+
+    @property
+    def layout(self) -> StateLayout:
+        return self.recipe.layout
 
     @property
     def run_dir(self) -> Path:
@@ -82,13 +93,14 @@ def prepare(config: FerryConfig, console: Console) -> PreparedRun:
     check_wandb(config.log)
     tokenizer = checked_tokenizer(config)
     check_before_training(config, policy, console)  # train.check_policy: the policy's gradients on this machine
-    layout = run_state_layout(config, mesh)
+    recipe = StepRecipe.of(config, mesh, policy=policy)
+    layout = recipe.layout
     schedule = dataclasses.replace(schedule, state=state_copies(layout.model, layout.placement, layout.sharding.model))
     identity = model_identity(config.model_name, config.model, layout.shapes)
     identity["data"] = data_identity(config, tokenizer)
     check_checkpoint_space(Path(config.run.dir or config.run.root), state_bytes(layout.shapes))
     directory = locked_directory(config, identity, console)  # locked from here: release on any refusal
-    prepared = PreparedRun(config, None, schedule, policy, directory, mesh, identity, layout)
+    prepared = PreparedRun(config, None, schedule, directory, identity, recipe)
     if prepared.complete:
         return prepared  # `train` says so
     try:
@@ -206,7 +218,7 @@ def announce(config: FerryConfig, num_parameters: int, corpus: Corpus, console: 
     console.print(
         f"mesh {config.mesh.describe()} over {jax.device_count()} {jax.devices()[0].platform} devices "
         f"in {jax.process_count()} process(es); micro steps per step: "
-        f"{config.train.micro_steps(config.mesh.data_parallel)}",
+        f"{config.micro_steps}",
         highlight=False,
     )
 

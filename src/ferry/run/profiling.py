@@ -7,7 +7,7 @@ from typing import Any
 
 import jax
 
-from ferry.run.config import ProfileConfig
+from ferry.config.root import ProfileConfig
 
 
 class StepProfiler:

@@ -12,13 +12,14 @@ import jax
 import optax
 from rich.console import Console
 
+from ferry.config.train import TrainConfig
 from ferry.data.corpus import Corpus
 from ferry.data.pipeline import PackedWindows, local_batches
 from ferry.data.placement import BatchPlacement
 from ferry.distributed import is_main_process
 from ferry.memory import CompiledMemory, check_step_fits
+from ferry.offload.schedule import schedule_table
 from ferry.run.checkpoint import Checkpoints
-from ferry.run.config import FerryConfig
 from ferry.run.directory import write_start_files
 from ferry.run.loggers import RunLoggers
 from ferry.run.loop import RunBatches, TrainingLoop
@@ -30,12 +31,8 @@ from ferry.run.preemption import SigtermStop
 from ferry.run.preflight import PreparedRun
 from ferry.run.profiling import StepProfiler
 from ferry.run.summary import run_summary
-from ferry.schedule import schedule_table
-from ferry.train.compiled_step import StepBody, compile_step
-from ferry.train.config import TrainConfig
-from ferry.train.optimizer import learning_rate_schedule, make_optimizer
-from ferry.train.state_layout import StateLayout, initial_state
-from ferry.train.step import LossSettings, make_eval_step, train_step_body
+from ferry.train.state_layout import initial_state
+from ferry.train.step import make_eval_step
 from ferry.train.train_state import TrainState
 from ferry.xla.compile_oom import StepOverHbm
 from ferry.xla.scheduler_costs import ProfileCache, scheduler_target
@@ -60,8 +57,7 @@ def _train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
             f"train.steps={config.train.steps}"
         )
         return run_dir
-    optimizer = make_optimizer(config.train)
-    settings = loss_settings(prepared)
+    optimizer, settings = prepared.recipe.optimizer, prepared.recipe.settings
     batches = open_batches(prepared)
     tc = config.train
     if (note := held_out_note(tc, PackedWindows(training_corpus(prepared).eval, tc.seq_len).num_windows)) is not None:
@@ -69,7 +65,7 @@ def _train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
     meter = StepMeter.of(config, prepared.schedule)
     # closing the iterators stops their prefetch threads, also when the run fails
     with jax.set_mesh(prepared.mesh), SigtermStop() as sigterm, contextlib.closing(batches):
-        train_step, memory = compile_checked(prepared, optimizer, settings, batches.placement)  # no state yet
+        train_step, memory = compile_checked(prepared)  # no state yet
         meter = dataclasses.replace(meter, memory=memory)
         prepared.directory.mark_started()  # what is written from here marks the directory as this run's
         checkpoints = Checkpoints(run_dir / "checkpoints", config.checkpoint)
@@ -127,17 +123,10 @@ def training_corpus(prepared: PreparedRun) -> Corpus:
     return prepared.corpus
 
 
-def loss_settings(prepared: PreparedRun) -> LossSettings:
-    tc = prepared.config.train
-    corpus = training_corpus(prepared)
-    documents = corpus.document_mask(prepared.config.data)  # data.document_mask: attention stays in each
-    return LossSettings.of(tc, prepared.policy, documents)
-
-
 def open_batches(prepared: PreparedRun) -> RunBatches:
     """This process's rows of the training stream (shuffled, prefetched) and of the held-out one."""
     config, tc, corpus = prepared.config, prepared.config.train, training_corpus(prepared)
-    placement = BatchPlacement.on(prepared.mesh, (tc.global_batch_size, tc.seq_len + 1))
+    placement = BatchPlacement.on(prepared.mesh, config.batch_shape)
     rows = placement.local_rows
     train = local_batches(
         PackedWindows(corpus.train, tc.seq_len), tc.global_batch_size, config.data.seed, rows, config.data.prefetch
@@ -146,35 +135,20 @@ def open_batches(prepared: PreparedRun) -> RunBatches:
     return RunBatches(train, held_out, placement)
 
 
-def compile_checked(
-    prepared: PreparedRun, optimizer: optax.GradientTransformation, settings: LossSettings, placement: BatchPlacement
-) -> tuple[Callable, CompiledMemory | None]:
+def compile_checked(prepared: PreparedRun) -> tuple[Callable, CompiledMemory | None]:
     """The train step, compiled from the state's layout alone; refused, before any state is
     allocated or anything written, when its memory does not fit the device: by XLA at compile
     time (libtpu), or by its memory analysis against the device's free memory."""
     config = prepared.config
-    body = run_step_body(config, prepared.layout, settings, optimizer)
     scheduler = scheduler_target(config.platform, jax.devices()[0].device_kind)
-    costs_cache = ProfileCache.of(config.platform)
     try:
-        compiled, train_step = compile_step(body, prepared.layout, placement.spec(), scheduler, costs_cache)
+        step = prepared.recipe.compile(scheduler, ProfileCache.of(config.platform))
     except StepOverHbm as over:  # libtpu refused it at compile time
         raise over_hbm_refusal(over, config) from over
-    memory = CompiledMemory.of(compiled)
+    memory = CompiledMemory.of(step.compiled)
     if memory is not None:
         check_step_fits(memory, step_fit_advice(config))
-    return train_step, memory
-
-
-def run_step_body(
-    config: FerryConfig, layout: StateLayout, settings: LossSettings, optimizer: optax.GradientTransformation
-) -> StepBody:
-    """The train step a run compiles (`mode=compile` compiles the same for a TPU beforehand)."""
-    tc = config.train
-    micro_steps = tc.micro_steps(config.mesh.data_parallel)
-    stream = layout.streamed_update(tc)
-    schedule = learning_rate_schedule(tc)
-    return train_step_body(optimizer, settings, schedule, micro_steps, layout.sharding, tc.on_nonfinite, stream)
+    return step.run, memory
 
 
 def starting_state(

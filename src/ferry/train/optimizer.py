@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ferry.train.config import TrainConfig
-from ferry.train.state_memory import StatePlacement, float_params, state_map
+from ferry.config.train import StatePlacement, TrainConfig
+from ferry.train.state_memory import float_params, state_map
 from ferry.train.streamed_update import StreamedUpdate
 
 

@@ -11,19 +11,13 @@ import equinox as eqx
 import jax
 from jax.sharding import Mesh
 
+from ferry.config.root import FerryConfig
+from ferry.config.train import DEVICE_STATE, StatePlacement, TrainConfig
 from ferry.hf import load_pretrained
 from ferry.models.registry import build_model
-from ferry.run.config import FerryConfig
 from ferry.sharding import tree_shardings
-from ferry.train.config import TrainConfig
 from ferry.train.optimizer import make_optimizer, streamed_update
-from ferry.train.state_memory import (
-    DEVICE_STATE,
-    StatePlacement,
-    state_map,
-    state_on_host,
-    with_memory_kinds,
-)
+from ferry.train.state_memory import state_map, state_on_host, with_memory_kinds
 from ferry.train.streamed_update import StreamedUpdate
 from ferry.train.train_state import TrainState, init_state
 

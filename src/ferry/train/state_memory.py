@@ -27,67 +27,11 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
-from ferry.config_schema import ConfigError
+from ferry.config.train import HOST, StatePlacement
 from ferry.nn.stack import LayerStack
-from ferry.schedule import StateCopy
+from ferry.offload.schedule import StateCopy
 
-DEVICE, HOST = "device", "host"
-PLACES = (DEVICE, HOST)
 MASTER_WEIGHTS, MOMENTS = "master weights", "AdamW moments"  # what a state copy moves
-
-
-@dataclasses.dataclass(frozen=True)
-class StatePlacement:
-    """Where the optimizer's moments and the float32 master weights live: device | host."""
-
-    optimizer: str = DEVICE
-    params: str = DEVICE
-    # the most host-resident state (MiB per device) the update brings to HBM at once: a layer's
-    # state when it is less, else that layer's leaves in groups and a large leaf in blocks of rows
-    stream_mib: float = 1024.0
-    # the update fetches the next step's state while it updates and writes back this step's (the
-    # host link both ways at once); each step holds half of stream_mib, and three halves live at
-    # once (this step's state, its new state, the next step's), 1.5x stream_mib
-    prefetch: bool = False
-
-    def __post_init__(self) -> None:
-        for key in ("optimizer", "params"):
-            if getattr(self, key) not in PLACES:
-                raise ConfigError(f"offload.{key} is {getattr(self, key)!r}; use device or host")
-        if not self.stream_mib > 0:
-            raise ConfigError(
-                f"offload.stream_mib={self.stream_mib:g}: it is the HBM (MiB per device) the update of a state on "
-                "host streams through at once; use a positive number (1024 by default)"
-            )
-
-    @property
-    def streams(self) -> bool:
-        """Does any part of the state live on host (and the update stream it)?"""
-        return HOST in (self.optimizer, self.params)
-
-    @property
-    def stream_bytes(self) -> float:
-        """`stream_mib` in bytes: the most moved state per device the update holds in HBM at once."""
-        return self.stream_mib * 2**20
-
-    @property
-    def step_bytes(self) -> float:
-        """The most moved state per device one step of the update's loops brings to HBM: all of
-        `stream_bytes`, or half of it where the next step's state is fetched beside it (`prefetch`)."""
-        return self.stream_bytes / (2 if self.prefetch else 1)
-
-    @property
-    def steps_held(self) -> int:
-        """How many steps' moved state the update's loops hold in HBM at once: one, or prefetching
-        three half-size steps (the step's state, its new state, the next step's; on v5e, the 386M
-        Llama at stream_mib=1024 held 0.56 GiB less HBM than without prefetching)."""
-        return 3 if self.prefetch else 1
-
-    def describe(self) -> str:
-        return f"optimizer moments on {self.optimizer}, master weights on {self.params}"
-
-
-DEVICE_STATE = StatePlacement()  # everything in HBM
 
 
 @dataclasses.dataclass(frozen=True)

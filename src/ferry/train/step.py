@@ -12,9 +12,9 @@ import optax
 from jaxtyping import Array, Float, Int
 
 from ferry.data.segments import DocumentMask
-from ferry.loss import DEFAULT_HEAD, LossHead
+from ferry.head.loss import DEFAULT_HEAD, LossHead
 from ferry.models.base import AbstractLanguageModel
-from ferry.offload import SAVE_ALL, Policy
+from ferry.offload.engine import SAVE_ALL, Policy
 from ferry.precision import cast_floating
 from ferry.train.state_memory import float_params, on_host
 from ferry.train.streamed_update import StreamedUpdate
@@ -40,8 +40,8 @@ class LossSettings:
 def compute_copy(model: AbstractLanguageModel, dtype: Any, head: LossHead) -> AbstractLanguageModel:
     """The model in the compute dtype, but for the chunked or fused head's own weight: kept as
     stored (float32), which the chunked head casts a chunk at a time, so no compute-dtype copy of
-    the whole head is held (`ferry.chunked_head`), and the fused head sums its gradient over
-    chunks in float32 (`ferry.fused_head`). A head tied to the embedding table is cast with the rest: the
+    the whole head is held (`ferry.head.chunked`), and the fused head sums its gradient over
+    chunks in float32 (`ferry.head.fused`). A head tied to the embedding table is cast with the rest: the
     embedding's gather reads it too."""
     compute_model = cast_floating(model, dtype)
     if head.kind == "logits" or model.output_head().tied:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ferry.offload import has_memory_kinds
+from ferry.offload.engine import has_memory_kinds
 from ferry.sharding import context_mesh
 from ferry.train.state_memory import StateMap, StreamPiece, stream_pieces
 

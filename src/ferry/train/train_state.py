@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Int
 
-from ferry.train.state_memory import DEVICE_STATE, HOST, StatePlacement, float_params, state_map
+from ferry.config.train import DEVICE_STATE, HOST, StatePlacement
+from ferry.train.state_memory import float_params, state_map
 
 
 class TrainState(eqx.Module):

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from ferry.config_schema import ConfigError
+from ferry.errors import ConfigError
 
 # libraries smaller than this hold no flag registry (jaxlib's small extension modules)
 _MIN_LIBRARY_BYTES = 10 * 2**20

@@ -1,14 +1,14 @@
 """The matrix work of a compiled program counted from its HLO text: `dot`s, cuBLAS GEMMs,
 `ragged-dot`s, TPU `convolution`s and kernels, weighted by how often their computations run
 (`ferry.xla.hlo_parse`) and by the share of a loop the model marks as doing work
-(`ferry.expected_work`)."""
+(`ferry.xla.expected_work`)."""
 
 import functools
 import re
 
 import numpy as np
 
-from ferry.expected_work import expected_fraction
+from ferry.xla.expected_work import expected_fraction
 from ferry.xla.hlo_parse import (
     BRANCHES,
     CALLEE,
@@ -42,7 +42,7 @@ def _may_have_flops(line: str) -> bool:
 class FlopModule(HloModule):
     """A parsed module with the matmul FLOPs of a computation including the computations it
     calls: as they run where the model marked an op's static work as partly skipped
-    (`ferry.expected_work`), or with `bound` the static count, an upper bound."""
+    (`ferry.xla.expected_work`), or with `bound` the static count, an upper bound."""
 
     def __init__(self, hlo_text: str):
         super().__init__(hlo_text)
@@ -124,7 +124,7 @@ class FlopModule(HloModule):
 
     def loop_share(self, line: str) -> float:
         """Of a loop's trips, the share that does its work: the model marks a loop sized for the
-        worst case (`ferry.expected_work`) on the loop itself, whose instruction is its own where
+        worst case (`ferry.xla.expected_work`) on the loop itself, whose instruction is its own where
         XLA may share one body between loops (op names inside it can be another loop's)."""
         name = OP_NAME.search(line)
         return expected_fraction(name["name"]) if name else 1.0
@@ -197,7 +197,7 @@ def matmul_flops(hlo_text: str, bound: bool = False) -> float:
     cost estimate, grouped GEMMs by their shapes), weighted by how often its computation runs:
     what `cost_analysis()` does not report for compile-only GPU devices. 2 x output elements x
     the contracted size; elementwise work is not counted. Of a product the model marked as run
-    in part (a MoE's tiles, `ferry.expected_work`), the share that runs; with `bound`, all of it
+    in part (a MoE's tiles, `ferry.xla.expected_work`), the share that runs; with `bound`, all of it
     (the program's static count, an upper bound)."""
     module = parsed(hlo_text)
     return module.computation_flops(module.entry, bound)

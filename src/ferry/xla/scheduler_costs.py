@@ -11,7 +11,7 @@ of a measurement, in the same terms as the plan's estimate: a kernel takes its m
 target's dense peak or its bytes at the HBM bandwidth, whichever is longer; a host copy its bytes
 over the host link; a collective its ring bytes over the links its groups span
 (`Collective.algorithmic_bytes`); a loop its body times its trip count (the trips that do work,
-where the model marked a loop sized for the worst case: `ferry.expected_work`). XLA reads the
+where the model marked a loop sized for the worst case: `ferry.xla.expected_work`). XLA reads the
 profile when it sets up the scheduler, after the passes that make the module it prices: the profile
 file is leased, and when XLA opens it the module is priced from XLA's dump of its last pass and
 written before the open returns (`ferry.xla.profile_handoff`), so one compile schedules with it.
@@ -37,12 +37,11 @@ import tempfile
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 
 from ferry.errors import FerryError
-from ferry.platform import PlatformConfig
 from ferry.xla.hardware import accelerator_name
 from ferry.xla.hlo_collectives import collective_of, num_partitions
 from ferry.xla.hlo_host_copies import HOST_MEMORY_SPACE
@@ -196,7 +195,18 @@ def _is_done(instruction: ScheduledInstruction) -> bool:
     return instruction.op.endswith("-done") and bool(instruction.start)
 
 
-def scheduler_target(platform: PlatformConfig, device_kind: str) -> GpuTarget | None:
+class CostSettings(Protocol):
+    """The `platform` keys that choose the scheduler's costs (`ferry.platform.PlatformConfig` has
+    them); a protocol, so that this floor does not import the config above it."""
+
+    @property
+    def scheduler_costs(self) -> str: ...
+
+    @property
+    def scheduler_costs_cached(self) -> bool: ...
+
+
+def scheduler_target(platform: CostSettings, device_kind: str) -> GpuTarget | None:
     """The device facts ferry's cost profile prices a run's step with, where
     `platform.scheduler_costs=ferry` (None otherwise): refused for a GPU ferry has no facts of."""
     if platform.scheduler_costs != "ferry":
@@ -232,7 +242,7 @@ class ProfileCache:
     directory: Path
 
     @classmethod
-    def of(cls, platform: PlatformConfig) -> "ProfileCache | None":
+    def of(cls, platform: CostSettings) -> "ProfileCache | None":
         """Where `platform` keeps its profiles: `$XDG_CACHE_HOME/ferry/scheduler_costs` (default
         `~/.cache`), or None where `platform.scheduler_costs_cached` is off."""
         if not platform.scheduler_costs_cached:

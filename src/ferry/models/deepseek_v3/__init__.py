@@ -1,8 +1,7 @@
 """The DeepSeek-V3 family: `config` (its architecture and MoE settings), `model` (the Equinox
-model, its MoE block and multi-token prediction), `hf` (its Hugging Face `DeepseekV3ForCausalLM`
-mapping)."""
+model, its MoE block and multi-token prediction); its Hugging Face mapping is
+`ferry.hf.deepseek_v3`."""
 
-from ferry.models.deepseek_v3 import hf
 from ferry.models.deepseek_v3.config import DeepSeekV3Config
 from ferry.models.deepseek_v3.model import (
     DeepSeekV3,
@@ -14,7 +13,7 @@ from ferry.models.deepseek_v3.model import (
 )
 from ferry.models.family import Family
 
-FAMILY = Family("deepseek_v3", DeepSeekV3Config, DeepSeekV3, tiny_model="deepseek_v3_tiny", hf=hf)
+FAMILY = Family("deepseek_v3", DeepSeekV3Config, DeepSeekV3, tiny_model="deepseek_v3_tiny")
 
 __all__ = [
     "FAMILY",

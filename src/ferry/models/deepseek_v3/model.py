@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ferry.chunked_head import OutputHead
 from ferry.data.segments import DocumentMask, document_segments, loss_weights
-from ferry.loss import DEFAULT_HEAD, LossHead, whole_logits
+from ferry.head.chunked import OutputHead
+from ferry.head.loss import DEFAULT_HEAD, LossHead, whole_logits
 from ferry.models.base import AbstractLanguageModel
 from ferry.models.deepseek_v3.config import DeepSeekV3Config
 from ferry.nn.attention import Segments
@@ -21,8 +21,8 @@ from ferry.nn.mlp import SwiGLU
 from ferry.nn.moe import DeepSeekMoE, MoEStats
 from ferry.nn.norm import RMSNorm
 from ferry.nn.stack import LayerStack, stack_trees
-from ferry.offload import SAVE_ALL, Policy, offloaded
-from ferry.schedule import LayerKind
+from ferry.offload.engine import SAVE_ALL, Policy, offloaded
+from ferry.offload.schedule import LayerKind
 
 
 def dense_layer(config: DeepSeekV3Config, *, key: PRNGKeyArray) -> DecoderBlock:

@@ -5,9 +5,9 @@ import equinox as eqx
 import jax
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ferry.chunked_head import OutputHead
 from ferry.data.segments import DocumentMask
-from ferry.loss import DEFAULT_HEAD, LossHead, whole_logits
+from ferry.head.chunked import OutputHead
+from ferry.head.loss import DEFAULT_HEAD, LossHead, whole_logits
 from ferry.models.base import AbstractLanguageModel, dense_training_loss
 from ferry.models.dense.config import DenseConfig
 from ferry.nn.attention import Segments, grouped_query_attention
@@ -17,8 +17,8 @@ from ferry.nn.linear import Linear
 from ferry.nn.mlp import SwiGLU
 from ferry.nn.norm import RMSNorm
 from ferry.nn.stack import LayerStack
-from ferry.offload import SAVE_ALL, Policy
-from ferry.schedule import LayerKind
+from ferry.offload.engine import SAVE_ALL, Policy
+from ferry.offload.schedule import LayerKind
 
 
 def dense_decoder_layer(config: DenseConfig, *, key: PRNGKeyArray) -> DecoderBlock:

@@ -1,11 +1,11 @@
 """The Qwen3 (dense) family: `config` (its architecture), `model` (the dense decoder with
-q/k-normed attention), `hf` (its Hugging Face `Qwen3ForCausalLM` mapping)."""
+q/k-normed attention); its Hugging Face mapping is
+`ferry.hf.qwen3`."""
 
 from ferry.models.family import Family
-from ferry.models.qwen3 import hf
 from ferry.models.qwen3.config import Qwen3Config
 from ferry.models.qwen3.model import Qwen3, qwen3_decoder_layer
 
-FAMILY = Family("qwen3", Qwen3Config, Qwen3, tiny_model="qwen3_tiny", hf=hf)
+FAMILY = Family("qwen3", Qwen3Config, Qwen3, tiny_model="qwen3_tiny")
 
 __all__ = ["FAMILY", "Qwen3", "Qwen3Config", "qwen3_decoder_layer"]

@@ -13,14 +13,8 @@ planner's transfer schedule, traced abstractly for a target), else the devices o
 says what it chose at start-up (`describe_attention`).
 """
 
-import contextlib
-import contextvars
 import dataclasses
-from collections.abc import Iterator
-from typing import Any
 
-import jax
-from jax.sharding import Mesh
 from jaxtyping import Array, Float
 
 from ferry.errors import FerryError
@@ -28,7 +22,7 @@ from ferry.nn.kernels.cudnn import CudnnAttention, cudnn_shape_reason
 from ferry.nn.kernels.flash import AttentionKernel, SegmentIds
 from ferry.nn.kernels.splash import SplashAttention, block_size, round_up
 from ferry.nn.kernels.xla import XlaAttention
-from ferry.sharding import context_mesh
+from ferry.sharding import lowering_platform
 
 ATTENTION_CHOICES = ("auto", "xla", "splash", "cudnn")
 
@@ -66,36 +60,6 @@ class AttentionChoice:
 
     def describe(self, setting: str) -> str:
         return f"attention: {self.kernel.describe()} [model.attention={setting}: {self.why}]"
-
-
-_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar("ferry_attention_platform", default=None)
-
-
-@contextlib.contextmanager
-def attention_platform(platform: str | None) -> Iterator[None]:
-    """Trace attention for `platform` ("cpu", "gpu", "tpu"; None: as `lowering_platform` finds it)
-    inside this block: an abstract trace for a target has no devices to say it."""
-    token = _PLATFORM.set(platform)
-    try:
-        yield
-    finally:
-        _PLATFORM.reset(token)
-
-
-def _platform_name(platform: str) -> str:
-    return "gpu" if platform in ("cuda", "rocm") else platform
-
-
-def mesh_platform(mesh: Any) -> str | None:
-    """The platform of a concrete mesh's devices (None: no mesh, or an abstract one)."""
-    return _platform_name(mesh.devices.flat[0].platform) if isinstance(mesh, Mesh) else None
-
-
-def lowering_platform() -> str:
-    """The platform the program being traced is for ("cpu", "gpu" or "tpu"): `attention_platform`'s,
-    else the context mesh's devices where `jax.set_mesh` set a concrete mesh, else JAX's default
-    backend."""
-    return _PLATFORM.get() or mesh_platform(context_mesh()) or _platform_name(jax.default_backend())
 
 
 def choose_attention(setting: str, call: AttentionCall) -> AttentionChoice:

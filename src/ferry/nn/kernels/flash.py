@@ -21,7 +21,7 @@ import equinox as eqx
 import jax
 from jaxtyping import Array, Float, Int
 
-from ferry.offload import tag
+from ferry.offload.engine import tag
 from ferry.sharding import HEADS
 
 ATTENTION_OUT = "attention_out"

@@ -37,9 +37,9 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float
 
 from ferry.errors import FerryError
-from ferry.expected_work import expected_work
 from ferry.nn.kernels.flash import FlashAttention, SegmentIds
 from ferry.sharding import activation_spec, context_mesh
+from ferry.xla.expected_work import expected_work
 
 LANES = 128  # the TPU vector lane width: sequence padding and the smallest block
 BLOCK_SIZES = (1024, 512, 256, 128)  # largest first; 1024 measured fastest on v5e at seq 2048 (README)
@@ -134,7 +134,7 @@ class SplashAttention(FlashAttention):
     def _causal_work(self, seq: int) -> Any:
         """The share of the kernel's grid that runs: the block pairs the causal mask leaves a query
         to attend to (n (n + 1) / 2 of n x n blocks, each computed whole), marked for the planner's
-        FLOP count (`ferry.expected_work`); packed documents skip more, unknown before the data."""
+        FLOP count (`ferry.xla.expected_work`); packed documents skip more, unknown before the data."""
         blocks = seq // self.block_sizes(seq).block_q
         return expected_work(blocks * (blocks + 1) // 2, blocks * blocks)
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ferry.nn.kernels.flash import ATTENTION_OUT, AttentionKernel, SegmentIds
-from ferry.offload import tag
+from ferry.offload.engine import tag
 from ferry.sharding import HEADS
 
 QUERY_CHUNK = 512  # query rows whose scores exist at once in a long sequence

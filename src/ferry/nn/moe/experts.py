@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from ferry.nn.moe.dispatch import Dispatch
-from ferry.offload import tag
+from ferry.offload.engine import tag
 from ferry.sharding import AbstractSharded, LogicalAxes
 
 

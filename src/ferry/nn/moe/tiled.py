@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ferry.expected_work import expected_work
+from ferry.xla.expected_work import expected_work
 
 
 class TileLayout(eqx.Module):
@@ -87,7 +87,7 @@ def tiled_matmul(
     rows `layout.row`. Nothing is materialised per tile but the tile (neither the gathered rows
     nor a copy of the expert's matrix), and a tile with no output row (padding) is skipped at
     run time: the program's static count of the tiles' FLOPs is an upper bound, of which
-    `expected_tiles` run where the router balances the experts (`ferry.expected_work`)."""
+    `expected_tiles` run where the router balances the experts (`ferry.xla.expected_work`)."""
     return _tiled_forward(num_out_rows, expected_tiles, x, weights, source, layout)
 
 

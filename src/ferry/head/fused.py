@@ -1,6 +1,6 @@
 """The loss and both of the output head's gradients made in one walk of the forward pass, a chunk
 of the sequence at a time (`train.loss_head=fused`): three logits-sized matmuls a step, as the
-whole logits take, where the vocabulary-chunked head (`ferry.chunked_head`) takes four or five,
+whole logits take, where the vocabulary-chunked head (`ferry.head.chunked`) takes four or five,
 and the batch's logits are never whole.
 
 Why the forward pass can make the gradients: the loss is a weighted mean over tokens of
@@ -30,9 +30,9 @@ backward, 2 GiB at a vocabulary of 128,256).
 
 Who makes a chunk (`train.loss_kernel`, `kernel_for`): XLA, which writes the chunk's float32
 logits to HBM and reads them back, or a Pallas TPU kernel that keeps them in VMEM
-(`ferry.head_kernel`; 0.940x XLA's whole logits alone, 0.990x in a full_remat step on v5e).
+(`ferry.head.kernel`; 0.940x XLA's whole logits alone, 0.990x in a full_remat step on v5e).
 `auto`, the default, takes the kernel on a TPU whose devices each hold the whole vocabulary and
-whose VMEM holds blocks of 512 tokens or more (`ferry.loss_kernel`).
+whose VMEM holds blocks of 512 tokens or more (`ferry.head.kernel_choice`).
 
 The chunk rule (`sequence_chunks`): a chunk's float32 logits on one device, its batch rows x its
 positions x its vocabulary columns x 4 bytes, stay within `budget_bytes` (`train.loss_chunk_mib`).
@@ -49,9 +49,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
-from ferry.chunked_head import LOGIT_BYTES, OutputHead, chunk_owned, chunk_start, even_chunks, logits_share, pinned
-from ferry.head_kernel import head_chunk
-from ferry.loss_kernel import KernelChoice, choose_kernel
+from ferry.head.chunked import LOGIT_BYTES, OutputHead, chunk_owned, chunk_start, even_chunks, logits_share, pinned
+from ferry.head.kernel import head_chunk
+from ferry.head.kernel_choice import KernelChoice, choose_kernel
 from ferry.sharding import PARAM_RULES, LogicalAxes, activation_spec, constrain, context_mesh, logical_spec
 
 SUBLANES = 8  # a chunk's positions are a multiple of this when at least this many fit the budget
@@ -101,7 +101,7 @@ def fused_loss(
     """The mean cross-entropy of the logits `hidden @ head` plus `z_loss_weight * mean(logsumexp^2)`,
     and the cross-entropy alone (not differentiated), both float32; `weights`: which tokens count
     (the means are over those; None: all). The gradients are made as the loss is (module docstring),
-    each chunk's by XLA or by the Pallas kernel of `ferry.head_kernel`, as `kernel_for` reads
+    each chunk's by XLA or by the Pallas kernel of `ferry.head.kernel`, as `kernel_for` reads
     `kernel` ("auto", "xla" or "pallas")."""
     batch, seq, _ = hidden.shape
     vocab = head.weight.shape[head.vocab_axis]
@@ -117,7 +117,7 @@ def fused_loss(
 def kernel_for(
     setting: str, batch: int, seq: int, vocab: int, dim: int, itemsize: int, budget_bytes: int, mesh=None
 ) -> KernelChoice:
-    """`train.loss_kernel`'s choice (`ferry.loss_kernel`) for a fused head over `batch` x `seq`
+    """`train.loss_kernel`'s choice (`ferry.head.kernel_choice`) for a fused head over `batch` x `seq`
     tokens of width `dim` under `mesh` (default: the context's): one device's chunk."""
     rows, columns = logits_share(batch, seq, vocab, mesh)
     chunks = sequence_chunks(rows, seq, columns, budget_bytes)
@@ -199,9 +199,9 @@ def _xla_chunk(rows: Array, weight: Array, targets: Array, share: Array, walk: _
 
 
 def _kernel_chunk(rows: Array, weight: Array, targets: Array, share: Array, walk: _Walk) -> tuple[Array, ...]:
-    """The same from the Pallas kernel (`ferry.head_kernel`), the logits only in VMEM. A Pallas
+    """The same from the Pallas kernel (`ferry.head.kernel`), the logits only in VMEM. A Pallas
     kernel has no partitioning rule: on a mesh it runs under shard_map on each device's batch
-    rows, the weight whole on every device (the vocabulary unsplit: `ferry.loss_kernel`)."""
+    rows, the weight whole on every device (the vocabulary unsplit: `ferry.head.kernel_choice`)."""
 
     def per_device(rows: Array, weight: Array, targets: Array, share: Array) -> tuple[Array, ...]:
         batch, positions, dim = rows.shape

@@ -15,13 +15,12 @@ import equinox as eqx
 import jax
 from rich.table import Table
 
-from ferry.nn.kernels.choice import attention_platform, mesh_platform
-from ferry.offload import LAYER_INPUT, Placement, Policy, record_tags_and_axes
+from ferry.offload.engine import LAYER_INPUT, Placement, Policy, record_tags_and_axes
 from ferry.precision import cast_floating
-from ferry.sharding import activation_spec, shard_shape
+from ferry.sharding import activation_spec, attention_platform, mesh_platform, shard_shape
 
-# When each copy is issued: inside its layer (`ferry.offload.offloaded`) or one layer apart
-# (`ferry.offload_scan`, a pipelined policy on a scanned stack).
+# When each copy is issued: inside its layer (`ferry.offload.engine.offloaded`) or one layer apart
+# (`ferry.offload.scan`, a pipelined policy on a scanned stack).
 _ISSUED = {
     False: ("D2H after its tag", "H2D as its layer's backward starts"),
     True: ("D2H as layer k+1 starts", "H2D as layer k+1's backward starts"),
@@ -72,7 +71,7 @@ class LayerGroup:
     name: str
     num_layers: int
     residuals: tuple[Residual, ...]
-    pipelined: bool = False  # its copies move one layer apart (`ferry.offload_scan`)
+    pipelined: bool = False  # its copies move one layer apart (`ferry.offload.scan`)
     peeled: int = 0  # its first and its last `peeled` layers run outside its loop (`Policy.peels`)
 
     @property

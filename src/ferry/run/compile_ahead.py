@@ -10,9 +10,11 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from ferry.plan.auto import Tried
 
 COMPILE_TIMEOUT_S = 600.0
 NICENESS = 10  # below the process on the chip, which needs the CPU too
@@ -28,11 +30,20 @@ def compile_in_subprocesses(
         for number, node in enumerate(nodes):
             request, result = Path(directory) / f"{number}.json", Path(directory) / f"{number}.out"
             request.write_text(json.dumps(node))
-            command = [sys.executable, "-m", "ferry.plan.compile_ahead", target, str(request), str(result)]
+            command = [sys.executable, "-m", "ferry.run.compile_ahead", target, str(request), str(result)]
             # precompile allows itself beside the planning process's libtpu (ALLOW_MULTIPLE_LIBTPU_LOAD)
             child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             children.append((child, result))
         return [_outcome(child, result, timeout_s) for child, result in children]
+
+
+def subprocess_compiler(
+    run_node: Callable[[int, Tried], dict[str, Any]], target: str
+) -> Callable[[Sequence[tuple[int, Tried]]], list[str]]:
+    """`compile_ahead` for `measure_candidates` on a TPU: the candidates' runs, as
+    `subprocess_measurer` times them, compiled for `target` on the CPU all at once
+    (`compile_in_subprocesses`), so each measuring process loads its step from the cache."""
+    return lambda numbered: compile_in_subprocesses([run_node(n, c) for n, c in numbered], target)
 
 
 def _outcome(child: subprocess.Popen, result: Path, timeout_s: float) -> str:
@@ -49,15 +60,15 @@ def _outcome(child: subprocess.Popen, result: Path, timeout_s: float) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m ferry.plan.compile_ahead TARGET REQUEST RESULT`: compile the run config in
+    """`python -m ferry.run.compile_ahead TARGET REQUEST RESULT`: compile the run config in
     REQUEST (JSON) for TARGET; write the line saying what was compiled, or why not, to RESULT."""
     import dataclasses
     import io
 
     from rich.console import Console
 
+    from ferry.config.root import load_config
     from ferry.errors import FerryError
-    from ferry.run.config import load_config
     from ferry.run.precompile import precompile
 
     os.nice(NICENESS)

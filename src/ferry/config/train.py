@@ -1,6 +1,6 @@
 """The train step's configs: `TrainConfig` (the `train` group: batch, optimizer, loss, seed) and
 `OffloadConfig` (the `offload` group: the policy and where the optimizer state and the master
-weights live). The run's root config, composing every group, is `ferry.run.config.FerryConfig`."""
+weights live). The run's root config, composing every group, is `ferry.config.root.FerryConfig`."""
 
 import dataclasses
 from collections.abc import Mapping
@@ -8,12 +8,70 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from ferry.config_schema import ConfigError, require_finite, require_positive
-from ferry.loss import LossHead
-from ferry.offload import ENGINES, PLACEMENTS, Policy
-from ferry.train.state_memory import StatePlacement
+from ferry.config_schema import require_finite, require_positive
+from ferry.errors import ConfigError
+from ferry.head.loss import LossHead
+from ferry.offload.engine import ENGINES, PLACEMENTS, Policy
 
 MAX_SEED = 2**32 - 1  # seeds are 32-bit: Grain's shuffle refuses others, JAX folds larger ones
+
+
+DEVICE, HOST = "device", "host"
+PLACES = (DEVICE, HOST)
+
+
+@dataclasses.dataclass(frozen=True)
+class StatePlacement:
+    """Where the optimizer's moments and the float32 master weights live: device | host."""
+
+    optimizer: str = DEVICE
+    params: str = DEVICE
+    # the most host-resident state (MiB per device) the update brings to HBM at once: a layer's
+    # state when it is less, else that layer's leaves in groups and a large leaf in blocks of rows
+    stream_mib: float = 1024.0
+    # the update fetches the next step's state while it updates and writes back this step's (the
+    # host link both ways at once); each step holds half of stream_mib, and three halves live at
+    # once (this step's state, its new state, the next step's), 1.5x stream_mib
+    prefetch: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("optimizer", "params"):
+            if getattr(self, key) not in PLACES:
+                raise ConfigError(f"offload.{key} is {getattr(self, key)!r}; use device or host")
+        if not self.stream_mib > 0:
+            raise ConfigError(
+                f"offload.stream_mib={self.stream_mib:g}: it is the HBM (MiB per device) the update of a state on "
+                "host streams through at once; use a positive number (1024 by default)"
+            )
+
+    @property
+    def streams(self) -> bool:
+        """Does any part of the state live on host (and the update stream it)?"""
+        return HOST in (self.optimizer, self.params)
+
+    @property
+    def stream_bytes(self) -> float:
+        """`stream_mib` in bytes: the most moved state per device the update holds in HBM at once."""
+        return self.stream_mib * 2**20
+
+    @property
+    def step_bytes(self) -> float:
+        """The most moved state per device one step of the update's loops brings to HBM: all of
+        `stream_bytes`, or half of it where the next step's state is fetched beside it (`prefetch`)."""
+        return self.stream_bytes / (2 if self.prefetch else 1)
+
+    @property
+    def steps_held(self) -> int:
+        """How many steps' moved state the update's loops hold in HBM at once: one, or prefetching
+        three half-size steps (the step's state, its new state, the next step's; on v5e, the 386M
+        Llama at stream_mib=1024 held 0.56 GiB less HBM than without prefetching)."""
+        return 3 if self.prefetch else 1
+
+    def describe(self) -> str:
+        return f"optimizer moments on {self.optimizer}, master weights on {self.params}"
+
+
+DEVICE_STATE = StatePlacement()  # everything in HBM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,9 +212,6 @@ def register_train_defaults() -> None:
     ConfigStore.instance().store(name=TRAIN_DEFAULTS, node={"train": dataclasses.asdict(TrainConfig())})
 
 
-register_train_defaults()  # on import: whatever composes configs/ imports this module to load the result
-
-
 @dataclasses.dataclass(frozen=True)
 class AutoMeasureConfig:
     """`offload=auto` on a machine with the accelerator (`ferry.plan.auto_measure`): the search's
@@ -204,7 +259,7 @@ class OffloadConfig:
     # Llama with its state on host 1.05x in 0.56 GiB less HBM, a DeepSeek-V3-width slice 1.25x in 2.27 GiB
     # more; off by default, as HBM is what a run that streams its state lacks
     stream_prefetch: bool = False
-    pipelined: bool = True  # a scanned stack's copies one layer apart (ferry.offload_scan)
+    pipelined: bool = True  # a scanned stack's copies one layer apart (ferry.offload.scan)
     peel: int = 0  # a pipelined stack's first and last `peel` layers outside its loop (Policy.peel)
     engine: str = "ferry"  # ferry | jax: JAX's own offload of the same tensors, for comparison (Policy.engine)
     auto: AutoMeasureConfig = AutoMeasureConfig()  # offload=auto: timing its best candidates on the device

@@ -21,7 +21,7 @@ import equinox as eqx
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from ferry.offload_policy import (
+from ferry.offload.policy import (
     ENGINES,
     LAYER_INPUT,
     PLACEMENTS,
@@ -31,7 +31,7 @@ from ferry.offload_policy import (
     Policy,
     PolicyError,
 )
-from ferry.offload_tags import (
+from ferry.offload.tags import (
     Axes,
     Namer,
     NestedTagError,

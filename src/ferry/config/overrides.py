@@ -15,10 +15,11 @@ from typing import Any
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ferry.config_schema import ConfigError
+from ferry.config.train import register_train_defaults
+from ferry.errors import ConfigError
 
 # mappings whose entries a user names freely (validated later against the model or XLA)
 OPEN_MAPPINGS = ("offload.tensors.", "platform.xla_flags.", "platform.host_offload_flags.", "platform.env.")
@@ -115,6 +116,14 @@ def _check_group_value(argument: str, group: str, value: Any, presets: list[str]
         raise ConfigError(f"{argument}: there is no configs/{group}/{value}.yaml; {choose}")
 
 
+def hydra_compose(config_dir: Path, config_name: str, overrides: list[str]) -> DictConfig:
+    """Hydra's composition of `config_name` from `config_dir`, unchecked: `train.*`'s defaults are
+    registered first (from `TrainConfig`, their one source), here rather than on import."""
+    register_train_defaults()
+    with initialize_config_dir(str(config_dir), version_base=None):
+        return compose(config_name, overrides=overrides)
+
+
 def compose_node(
     config_name: str, argv: list[str], config_dir: Path, allowed_groups: tuple[str, ...] | None = None
 ) -> dict:
@@ -122,8 +131,7 @@ def compose_node(
     (ferry's checks above, then Hydra's and OmegaConf's) a one-line ConfigError."""
     overrides = prepared_overrides(argv, config_dir, allowed_groups)
     try:
-        with initialize_config_dir(str(config_dir), version_base=None):
-            cfg = compose(config_name, overrides=overrides)
+        cfg = hydra_compose(config_dir, config_name, overrides)
         node = OmegaConf.to_container(cfg, resolve=True)
     except (HydraException, OmegaConfBaseException, ValueError, TypeError) as error:
         reasons = [_one_line(error)] + ([_one_line(error.__cause__)] if error.__cause__ is not None else [])

@@ -1,6 +1,6 @@
 """An offload policy: where each tagged activation lives between the forward and the backward
-pass. Plain data, validated once, shared by both halves of the engine (`ferry.offload`,
-`ferry.offload_scan`), the planner and the trainer."""
+pass. Plain data, validated once, shared by both halves of the engine (`ferry.offload.engine`,
+`ferry.offload.scan`), the planner and the trainer."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class Policy(Mapping[str, Placement]):
     answers for any name. `keep_all` disables the custom VJP altogether, so JAX's own autodiff
     keeps every residual in HBM: the `save_all` reference every other policy is compared against.
     `pipelined` (the default) moves a scanned stack's offloaded values one layer apart
-    (`ferry.offload_scan`): each copy hides under a whole layer, for one more layer of them in
+    (`ferry.offload.scan`): each copy hides under a whole layer, for one more layer of them in
     HBM; False moves them inside each layer (`offloaded`). `peel` runs a pipelined stack's
     first layer and its last `peel` layers outside its loop (`peel` + 2 copies of the layer in the
     program): no placeholder crosses the link, and the copies of the layers outside the loop may
@@ -114,13 +114,13 @@ class Policy(Mapping[str, Placement]):
 
     @property
     def pipelined_by_ferry(self) -> bool:
-        """Does ferry's engine move a scanned stack's copies one layer apart (`ferry.offload_scan`)?
+        """Does ferry's engine move a scanned stack's copies one layer apart (`ferry.offload.scan`)?
         JAX's own offload (`engine="jax"`) has no such schedule."""
         return self.pipelined and not self.keep_all and self.engine == "ferry"
 
     def peels(self, num_layers: int) -> int:
         """How many of a scanned stack's last layers run outside its loop under this policy
-        (`ferry.offload_scan`; its first layer too, where any do): `peel`, at most all but the
+        (`ferry.offload.scan`; its first layer too, where any do): `peel`, at most all but the
         first, and only in a pipelined stack."""
         return min(self.peel, num_layers - 1) if self.peeled and num_layers >= 2 else 0
 

@@ -1,6 +1,6 @@
 """A stack of identical layers whose host copies are software-pipelined one layer deep, in Python.
 
-`offloaded` (ferry.offload) moves a layer's residuals inside that layer: a store issued at its
+`offloaded` (ferry.offload.engine) moves a layer's residuals inside that layer: a store issued at its
 tag has only the rest of the layer to hide under, and a reload issued when the backward pass
 reaches the layer has nothing (the replay reads it at once). Inside a `lax.scan` neither copy can
 straddle two iterations, so `offloaded_scan` moves them itself, one layer apart:
@@ -35,7 +35,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ferry.offload import (
+from ferry.offload.engine import (
     LAYER_INPUT,
     Axes,
     Policy,
@@ -191,7 +191,7 @@ class _Peeled:
 
     def backward(self, residuals: Any, cotangent: Any) -> tuple[Any, Any, None, None]:
         """The reverse of `forward`. Outside the loop the layers pass barriers, as the per-layer
-        engine's unscanned layers do (`ferry.offload.offloaded`): the host values wait for the
+        engine's unscanned layers do (`ferry.offload.engine.offloaded`): the host values wait for the
         cotangent (else XLA folds a store read straight back into nothing: the loop's too, which
         XLA unrolls where it runs one layer), each reload of a layer after the loop waits for the
         cotangent of the layer above (so it is issued as that layer's backward starts, not all at

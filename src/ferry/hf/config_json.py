@@ -8,7 +8,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ferry.hf_format.safetensors_io import CheckpointError
+from ferry.hf.safetensors_io import CheckpointError
 
 
 def refuse_unless(hf: Mapping[str, Any], key: str, supported: Any, default: Any, family: str) -> None:

@@ -1,6 +1,6 @@
 """Next-token cross-entropy with an optional z-loss, in float32: from whole logits
 (`next_token_loss`), or from the output head's input and weight (`LossHead`), which by default
-never makes the batch's logits whole (`ferry.chunked_head`)."""
+never makes the batch's logits whole (`ferry.head.chunked`)."""
 
 import dataclasses
 
@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, Float, Int
 
-from ferry.chunked_head import OutputHead, chunks_under_mesh, logsumexp_and_target_logit
-from ferry.config_schema import ConfigError
-from ferry.fused_head import chunks_under_mesh as sequence_chunks_under_mesh
-from ferry.fused_head import fused_loss, kernel_for
+from ferry.errors import ConfigError
+from ferry.head.chunked import OutputHead, chunks_under_mesh, logsumexp_and_target_logit
+from ferry.head.fused import chunks_under_mesh as sequence_chunks_under_mesh
+from ferry.head.fused import fused_loss, kernel_for
 
 LOSS_HEADS = ("chunked", "fused", "logits")
 WEIGHT_GRADS = ("late", "early")
@@ -51,14 +51,14 @@ class LossHead:
 
     `chunked` (the default) never holds the batch's logits: they are made a vocabulary chunk at a
     time, forward and backward, each chunk's float32 logits within `chunk_mib` MiB per device
-    (`ferry.chunked_head`); `weight_grad` says whether the head's weight gradient gets a backward
+    (`ferry.head.chunked`); `weight_grad` says whether the head's weight gradient gets a backward
     walk of its own (`late`: scheduled after the layers' backward, one more logits-sized matmul)
     or shares the hidden state's (`early`). `fused` makes the loss and both gradients in one walk
-    of the forward pass, a chunk of the sequence at a time within `chunk_mib` (`ferry.fused_head`):
+    of the forward pass, a chunk of the sequence at a time within `chunk_mib` (`ferry.head.fused`):
     the whole logits' three matmuls, none of their memory. `logits` makes them whole, as the model's `__call__`
     returns them, and takes today's cross-entropy of them (`next_token_loss`): the reference, and
     what the chunked head must equal. `kernel` says who makes the fused head's chunks: XLA, or the
-    Pallas kernel that keeps their logits in VMEM (`train.loss_kernel`, `ferry.loss_kernel`)."""
+    Pallas kernel that keeps their logits in VMEM (`train.loss_kernel`, `ferry.head.kernel_choice`)."""
 
     kind: str = "chunked"
     chunk_mib: float = 256.0

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jaxtyping import Array, Float
 
-from ferry.hf_format.safetensors_io import SCALE_SUFFIX, CheckpointError, CheckpointReader
+from ferry.hf.safetensors_io import SCALE_SUFFIX, CheckpointError, CheckpointReader
 
 
 @dataclasses.dataclass(frozen=True)

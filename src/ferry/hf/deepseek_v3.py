@@ -13,9 +13,9 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ferry.hf_format.config_json import copied_from_hf, copied_to_hf, refuse_unless, required, rope_settings
-from ferry.hf_format.layout import TensorMap, single, stacked
-from ferry.hf_format.safetensors_io import CheckpointError
+from ferry.hf.config_json import copied_from_hf, copied_to_hf, refuse_unless, required, rope_settings
+from ferry.hf.layout import TensorMap, single, stacked
+from ferry.hf.safetensors_io import CheckpointError
 from ferry.models.deepseek_v3.config import DeepSeekV3Config
 from ferry.nn.rope import YarnScaling, yarn_mscale
 

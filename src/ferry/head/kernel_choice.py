@@ -1,5 +1,5 @@
 """`train.loss_kernel`: who makes the fused loss head's chunks, XLA or the Pallas kernel of
-`ferry.head_kernel`, for the platform and mesh the step is traced for.
+`ferry.head.kernel`, for the platform and mesh the step is traced for.
 
 `auto` (the default) takes the kernel on a TPU whose devices each hold the whole vocabulary and
 whose VMEM holds blocks of at least `MIN_AUTO_ROWS` tokens at this vocabulary and width; XLA
@@ -12,10 +12,9 @@ import dataclasses
 
 from jax.sharding import AbstractMesh, Mesh
 
-from ferry.config_schema import ConfigError
-from ferry.head_kernel import V5E_VMEM, HeadTiles, choose_tiles, vmem_capacity
-from ferry.nn.kernels.choice import lowering_platform
-from ferry.sharding import context_mesh
+from ferry.errors import ConfigError
+from ferry.head.kernel import V5E_VMEM, HeadTiles, choose_tiles, vmem_capacity
+from ferry.sharding import context_mesh, lowering_platform
 
 # blocks below this walk the weight too often to beat XLA (v5e, run 11: blocks of 256 tokens took
 # the head 44.06 ms, 512 40.42 and 1,024 39.66 against XLA's 40.38, before the kernel's vector

@@ -4,7 +4,7 @@ The old default, minimal_offloaded, is the preset the measurements show losing: 
 chip (benchmarks/results/tpu_v5e.json) `minimal` is fastest, `full_remat` next, and
 minimal_offloaded 26% slower than full_remat with a larger step. So a run that names no preset
 trains with `mode=plan offload=auto`'s choice where a plan of this very step on this accelerator
-exists under `run.root` (`ferry.run.plan_advice`), else with `minimal`, falling back to `full_remat`
+exists under `run.root` (`ferry.plan.advice`), else with `minimal`, falling back to `full_remat`
 when minimal's compiled step does not fit the device (the launcher compiles, and nothing is
 written before the step's memory is checked). It says which and why in one start-up line. A
 preset the user names is never replaced.
@@ -17,8 +17,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from ferry.run.config import FerryConfig
-from ferry.run.plan_advice import plan_advice
+from ferry.config.root import FerryConfig
+from ferry.plan.advice import plan_advice
 
 FASTEST = "minimal"  # fastest measured preset (TPU v5e: benchmarks/results/tpu_v5e.json)
 SMALLER = "full_remat"  # next fastest, and the smallest step of the measured presets

@@ -1,6 +1,6 @@
 """The run's root config, `FerryConfig` (a whole run as resolved from Hydra, composing each
-group's config from beside its code: `train` and `offload` in `ferry.train.config`, `data` in
-`ferry.data.config`, `plan` in `ferry.plan.config`, `mesh` in `ferry.sharding`, `platform` in
+group's config from beside its code: `train` and `offload` in `ferry.config.train`, `data` in
+`ferry.data.config`, `plan` in `ferry.config.plan`, `mesh` in `ferry.sharding`, `platform` in
 `ferry.platform`, `distributed` in `ferry.distributed`), `load_config` that validates one, and
 the run lifecycle's own groups: `run`, `checkpoint`, `log`, `profile` and `init`."""
 
@@ -8,15 +8,16 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from ferry.config_schema import ConfigError, from_dict
+from ferry.config.plan import PlanConfig
+from ferry.config.train import OffloadConfig, TrainConfig
+from ferry.config_schema import from_dict
 from ferry.data.config import DataConfig
 from ferry.distributed import DistributedConfig
+from ferry.errors import ConfigError
 from ferry.models.base import AbstractModelConfig
 from ferry.models.registry import model_config
-from ferry.plan.config import PlanConfig
 from ferry.platform import PlatformConfig
 from ferry.sharding import MeshConfig, check_divisible
-from ferry.train.config import OffloadConfig, TrainConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +137,16 @@ class FerryConfig:
         """The platform this run applies: `platform.host_offload_flags` joined to its flags where
         its offload copies to pinned host (`OffloadConfig.copies_to_host`)."""
         return self.platform.for_host_copies(self.offload.copies_to_host)
+
+    @property
+    def micro_steps(self) -> int:
+        """Micro batches accumulated per step, over this mesh's data-parallel devices."""
+        return self.train.micro_steps(self.mesh.data_parallel)
+
+    @property
+    def batch_shape(self) -> tuple[int, int]:
+        """A step's global batch of token windows: each window holds its targets' extra token."""
+        return (self.train.global_batch_size, self.train.seq_len + 1)
 
 
 def check_peel(offload: OffloadConfig, model: Any) -> None:

@@ -9,7 +9,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from ferry.config_schema import ConfigError
+from ferry.errors import ConfigError
 
 
 def _deepest_existing(path: Path) -> Path:

@@ -1,4 +1,4 @@
-"""One chunk of the fused loss head (`ferry.fused_head`) as a Pallas TPU kernel
+"""One chunk of the fused loss head (`ferry.head.fused`) as a Pallas TPU kernel
 (`train.loss_kernel=pallas`): the chunk's logits, their log-sum-exp and target logit, the
 logits' gradient and the hidden state's gradient, with the logits only ever in VMEM.
 
@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
-from ferry.expected_work import expected_work
+from ferry.xla.expected_work import expected_work
 
 BLOCK_ROWS = (
     1024,

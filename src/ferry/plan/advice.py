@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 from typing import Any, cast
 
-from ferry.run.config import FerryConfig
-from ferry.schedule import format_bytes
+from ferry.config.root import FerryConfig
+from ferry.offload.schedule import format_bytes
 
 
 def step_identity(config: FerryConfig) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 import dataclasses
 import math
 
-from ferry.config_schema import ConfigError
+from ferry.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""Tags and the tag context: the interface both halves of the offload engine (`ferry.offload`,
-per layer; `ferry.offload_scan`, pipelined stacks) and JAX's own offload share.
+"""Tags and the tag context: the interface both halves of the offload engine (`ferry.offload.engine`,
+per layer; `ferry.offload.scan`, pipelined stacks) and JAX's own offload share.
 
 A layer names its activations with `tag`; while the engine traces it, the innermost handler of
 the tag context sees each tagged value: a `Recorder` collects them (the forward pass), an
@@ -18,7 +18,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jax_core
 
-from ferry.offload_policy import LAYER_INPUT, PolicyError
+from ferry.offload.policy import LAYER_INPUT, PolicyError
 from ferry.sharding import constrain
 
 Axes = tuple[str | None, ...] | None

@@ -8,9 +8,9 @@ lm_head: ferry's head reads the embedding."""
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ferry.hf_format.config_json import copied_from_hf, copied_to_hf, refuse_unless, required, rope_settings
-from ferry.hf_format.layout import TensorMap, single, stacked
-from ferry.hf_format.safetensors_io import CheckpointError
+from ferry.hf.config_json import copied_from_hf, copied_to_hf, refuse_unless, required, rope_settings
+from ferry.hf.layout import TensorMap, single, stacked
+from ferry.hf.safetensors_io import CheckpointError
 from ferry.models.qwen3.config import Qwen3Config
 
 MODEL_TYPE = "qwen3"
