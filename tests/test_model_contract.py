@@ -9,9 +9,9 @@ import optax
 import pytest
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec
 
+from ferry.hf.mapping import HFMapping, family_of_model_type, mapping_of
 from ferry.models.base import AbstractLanguageModel, AbstractModelConfig
-from ferry.models.family import HFMapping
-from ferry.models.registry import FAMILIES, abstract_model, family_of, hf_family
+from ferry.models.registry import FAMILIES, abstract_model, family_of
 from ferry.nn.linear import Linear
 from ferry.sharding import MESH_AXES, MeshError, tree_shardings
 from ferry.train.step_flops import training_flops
@@ -27,7 +27,8 @@ def test_every_family_keeps_the_contract(name):
     layers tag names, whose FLOPs are counted and whose every array has declared axes."""
     family = FAMILIES[name]
     assert issubclass(family.config, AbstractModelConfig) and issubclass(family.model, AbstractLanguageModel)
-    assert isinstance(family.hf, HFMapping) and hf_family(family.hf.MODEL_TYPE) is family
+    hf = mapping_of(family)
+    assert isinstance(hf, HFMapping) and family_of_model_type(hf.MODEL_TYPE) is family
     assert (CONFIGS / "model" / f"{family.tiny_model}.yaml").is_file()
     config = load_model_config(family.tiny_model)
     assert family_of(config) is family and config.for_platform("cpu").mtp_depth == config.mtp_depth

@@ -18,6 +18,7 @@ from transformers import Qwen3Config as HFQwen3Config  # noqa: E402
 from transformers import Qwen3ForCausalLM  # noqa: E402
 
 from ferry.hf import CheckpointError, load_pretrained, save_pretrained  # noqa: E402
+from ferry.hf import qwen3 as qwen3_hf  # noqa: E402
 from ferry.hf.config_json import check_matches  # noqa: E402
 from ferry.models import qwen3  # noqa: E402
 from ferry.models.llama import Llama  # noqa: E402
@@ -132,8 +133,8 @@ def test_published_qwen3_8b_is_configs_qwen3_8b():
     published values back; 8,190,735,360 parameters (36 x 192,946,432 per layer, the embedding and
     the untied head of 151936 x 4096 each, the final norm)."""
     wanted = load_model_config("qwen3_8b")
-    check_matches(wanted, qwen3.hf.config_from_hf(PUBLISHED_QWEN3_8B), qwen3.hf.CONFIG_KEYS, "published config.json")
-    exported = qwen3.hf.config_to_hf(wanted)
+    check_matches(wanted, qwen3_hf.config_from_hf(PUBLISHED_QWEN3_8B), qwen3_hf.CONFIG_KEYS, "published config.json")
+    exported = qwen3_hf.config_to_hf(wanted)
     for key, value in PUBLISHED_QWEN3_8B.items():
         if key in exported:
             assert exported[key] == value, key

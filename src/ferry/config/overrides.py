@@ -15,7 +15,7 @@ from typing import Any
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ferry.config.train import register_train_defaults
@@ -116,7 +116,7 @@ def _check_group_value(argument: str, group: str, value: Any, presets: list[str]
         raise ConfigError(f"{argument}: there is no configs/{group}/{value}.yaml; {choose}")
 
 
-def hydra_compose(config_dir: Path, config_name: str, overrides: list[str]) -> DictConfig:
+def hydra_compose(config_dir: Path, config_name: str, overrides: list[str]) -> Any:  # an omegaconf DictConfig
     """Hydra's composition of `config_name` from `config_dir`, unchecked: `train.*`'s defaults are
     registered first (from `TrainConfig`, their one source), here rather than on import."""
     register_train_defaults()

@@ -37,7 +37,7 @@ import tempfile
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 
@@ -195,6 +195,7 @@ def _is_done(instruction: ScheduledInstruction) -> bool:
     return instruction.op.endswith("-done") and bool(instruction.start)
 
 
+@runtime_checkable
 class CostSettings(Protocol):
     """The `platform` keys that choose the scheduler's costs (`ferry.platform.PlatformConfig` has
     them); a protocol, so that this floor does not import the config above it."""
