@@ -52,7 +52,7 @@ from ferry.config.root import FerryConfig, load_config  # noqa: E402
 from ferry.config.train import OffloadConfig  # noqa: E402
 from ferry.config_schema import from_dict  # noqa: E402
 from ferry.errors import ConfigError, FerryError  # noqa: E402
-from ferry.memory import InsufficientMemoryError  # noqa: E402
+from ferry.train.memory import InsufficientMemoryError  # noqa: E402
 from ferry.platform import PlatformConfig, apply_platform, check_gpu_jax, check_platform  # noqa: E402
 from ferry.run.checkpoint import checkpoint_steps  # noqa: E402
 from ferry.run.config_paths import check_config_paths  # noqa: E402

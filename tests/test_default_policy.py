@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from ferry.memory import InsufficientMemoryError
 from ferry.plan.advice import step_identity
 from ferry.run.default_policy import FASTEST, SMALLER, choose_default, names_preset, sets_offload_keys
+from ferry.train.memory import InsufficientMemoryError
 from tests.conftest import SMALL_RUN, compose_config, run_launcher
 from tests.launcher_cases import load_launcher
 

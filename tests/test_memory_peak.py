@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from ferry.memory import CompiledMemory
 from ferry.run import memory_report
+from ferry.train.memory import CompiledMemory
 
 GIB = 2**30
 STEP = CompiledMemory(

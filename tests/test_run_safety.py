@@ -20,15 +20,15 @@ import pytest
 from rich.console import Console
 from safetensors.numpy import save_file
 
-import ferry.memory as memory_module
+import ferry.train.memory as memory_module
 from ferry.errors import ConfigError, JsonFileError, read_json
 from ferry.hf import CheckpointError as HFCheckpointError
 from ferry.hf.safetensors_io import read_header
-from ferry.memory import CompiledMemory, InsufficientMemoryError, check_step_fits
 from ferry.run.checkpoint import Checkpoints, RunCheckpointError, array_checksums, checkpoint_steps
 from ferry.run.lock import LOCK_FILE, acquire
 from ferry.run.preflight import prepare
 from ferry.run.training import train
+from ferry.train.memory import CompiledMemory, InsufficientMemoryError, check_step_fits
 from tests.conftest import ROOT, compose_config
 from tests.launcher_cases import load_launcher
 from tests.old_default import OLD_DEFAULT

@@ -3,9 +3,9 @@ the device: host-placed master weights and moments move to the host's side of th
 
 import pytest
 
-from ferry import memory
 from ferry.config.train import StatePlacement
-from ferry.memory import InsufficientMemoryError, StateBytes, check_fits
+from ferry.train import memory
+from ferry.train.memory import InsufficientMemoryError, StateBytes, check_fits
 
 GIB = 2**30
 

@@ -127,9 +127,9 @@ def measure_train_step(
     at compile time or while it runs, or whose compiled program exceeds the device's limit
     (`capacity_bytes`, default the `bytes_limit` of the mesh's first device), is not timed: `fits` is False and
     `reason` says why."""
-    from ferry.memory import CompiledMemory
     from ferry.offload.schedule import format_bytes
     from ferry.sharding import make_mesh
+    from ferry.train.memory import CompiledMemory
 
     config = dataclasses.replace(config, init=dataclasses.replace(config.init, from_hf=None))  # a random init
     mesh = make_mesh(config.mesh) if mesh is None else mesh

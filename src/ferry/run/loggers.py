@@ -9,7 +9,7 @@ from typing import Any
 
 from ferry.config.root import LogConfig
 from ferry.errors import ConfigError, FerryError
-from ferry.metrics import MetricsWriter
+from ferry.run.metrics import MetricsWriter
 
 
 class RunLogError(FerryError, OSError):

@@ -7,8 +7,8 @@ import resource
 import jax
 
 from ferry.config.root import FerryConfig
-from ferry.memory import CompiledMemory
 from ferry.offload.schedule import TransferSchedule, format_bytes
+from ferry.train.memory import CompiledMemory
 
 
 def step_fit_advice(config: FerryConfig) -> str:

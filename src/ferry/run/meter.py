@@ -8,10 +8,10 @@ from typing import Any
 import jax
 
 from ferry.config.root import FerryConfig
-from ferry.memory import CompiledMemory
 from ferry.offload.schedule import TransferSchedule
 from ferry.run.memory_report import device_memory_peak
 from ferry.run.peak import device_peak
+from ferry.train.memory import CompiledMemory
 from ferry.train.step_flops import training_flops
 
 

@@ -6,8 +6,8 @@ from pathlib import Path
 import jax
 
 from ferry.config.root import FerryConfig
-from ferry.memory import InsufficientMemoryError
 from ferry.plan.advice import plan_advice
+from ferry.train.memory import InsufficientMemoryError
 from ferry.xla.compile_oom import StepOverHbm
 from ferry.xla.hardware import accelerator_name
 

@@ -19,11 +19,11 @@ from rich.console import Console
 
 from ferry.config.root import FerryConfig
 from ferry.errors import ConfigError
-from ferry.memory import CompiledMemory
 from ferry.plan.planner import compile_only_mesh, for_target
 from ferry.platform import CACHE_VARIABLE
 from ferry.run.out_of_memory import over_hbm_refusal
 from ferry.run.preflight import checked_corpus, checked_tokenizer
+from ferry.train.memory import CompiledMemory
 from ferry.train.recipe import StepRecipe
 from ferry.train.state_layout import random_init
 from ferry.xla.compile_oom import StepOverHbm

@@ -21,7 +21,6 @@ from ferry.data.tokenizer import Tokenizer, load_tokenizer
 from ferry.errors import DataError, FerryError, JsonFileError
 from ferry.hf import CheckpointError as HFCheckpointError
 from ferry.hf import check_checkpoint
-from ferry.memory import StateBytes, check_fits
 from ferry.models.registry import abstract_model, count_parameters, family_of, size_summary
 from ferry.offload.engine import Policy
 from ferry.offload.schedule import TransferSchedule, format_bytes, model_schedule
@@ -32,6 +31,7 @@ from ferry.run.disk_space import check_checkpoint_space, state_bytes
 from ferry.run.loggers import check_wandb
 from ferry.run.policy_check import check_before_training
 from ferry.sharding import make_mesh, parameters_per_device
+from ferry.train.memory import StateBytes, check_fits
 from ferry.train.recipe import StepRecipe
 from ferry.train.state_layout import StateLayout
 from ferry.train.state_memory import state_copies, stream_line

@@ -5,7 +5,6 @@ step loop (`ferry.run.loop`)."""
 
 import contextlib
 import dataclasses
-from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -17,7 +16,6 @@ from ferry.data.corpus import Corpus
 from ferry.data.pipeline import PackedWindows, local_batches
 from ferry.data.placement import BatchPlacement
 from ferry.distributed import is_main_process
-from ferry.memory import CompiledMemory, check_step_fits
 from ferry.offload.schedule import schedule_table
 from ferry.run.checkpoint import Checkpoints
 from ferry.run.directory import write_start_files
@@ -31,6 +29,8 @@ from ferry.run.preemption import SigtermStop
 from ferry.run.preflight import PreparedRun
 from ferry.run.profiling import StepProfiler
 from ferry.run.summary import run_summary
+from ferry.train.compiled_step import CompiledStep
+from ferry.train.memory import CompiledMemory, check_step_fits
 from ferry.train.state_layout import initial_state
 from ferry.train.step import make_eval_step
 from ferry.train.train_state import TrainState
@@ -65,7 +65,7 @@ def _train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
     meter = StepMeter.of(config, prepared.schedule)
     # closing the iterators stops their prefetch threads, also when the run fails
     with jax.set_mesh(prepared.mesh), SigtermStop() as sigterm, contextlib.closing(batches):
-        train_step, memory = compile_checked(prepared)  # no state yet
+        step, memory = compile_checked(prepared)  # no state yet
         meter = dataclasses.replace(meter, memory=memory)
         prepared.directory.mark_started()  # what is written from here marks the directory as this run's
         checkpoints = Checkpoints(run_dir / "checkpoints", config.checkpoint)
@@ -74,7 +74,7 @@ def _train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
         loop = TrainingLoop(
             config.train,
             state,
-            train_step,
+            step.run,
             batches,
             make_eval_step(settings),
             batches.held_out_batches(config.train.eval_batches),
@@ -135,7 +135,7 @@ def open_batches(prepared: PreparedRun) -> RunBatches:
     return RunBatches(train, held_out, placement)
 
 
-def compile_checked(prepared: PreparedRun) -> tuple[Callable, CompiledMemory | None]:
+def compile_checked(prepared: PreparedRun) -> tuple[CompiledStep, CompiledMemory | None]:
     """The train step, compiled from the state's layout alone; refused, before any state is
     allocated or anything written, when its memory does not fit the device: by XLA at compile
     time (libtpu), or by its memory analysis against the device's free memory."""
@@ -148,7 +148,7 @@ def compile_checked(prepared: PreparedRun) -> tuple[Callable, CompiledMemory | N
     memory = CompiledMemory.of(step.compiled)
     if memory is not None:
         check_step_fits(memory, step_fit_advice(config))
-    return step.run, memory
+    return step, memory
 
 
 def starting_state(
