@@ -31,9 +31,9 @@ def device_accelerator(
     """The accelerator this machine has, judged without starting JAX: `tpu` where a TPU's device
     file is (`/dev/accel<n>`, or `/dev/vfio/<n>` on v5e and newer) or a Google PCI device, `gpu`
     where an NVIDIA GPU's is (`/dev/nvidia<n>`), else None. Any number: a v5e VM's chip was
-    `/dev/vfio/2` (2026-12-06), which the check of `/dev/vfio/0` alone missed, so importing ferry
-    kept JAX to the CPU there and `offload=auto` timed nothing on the chip. `devices` lists the
-    paths a glob pattern matches, `vendors` the PCI vendor ids."""
+    `/dev/vfio/2`, which the check of `/dev/vfio/0` alone missed, so importing ferry kept JAX to
+    the CPU there and `offload=auto` timed nothing on the chip (docs/results/tpu-v5e.md, run 5).
+    `devices` lists the paths a glob pattern matches, `vendors` the PCI vendor ids."""
     if devices("/dev/accel[0-9]*") or devices("/dev/vfio/[0-9]*") or GOOGLE_PCI_VENDOR in vendors():
         return "tpu"
     if devices("/dev/nvidia[0-9]*"):

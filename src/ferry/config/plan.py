@@ -12,7 +12,8 @@ class PlanConfig:
     full_remat and the run's own `offload`). `capacity_gib` overrides the target's HBM.
     `extrapolate` plans a deep model from shallow compiles (`ferry.plan.extrapolate`) instead of
     compiling it whole: off by default, since a whole scanned stack compiles as fast as one probe
-    and the probes' line under-estimated DeepSeek-V3's temporaries at the seed by 27 GB."""
+    and the probes' line under-estimated DeepSeek-V3's temporaries (docs/results/reference-plans.md,
+    "How fast it plans")."""
 
     presets: tuple[str, ...] | None = None
     capacity_gib: float | None = None

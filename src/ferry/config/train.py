@@ -63,8 +63,7 @@ class StatePlacement:
     @property
     def steps_held(self) -> int:
         """How many steps' moved state the update's loops hold in HBM at once: one, or prefetching
-        three half-size steps (the step's state, its new state, the next step's; on v5e, the 386M
-        Llama at stream_mib=1024 held 0.56 GiB less HBM than without prefetching)."""
+        three half-size steps (the step's state, its new state, the next step's)."""
         return 3 if self.prefetch else 1
 
     def describe(self) -> str:
@@ -218,16 +217,14 @@ class AutoMeasureConfig:
     `candidates` fastest-estimated placements that fit are each run on the real train step for
     `warmup_steps` untimed then `steps` timed steps, and the fastest measured that fits the device
     is chosen. The estimate does not time the chip's scheduler: on a TPU v5e it ranked offload
-    presets above full_remat that ran 0.74x as fast. `measure`: null measures where an accelerator
-    is present (a TPU's or an NVIDIA GPU's device file), and not on a CPU-only machine. `peel`:
+    presets above a full_remat that the chip ran faster. `measure`: null measures where an
+    accelerator is present (a TPU's or an NVIDIA GPU's device file), and not on a CPU-only machine. `peel`:
     where the run leaves `offload.peel` at 0, the all-on-device candidate is also compiled with
     this many end layers of each stack out of the loop, its peeled twin, a candidate of its own
     (0: never): where the loop is over HBM, and wherever the candidates are timed, the loop
     fitting or not; where its loop is among the `candidates` timed, so is the twin, beyond the
-    count. The estimate cannot tell the two apart (the same FLOPs and copies), the chip can: on
-    the v5e chip `minimal` at batch 16 is 16.1 GiB as a loop, over the chip, and 13.56 GiB with 3
-    layers peeled, 1.108x full_remat's speed; at batch 8 (2026-12-07) the loop fits, 11.13 GiB at
-    53,397 tokens/s, and the twin is 9.89 GiB at 55,227 (1.100x full_remat)."""
+    count. The estimate cannot tell the two apart (the same FLOPs and copies), the chip can (why
+    the twin is a candidate: `ferry.plan.auto`)."""
 
     measure: bool | None = None
     candidates: int = 3
@@ -255,9 +252,9 @@ class OffloadConfig:
     # the update's HBM for a state on host, MiB per device: at most a layer's state, never more than this
     stream_mib: float = 1024.0
     # the update fetches the next step's state while it writes back this one's (both directions of the host
-    # link at once; each step within half of stream_mib, 1.5x stream_mib held at once). On v5e: the 386M
-    # Llama with its state on host 1.05x in 0.56 GiB less HBM, a DeepSeek-V3-width slice 1.25x in 2.27 GiB
-    # more; off by default, as HBM is what a run that streams its state lacks
+    # link at once; each step within half of stream_mib, 1.5x stream_mib held at once). Faster on v5e, but
+    # at DeepSeek-V3 width it holds more HBM than without (docs/results/tpu-v5e.md, run 11); off by default,
+    # as HBM is what a run that streams its state lacks
     stream_prefetch: bool = False
     pipelined: bool = True  # a scanned stack's copies one layer apart (ferry.offload.scan)
     peel: int = 0  # a pipelined stack's first and last `peel` layers outside its loop (Policy.peel)

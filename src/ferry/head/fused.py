@@ -18,19 +18,16 @@ loss), and a compute-dtype copy of the weight while it walks (every chunk reads 
 cross-entropy returned beside the loss is a figure to report: its gradient is not made
 (`stop_gradient`); a train step differentiates the loss.
 
-Measured on one TPU v5e at batch 8 x 2,048 tokens, dim 2,048, vocabulary 32,768
-(`benchmarks/loss_head_tpu.py`, 2026-12-07), loss and gradients: 47.5 ms in 256 MiB chunks, the
-whole logits 40.7 ms, the vocabulary-chunked head 57.8 to 71.3 ms, the three matmuls alone 36.1
-ms; in one chunk of 2,048 MiB (the whole sequence) 40.6 against the whole logits' 41.0 ms, in a
-third of their temporaries (each chunk more reads and writes the weight gradient's float32 sum);
-a train step of full_remat ran 1.077x faster with it than with the chunked head. Not the
-default: on an H200 plan of 2 layers of Llama 3.1 8B at 1 x 8,192 it needs 5.48 GiB of
-temporaries against the chunked head's 3.59 (the weight's gradient held through the layers'
-backward, 2 GiB at a vocabulary of 128,256).
+On a TPU v5e it is faster than the vocabulary-chunked head, alone and in a train step, and in
+one chunk (the whole sequence) as fast as the whole logits in a third of their temporaries; each
+further chunk reads and writes the weight gradient's float32 sum once more. It is not the
+default because it holds the weight's gradient through the layers' backward, so an H200 plan of
+Llama 3.1 8B needs more temporaries with it than with the chunked head's late walk. The figures:
+docs/results/loss-head.md.
 
 Who makes a chunk (`train.loss_kernel`, `kernel_for`): XLA, which writes the chunk's float32
 logits to HBM and reads them back, or a Pallas TPU kernel that keeps them in VMEM
-(`ferry.head.kernel`; 0.940x XLA's whole logits alone, 0.990x in a full_remat step on v5e).
+(`ferry.head.kernel`; faster than XLA's whole logits on v5e, alone and in a step).
 `auto`, the default, takes the kernel on a TPU whose devices each hold the whole vocabulary and
 whose VMEM holds blocks of 512 tokens or more (`ferry.head.kernel_choice`).
 

@@ -3,12 +3,10 @@
 logits' gradient and the hidden state's gradient, with the logits only ever in VMEM.
 
 Why: XLA's fused head writes the chunk's float32 logits to HBM and reads them back for the
-log-sum-exp and again for the softmax. Measured on one v5e chip at batch 8 x 2,048 tokens, dim
-2,048, vocabulary 32,768, one chunk (`benchmarks/loss_head_tpu.py`, run 11, 2026-12-07): the
-whole logits 40.65 ms, XLA's fused head 40.38, this kernel 38.23 (0.940x), the three matmuls
-alone 36.08; a full_remat train step at that shape 0.990x the whole logits' time (0.2933 against
-0.2963 s) in 0.81 GiB less HBM. In 8 chunks of 256 MiB it takes 42.22 ms against XLA's 47.45
-(the weight gradient's float32 sum read and written once per chunk either way).
+log-sum-exp and again for the softmax. On a v5e chip, in one chunk, the kernel is faster than both
+XLA's fused head and the whole logits, alone and in a full_remat train step in less HBM; in eight
+chunks it is faster than XLA's (the weight gradient's float32 sum read and written once per chunk
+either way). The figures: docs/results/loss-head.md, "The Pallas kernel".
 
 How: the grid walks blocks of `HeadTiles.rows` tokens; for each it walks the vocabulary in tiles of
 `HeadTiles.columns` columns twice. The first walk makes each tile's logits (rounded to the compute
@@ -23,10 +21,10 @@ no HBM traffic, the gradient of the logits one write and one read in the compute
 The weight is walked in full once per pass per block of tokens: the block's rows set how often
 (the weight's tile is pipelined under the matmul when the block has enough rows, about 240 on a
 v5e chip). The scratch is rows x vocabulary x 2 bytes of VMEM (`vmem_bytes`); the
-largest block within the core's VMEM less 16 MiB is taken (`choose_tiles`): 1,024 tokens at the shape above, where
-blocks of 256, 512 and 1,024 ran 44.06, 40.42 and 39.66 ms before the vector work was moved off
-each step's matmul tile (run 11, call 1). That move (each step's vector work on the tile before
-or after its matmul's) took the kernel alone from 26.93 to 25.63 ms.
+largest block within the core's VMEM less 16 MiB is taken (`choose_tiles`), as larger blocks walk
+the weight less often and ran faster on v5e. Each step's vector work is on the tile before or after
+its matmul's, so Mosaic issues the two side by side, which made the kernel faster than XLA
+(docs/results/tpu-v5e.md, run 11).
 """
 
 import dataclasses

@@ -16,9 +16,8 @@ from ferry.errors import ConfigError
 from ferry.head.kernel import V5E_VMEM, HeadTiles, choose_tiles, vmem_capacity
 from ferry.sharding import context_mesh, lowering_platform
 
-# blocks below this walk the weight too often to beat XLA (v5e, run 11: blocks of 256 tokens took
-# the head 44.06 ms, 512 40.42 and 1,024 39.66 against XLA's 40.38, before the kernel's vector
-# work was pipelined)
+# blocks below this walk the weight too often to beat XLA (measured on v5e: docs/results/tpu-v5e.md,
+# run 11, "What made it faster than XLA")
 MIN_AUTO_ROWS = 512
 SMALLEST_VMEM = 16 * 2**20  # v2 to v4's, taken for a TPU of a kind JAX's table does not name
 

@@ -207,9 +207,8 @@ class _PerLayerVJP:
             # The reloads wait for the layer's backward pass (its cotangent), through a barrier.
             # Outside a loop XLA would otherwise fold a copy to host that is read straight back
             # into nothing, and where it keeps the copies it starts each reload as soon as its
-            # store is done: the value back in HBM from the forward pass on, saving nothing
-            # (Llama 3.1 8B layers unscanned, one H200: 7.79 GiB of temporaries against
-            # save_all's 7.73; with the barrier 7.01).
+            # store is done: the value back in HBM from the forward pass on, saving nothing (read in
+            # an H200 program: docs/results/deviceless.md, "The engine outside a layer loop").
             cotangent, h, saved = jax.lax.optimization_barrier((cotangent, h, saved))
         h = self.placer.restore(LAYER_INPUT, h, None)
         saved = [self.placer.restore(t, value, a) for t, value, a in zip(self.names, saved, self.axes, strict=True)]

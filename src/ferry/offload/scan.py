@@ -161,7 +161,7 @@ class _Peeled:
         # same). With a counter carried through the loop the matmuls would read them in place,
         # but XLA merges that counter with the loop's own and updates it in place before the
         # layer runs, so every store must finish before the layer's first matmul: nothing
-        # hides it (Llama 3.1 8B layers, minimal_offloaded: 18.53 ms exposed against 14.09).
+        # hides it (docs/results/deviceless.md, "A peeled stack's loop index").
         def forward_body(carry: Any, k: jax.Array) -> tuple[Any, Any]:
             out_h, offloaded, stats, kept, stored = self.steps.forward(_at(p, k), _at(f, k), e, *carry)
             return (out_h, offloaded), (stats, kept, stored)

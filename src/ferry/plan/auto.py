@@ -20,14 +20,13 @@ Where the run leaves `offload.peel` at 0, the all-on-device program's twin with 
 end layers of each stack out of the loop is compiled too (`PEEL`, `peel_choice`): where the loop is
 over HBM, and wherever the candidates will be timed on the chip (`measuring`), the loop fitting or
 not. XLA packs an unrolled stack's buffers otherwise than a loop's, and the chip runs it otherwise:
-on the v5e chip at batch 16, `minimal` is 16.1 GiB as a loop, over the chip, and 13.56 GiB peeled,
-1.108x full_remat's speed; at batch 8 (2026-12-07, the 386M Llama shape at seq 2048) the loop fits
-at 11.13 GiB and 53,397 tokens/s, and the twin is both smaller and faster, 9.89 GiB and 55,227
-tokens/s (1.100x full_remat). The estimate cannot tell the two apart (the same FLOPs, the same
-copies); only timing can, so a plan that does not time keeps the twin to where the loop does not
-fit. It is a candidate beside the search's, not one of its decisions: what peeling frees does not
-add to what the placements free (in llama_tiny's programs it frees HBM with every tensor kept and
-takes more with some rematerialised).
+on the v5e chip `minimal`'s twin fit where its loop was over HBM and beat full_remat, and where the
+loop fit too the twin was both smaller and faster (docs/results/tpu-v5e.md, runs 6 and 8). The
+estimate cannot tell the two apart (the same FLOPs, the same copies); only timing can, so a plan
+that does not time keeps the twin to where the loop does not fit. It is a candidate beside the
+search's, not one of its decisions: what peeling frees does not add to what the placements free
+(in llama_tiny's programs it frees HBM with every tensor kept and takes more with some
+rematerialised).
 """
 
 import dataclasses

@@ -2,9 +2,10 @@
 fastest-estimated candidates that fit (`offload.auto.candidates` of them, and the all-on-device
 program's peeled twin beside its loop: `ranked_candidates`) are each run on the real train step
 (`ferry.plan.measure`), and the fastest measured step that fits the device is chosen. The
-estimate does not time the chip's own scheduler: on a TPU v5e (issue 47) it held the copies of
-`minimal_offloaded` hidden while that preset ran at 0.74x full_remat's tokens/s; nor does it tell
-a loop from its peeled twin, which on the v5e chip at batch 8 ran 3.4% faster with both fitting.
+estimate does not time the chip's own scheduler: on a TPU v5e it held the copies of
+`minimal_offloaded` hidden while the chip ran that preset well below full_remat; nor does it tell
+a loop from its peeled twin, which ran faster on the v5e chip with both fitting
+(docs/results/tpu-v5e.md, "The planner against the chip" and run 8).
 
 A candidate is dropped, with the reason recorded, where it runs out of memory (at compile time
 or while running) or its compiled program exceeds the device. Where none is left, the search's
@@ -79,7 +80,7 @@ def ranked_candidates(tried: Sequence[Tried], count: int) -> list[tuple[int, Tri
     the count, the peeled twin (`ferry.plan.auto`) of one of them where it fits but ranks below
     them. The twin rides along with its loop: its estimate is about the loop's (the same FLOPs and
     copies), so it falls out of the count by a hair as often as not, and only the chip tells the
-    two apart (on the v5e chip at batch 8 the twin ran 3.4% faster than its loop, which fit)."""
+    two apart (`ferry.plan.auto`)."""
     fitting = [(number, t) for number, t in enumerate(tried, 1) if t.fits]
     least = min((t.plan.estimate.middle_seconds for _, t in fitting), default=None)
     ranked = sorted(fitting, key=lambda item: banded_rank(item[1].plan.estimate, least))

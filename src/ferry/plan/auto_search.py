@@ -8,9 +8,10 @@ from collections.abc import Sequence
 from ferry.plan.estimate import StepEstimate
 from ferry.xla.targets import Target
 
-# step estimates this close are a tie: the estimate cannot resolve them (at the DeepSeek-V3 seed two
-# placements' collectives, 12.44 s and 12.48 s, once decided the pick over 0.66 s of recompute);
-# mirror images (`mlpwi_1` offloaded for `mlpwi_0`) predict within it, so one compiled stops the search
+# step estimates this close are a tie: the estimate cannot resolve them (at the DeepSeek-V3 reference
+# plan collectives a fraction of a percent apart once picked the placement with the longer worst
+# estimate: docs/results/reference-plans.md, "What offload=auto's rules rest on"); mirror images
+# (`mlpwi_1` offloaded for `mlpwi_0`) predict within it, so one compiled stops the search
 MIN_GAIN = 0.005
 
 
@@ -82,10 +83,10 @@ def anchored(baseline: Baseline, predicted: Prediction, compiled: Prediction) ->
     compiled program (`compiled`: its HBM, host bytes and estimate; `predicted`: the same candidate
     predicted from `baseline`), and predicting another adds what their placements differ by. Where
     the all-on-device program is far over HBM, what a placement frees there is not what it frees
-    in a program that fits, since XLA packs the buffers otherwise (the DeepSeek-V3 seed: presets
-    predicted 6 to 16 GiB above their compiled programs; 190 to 214 GiB with XLA's own
-    rematerialisation on); from a compiled candidate a few decisions away the prediction rests on
-    a program that fits, or nearly."""
+    in a program that fits, since XLA packs the buffers otherwise (at the DeepSeek-V3 reference
+    plan the presets' predictions from it missed by gigabytes: docs/results/reference-plans.md);
+    from a compiled candidate a few decisions away the prediction rests on a program that fits, or
+    nearly."""
     return dataclasses.replace(
         baseline,
         hbm_bytes=baseline.hbm_bytes + compiled.hbm_bytes - predicted.hbm_bytes,
@@ -240,8 +241,7 @@ class _BranchAndBound:
 def banded_rank(estimate: StepEstimate, fastest_seconds: float | None) -> tuple[float, float]:
     """`StepEstimate.rank` (the middle estimate, then the worst) with every middle estimate within
     `MIN_GAIN` of `fastest_seconds` counted as equal to it, so the worst decides between them: the
-    estimate cannot tell such steps apart (at the DeepSeek-V3 seed, ranked by the best estimate,
-    collectives of 12.44 s against 12.48 s once picked a worst estimate of 17.90 s over 17.24 s).
+    estimate cannot tell such steps apart (`MIN_GAIN`).
     Monotone in the middle estimate, so a branch and bound may prune by it."""
     middle = estimate.middle_seconds
     if fastest_seconds is not None and abs(middle - fastest_seconds) <= MIN_GAIN * fastest_seconds:

@@ -68,8 +68,9 @@ class StepEstimate:
     def middle_seconds(self) -> float:
         """Halfway between the best and the worst: half of the shorter of compute and collectives
         overlapped. The compiled program does not say how much of them overlaps; by the best alone
-        a 1% shorter collective outranks 21% more matmuls where collectives outlast compute (the
-        Llama 3.1 405B seed with the train state on host), by the worst alone the reverse."""
+        a slightly shorter collective outranks many more matmuls where collectives outlast compute
+        (the Llama 3.1 405B reference plan with the train state on host:
+        docs/results/reference-plans.md), by the worst alone the reverse."""
         return (self.best_seconds + self.worst_seconds) / 2
 
     @property

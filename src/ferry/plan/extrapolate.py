@@ -10,19 +10,17 @@ through those points to the model's real depth. A group of at most `WHOLE_DEPTH`
 V3's three dense layers, an MTP block) is compiled whole.
 
 Temporaries are the exception: they are the peak of XLA's buffer assignment, which packs buffers
-differently at small depths (Llama 3.1 8B at 2 x 64 tokens: 0.73 GB more from 2 to 3 layers, 0.08
-GB less from 4 to 5, then 0.8725 GB per layer, its float32 gradients, from 6 on within a few MB).
-Probes at 2 and 3 layers under-estimate them by 11% at 32 layers; probes at 6 and 8 over-estimate
-by 0.04% there, by 0.45% for DeepSeek-V3 tiny stretched to 12 layers. With XLA's own
+differently at small depths, so the probes are at 6 and 8 layers, past where Llama 3.1 8B's
+temporaries turned affine; probes at 2 and 3 under-estimated them. With XLA's own
 rematerialisation pass on (gpu.yaml turns it off), a program near its HBM limit is not on the line
-either: XLA recomputes to relieve the pressure (Llama 3.1 8B's 124 GB on an H200: 1.4 layers'
-matmuls more than the line at 32 layers), where the shallow probes, far from it, do not.
+either: XLA recomputes to relieve the pressure, where the shallow probes, far from it, do not
+(docs/results/deviceless.md, "Shallow compiles of a deep stack").
 
-That is why it is not the default (`plan.extrapolate=false`): at the DeepSeek-V3 seed (moe_offload,
-128 GB200) the line through 6 and 8 MoE layers gives 90.2 GB of temporaries at 58, where the whole
-program needs 117.4 GB (XLA's rescue held off) or 119.1 GB (with it): the peak moves to where more
-layers' buffers are live, so the small-depth slope under-estimates. And a scanned stack compiles its
-layer once whatever its depth: the whole model compiled in 121-191 s, one probe in 124-170 s.
+That is why it is not the default (`plan.extrapolate=false`): at the DeepSeek-V3 reference plan
+(moe_offload, 128 GB200) the line through 6 and 8 MoE layers under-estimates the whole program's
+temporaries, as the peak moves to where more layers' buffers are live; and a scanned stack compiles
+its layer once whatever its depth, so the whole model compiles in about the time of one probe
+(docs/results/reference-plans.md, "How fast it plans").
 """
 
 import dataclasses

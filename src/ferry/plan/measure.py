@@ -33,7 +33,8 @@ from ferry.cpu_only import device_accelerator, pci_vendors
 from ferry.errors import FerryError
 
 T = TypeVar("T")
-# a candidate's compile and its steps, in its own process; a 386M model on a v5e compiles in about a minute
+# a candidate's compile and its steps, in its own process: far above a case's start on a v5e at the
+# benchmark's shape (docs/results/tpu-v5e.md, "What one case costs")
 MEASURE_TIMEOUT_S = 1800.0
 OUT_OF_MEMORY = "RESOURCE_EXHAUSTED"
 

@@ -262,8 +262,9 @@ def explain_recompute(
 class RecomputeNotChecked(Exception):
     """The recompute check has no reference to compare with: the programs it compares run out of
     HBM, where XLA's own rematerialisation (if on) changes their matmuls, and where the check is
-    not proven (at the DeepSeek-V3 seed, with that pass off, `minimal` runs 845,899 small matmuls
-    more than `save_all`, 0.07% of its FLOPs, that the untagged intermediates do not explain)."""
+    not proven (at the DeepSeek-V3 reference plan, with that pass off, `minimal` runs small matmuls
+    more than `save_all` that the untagged intermediates do not explain: docs/results/reference-plans.md,
+    "What offload=auto's rules rest on")."""
 
 
 def _check_fits(plans: list[MemoryPlan]) -> None:

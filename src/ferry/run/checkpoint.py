@@ -177,7 +177,8 @@ def _host_fingerprint(x: jax.Array) -> jax.Array:
     def add_slice(total: jax.Array, k: jax.Array) -> tuple[jax.Array, None]:
         # the slice keeps its leading axis of 1 (which adds nothing to the positions): squeezed in
         # host memory, XLA's TPU compiler refused a [1, 64] slice of a [2, 64] host array in its
-        # tiled layout (a bitcast of 8 x 128 tiles to 128; the v5e chip, jax 0.10.2, 2026-12-07)
+        # tiled layout (a bitcast of 8 x 128 tiles to 128; the v5e chip, jax 0.10.2:
+        # docs/results/tpu-v5e.md, run 8)
         row = jax.device_put(jax.lax.dynamic_slice_in_dim(x, k, 1), jax.memory.Space.Device)
         offset = k.astype(jnp.uint32) * jnp.uint32(row.size % 2**32)
         return total + _fingerprint(row, offset), None
@@ -190,8 +191,8 @@ def _leaf_fingerprint(x: Array) -> UInt32[Array, "2"]:
     """One leaf's fingerprint, a program of its own: jit's cache holds one per (shape, dtype,
     sharding), so a state's many leaves of few kinds compile a few small programs, reused at every
     save and restore and by every state of those kinds. (One program over all leaves compiled
-    anew for each state's tree: deepseek_v3_tiny's 162 leaves, 38 kinds, took 7.6 s on a loaded
-    2-core CPU host against 3.6 s this way.)"""
+    anew for each state's tree, about twice as slow: docs/results/cpu.md, "Checksums of a
+    checkpoint".)"""
     return (_host_fingerprint if on_host(x) else _fingerprint)(x)
 
 

@@ -1,9 +1,9 @@
 """offload=auto's candidates compiled for the TPU on this machine's CPU before they are timed on its
 chip (`offload.auto.measure`): each candidate's run step (`ferry.run.precompile`) in a process of
 its own, all at once, at a low CPU priority, into the compilation cache its measuring process then
-loads, instead of compiling one after the other on the chip's host (36 s each at the v5e
-benchmark's shape). A compile that fails costs nothing but its time: the measuring process then
-compiles for itself."""
+loads, instead of compiling one after the other on the chip's host (most of a case's start at the
+v5e benchmark's shape: docs/results/tpu-v5e.md, run 6). A compile that fails costs nothing but its
+time: the measuring process then compiles for itself."""
 
 import json
 import os

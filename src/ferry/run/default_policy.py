@@ -1,8 +1,8 @@
 """The offload preset of a run whose command names none (no `offload=` override).
 
 The old default, minimal_offloaded, is the preset the measurements show losing: on a TPU v5e
-chip (benchmarks/results/tpu_v5e.json) `minimal` is fastest, `full_remat` next, and
-minimal_offloaded 26% slower than full_remat with a larger step. So a run that names no preset
+chip `minimal` is fastest, `full_remat` next, and minimal_offloaded far slower than full_remat
+with a larger step (docs/results/tpu-v5e.md, "Every preset"). So a run that names no preset
 trains with `mode=plan offload=auto`'s choice where a plan of this very step on this accelerator
 exists under `run.root` (`ferry.plan.advice`), else with `minimal`, falling back to `full_remat`
 when minimal's compiled step does not fit the device (the launcher compiles, and nothing is
@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from ferry.config.root import FerryConfig
 from ferry.plan.advice import plan_advice
 
-FASTEST = "minimal"  # fastest measured preset (TPU v5e: benchmarks/results/tpu_v5e.json)
+FASTEST = "minimal"  # fastest measured preset (TPU v5e: docs/results/tpu-v5e.md)
 SMALLER = "full_remat"  # next fastest, and the smallest step of the measured presets
 MEASURED = f"{FASTEST} is the fastest measured preset (TPU v5e), {SMALLER} where its compiled step does not fit"
 

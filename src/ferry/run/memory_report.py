@@ -42,8 +42,8 @@ def describe_memory(memory: CompiledMemory | None) -> str:
 
 
 # Runtimes whose `memory_stats()["peak_bytes_in_use"]` leaves out a running program's temporaries
-# (measured on a TPU v5e, jax 0.10.2: 4.66 GB in every case, the state alone, while the compiled
-# steps held 2 to 11 GiB of temporaries besides).
+# (measured on a TPU v5e, jax 0.10.2: the state alone in every case, whatever the compiled step's
+# temporaries; docs/results/tpu-v5e.md, "The memory figures").
 RUNTIMES_WITHOUT_TEMPORARIES = frozenset({"tpu"})
 
 

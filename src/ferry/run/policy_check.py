@@ -65,12 +65,11 @@ residual (another layer's, a stale or zeroed buffer) moves gradients by a fracti
 BUDGET_BYTES = 16 * 1024**2
 """Parameters of one checked stack, in float32, above which the check narrows the layers to its
 family's tiny widths (see `check_model_config`). What the check costs is compiling, and libtpu's
-compile time grows with the arrays' sizes, not only with the program: the deviceless v5e compiles
-of the 386M Llama's check (dim 2048, MLP 8192; 756 MB of float32 stack) took 203 s (policy),
-262 s (save_all) and 91 s (the layers' init) on two shared, loaded cores, about 60 s on the v5e
-host (issue 45). What the check is for is the program's structure, which narrowing keeps: which
-buffer the backward loop reads (#46231 read host slices walking the wrong way), a restore's value,
-the names placed and the compiler flags. Every tiny model (at most 2.7 MB) keeps its widths."""
+compile time grows with the arrays' sizes, not only with the program: at the 386M Llama's full
+widths nearly all of the check's time on the v5e chip was compiling (docs/results/tpu-v5e.md, "The
+gradient self-check"). What the check is for is the program's structure, which narrowing keeps:
+which buffer the backward loop reads (#46231 read host slices walking the wrong way), a restore's
+value, the names placed and the compiler flags. Every tiny model (at most 2.7 MB) keeps its widths."""
 _KEPT_SIZES = frozenset({"num_layers", "num_dense_layers", "mtp_depth", "moe_tile_rows"})
 """Integer fields that shape the program rather than the width: kept when narrowing."""
 _CONFIGS = Path(__file__).resolve().parents[3] / "configs" / "model"

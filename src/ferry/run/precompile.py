@@ -1,9 +1,9 @@
 """`mode=compile target=<TPU>`: a run's train step, and its state's random init, compiled for its
 TPU on this machine's CPU, into JAX's persistent compilation cache (`platform.compilation_cache`),
-so that the same run on the chip loads the programs instead of compiling them (at the v5e
-benchmark's shape the step's compile is 36 s of a 53 s start, the init's 17.5 s of the first
-run of a model). It never opens a chip, so compiles run side by side, beside a run that holds the
-chip. A step over the chip's HBM is the run's own one-line refusal, before any run starts.
+so that the same run on the chip loads the programs instead of compiling them (most of a run's
+start at the v5e benchmark's shape: docs/results/tpu-v5e.md, run 6). It never opens a chip, so
+compiles run side by side, beside a run that holds the chip. A step over the chip's HBM is the
+run's own one-line refusal, before any run starts.
 
 The program is the run's to the byte (`ferry.train.recipe.StepRecipe`, compiled over a mesh of
 the target's compile-only devices), under the run's XLA flags: JAX keys its cache on the program,

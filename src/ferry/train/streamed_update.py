@@ -191,7 +191,8 @@ def _in_place(
     step's results written back into the arrays they came from: a loop carrying the arrays, where
     a scan would collect new ones. The donated host-resident state is so updated where it lies; a
     scan's outputs are new host buffers of the whole stack, copied into the donated ones after the
-    loop (on an H200, 21 host-to-host copies of 162 ms a step for 4 Llama 3.1 8B layers). Returns
+    loop (on an H200 those copies took most of the step: docs/results/gpu-h200.md, "The update of
+    a state on host"). Returns
     the new params, mu, nu and compute copies (None where the master weights are in HBM).
     `collect`: a scan collecting new arrays instead, for inputs that are not where the update
     writes. `after` (prefetching): each step fetches the next step's slices before it updates its
@@ -208,7 +209,7 @@ def _in_place(
         return [_part(piece, x, k) for x in xs]
 
     # sliced a step ahead with the fetched state, the gradients were held whole in float32 longer
-    # (DeepSeek-V3-width slice on v5e: 11.83 -> 10.46 GiB with them sliced where used, run 11)
+    # (more HBM for a DeepSeek-V3-width slice on v5e, at the same speed: docs/results/tpu-v5e.md, run 11)
     def sliced(k: jax.Array, carry: tuple[list[Any], ...], g: list[jax.Array]) -> list[list[jax.Array]]:
         """Step `k`'s (params, grads, mu, nu), `g` standing for its gradients."""
         return [take(carry[0], k), g, take(carry[1], k), take(carry[2], k)]
@@ -240,12 +241,10 @@ def _zero_after(values: list[Any]) -> jax.Array:
     """0, as an index XLA can compute only once `values` are: `_in_place`'s first fetch of a loop
     after the loop before. An `optimization_barrier` does not order it, as libtpu drops the
     barriers before it schedules. Waiting for nothing, every loop's first fetch was issued at the
-    start of the step, flew under the forward and backward passes and was held through them (on
-    v5e, the 386M Llama's state on host: 1.22x the step without prefetching in 0.56 GiB more HBM,
-    where waiting 1.05x in 0.56 GiB less; a DeepSeek-V3-width slice 1.31x in 5.66 GiB more, waiting
-    1.25x in 2.27 GiB more, run 11). Waiting for the loop before that instead (a loop of lookahead) ran the
-    386M Llama 1.06x in 0.75 GiB more. No value is both above 1 and below -1, NaN and infinities
-    included."""
+    start of the step, flew under the forward and backward passes and was held through them: on
+    v5e a little faster than waiting, in more HBM, which a run that streams its state lacks; so was
+    waiting for the loop before that instead (a loop of lookahead; docs/results/tpu-v5e.md, runs
+    10 and 11). No value is both above 1 and below -1, NaN and infinities included."""
     never = jnp.zeros((), bool)
     for value in (v for v in values if v.size):
         first = value.reshape(-1)[0]
@@ -257,7 +256,8 @@ def _read_before_written(ahead: list[list[Any]], new: list[list[Any]]) -> tuple[
     """Each array's next slice (`ahead`: params, grads, mu, nu) read before this step's new slice
     (`new`: params, mu, nu, compute copies) is written into the same array, array by array, so one
     array's write-back can fly beside another's fetch. Unordered, XLA copied every host array
-    whole, on the host, each step (a DeepSeek-V3-width slice on v5e: 0.37x the step without)."""
+    whole, on the host, each step (a DeepSeek-V3-width slice on v5e ran far slower than without
+    prefetching: docs/results/tpu-v5e.md, run 9)."""
     ahead, new = [list(column) for column in ahead], [list(column) for column in new]
     for fetched, written in ((0, 0), (2, 1), (3, 2)):  # params, mu, nu
         for i, value in enumerate(new[written]):

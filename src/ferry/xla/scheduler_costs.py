@@ -3,7 +3,8 @@
 Without a profile, XLA:GPU's scheduler times every asynchronous op at one fixed latency (5,000
 units) and every cuBLAS GEMM at 1,000, so it issues a copy about five matmuls before its result is
 needed, however long the copy takes. On an FSDP mesh that puts each layer's reload next to its
-last reduce-scatter: Llama 3.1 8B layers on 8 H200 got 208 us of compute under a 524 us reload.
+last reduce-scatter, with less compute under it than the reload takes (Llama 3.1 8B layers on 8
+H200: docs/results/deviceless.md, "XLA:GPU's fixed latencies on an FSDP mesh").
 
 XLA also accepts a profile of measured costs (its profile-guided latency estimator, fed by
 `xla_gpu_pgle_profile_file_or_directory_path`). ferry writes one from the compiled program instead

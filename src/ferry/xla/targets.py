@@ -124,8 +124,9 @@ class GpuTarget(Target):
     def compile_options(self, xla_flags: dict[str, object]) -> dict[str, object]:
         # Triton GEMM autotuning needs a device to time candidates on; cuBLAS needs none. Without a
         # device autotuning has nothing to time either, and spends most of a small compile on it
-        # (llama_tiny: 44 s of 60); without it the program's memory, matmuls and host copies (and
-        # the compute scheduled under each) are the same, only kernels' launch configs differ.
+        # (docs/results/deviceless.md, "Compiling for a GPU without autotuning"); without it the
+        # program's memory, matmuls and host copies (and the compute scheduled under each) are the
+        # same, only kernels' launch configs differ.
         return dict(xla_flags) | {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
 
 
@@ -133,8 +134,8 @@ class GpuTarget(Target):
 class TpuTarget(Target):
     platform: ClassVar[str] = "tpu"
     # none: XLA refuses at compile a TPU program over the HBM the runtime gives it, and one it
-    # accepts holds on the chip just what it compiled to (a v5e chip, every case of runs 4 and 5,
-    # up to 15.69 of 15.75 GiB; benchmarks/results/tpu_v5e.json)
+    # accepts holds on the chip just what it compiled to (every case measured on a v5e chip, up to
+    # nearly all of its HBM: docs/results/tpu-v5e.md, "The memory figures" and run 5)
     hbm_headroom: ClassVar[float] = 0.0
     generation: str = "v5p"
     torus_dims: int = 3  # v5p slices are 3-D tori, v5e and v6e 2-D
@@ -227,9 +228,9 @@ def _tpu(
 #   data sheets): 64 GB/s. GB200's GPUs reach Grace's LPDDR5X over NVLink-C2C, 900 GB/s
 #   bidirectional (GB200 NVL72 data sheet): 450 GB/s. v6e chips connect to their host over PCIe
 #   Gen5 (the v6e page): 64 GB/s; v5p publishes none, PCIe Gen4 x16 is assumed: 32 GB/s. v5e:
-#   measured, not assumed: one v5e chip moves 14.7 GB/s to host and 14.2 GB/s back inside a compiled
-#   program, 25.7 GB/s both ways at once (benchmarks/tpu_check.py's link probe, jax 0.10.2,
-#   2026-12-06, benchmarks/results/tpu_v5e.json): 14.5 GB/s, under half the PCIe Gen4 figure.
+#   measured, not assumed: the mean of one chip's two directions inside a compiled program
+#   (benchmarks/tpu_check.py's link probe; docs/results/tpu-v5e.md, "Offloading does not pay
+#   here"), under half the PCIe Gen4 figure.
 # - Scale-up: H100 and H200 SXM have NVLink 4 at 900 GB/s bidirectional per GPU, 8 GPUs per HGX
 #   board; B200 NVLink 5 at 1.8 TB/s, 8 per HGX board; GB200 NVLink 5 at 1.8 TB/s, 72 GPUs in an
 #   NVL72 domain (the data sheets). TPU ICI per chip, bidirectional (the TPU pages): v5p 1,200 GB/s,
@@ -240,11 +241,10 @@ def _tpu(
 # what a v5e chip lets a program use: memory_stats()["bytes_limit"] on the chip (jax 0.10.2), the
 # "available HBM (15.75G)" of XLA's out-of-memory error; its 16 GiB less the runtime's reserve
 V5E_HBM = 16_909_336_064
-# measured: the v5e plan of the 386M Llama shape at batch 8 counts 41.8 TFLOP of matmuls in
-# full_remat's step, 212.1 ms at the peak; one v5e chip ran that step in 325.9 ms (run 4,
-# 2026-12-06, benchmarks/results/tpu_v5e.json): splash attention's kernels, elementwise work and
-# the optimizer ride on the matmuls' time. With it the plan's other presets land within 10% of
-# their measured steps (docs/results/tpu-v5e.md)
+# measured: full_remat's step of the 386M Llama shape at batch 8, its matmuls at the peak over the
+# step one v5e chip ran (docs/results/tpu-v5e.md, "The planner against the chip"): splash
+# attention's kernels, elementwise work and the optimizer ride on the matmuls' time. With it the
+# plan's other presets land close to their measured steps
 V5E_COMPUTE_FRACTION = 212.09 / 325.88
 _HGX_NVLINK4 = (450e9, 8, 50e9)  # H100, H200: NVLink 4 within an 8-GPU board, 400 Gb/s IB between
 _HGX_NVLINK5 = (900e9, 8, 50e9)  # B200: NVLink 5 within an 8-GPU board

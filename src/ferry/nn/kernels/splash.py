@@ -42,7 +42,7 @@ from ferry.sharding import activation_spec, context_mesh
 from ferry.xla.expected_work import expected_work
 
 LANES = 128  # the TPU vector lane width: sequence padding and the smallest block
-BLOCK_SIZES = (1024, 512, 256, 128)  # largest first; 1024 measured fastest on v5e at seq 2048 (README)
+BLOCK_SIZES = (1024, 512, 256, 128)  # largest first: the largest measured fastest on v5e (`block_size`)
 PADDING_SEGMENT = -1  # segment id of padded rows: no real token's (`ferry.data.segments` counts from 0)
 
 # `_splash_attention_bwd`'s parameters in jax 0.10.2 and 0.12 (the kernel module is jax's, not a
@@ -77,10 +77,9 @@ def round_up(n: int, multiple: int) -> int:
 
 def block_size(seq: int) -> int:
     """The splash block (query, key, and their backward blocks alike) for a sequence of `seq`
-    tokens: the largest of 1024, 512, 256, 128 dividing `seq` padded to a multiple of 128. On one
-    v5e chip, fwd+bwd of a layer at batch 16, seq 2048, 16/8 heads of 128, with the fused
-    backward: 15.5 ms with blocks of 1024, 16.2 ms with 512 (`benchmarks/attention_tpu.py`,
-    benchmarks/results/attention_tpu_v5e.json)."""
+    tokens: the largest of 1024, 512, 256, 128 dividing `seq` padded to a multiple of 128, as
+    blocks of 1024 ran a layer's forward and backward faster than blocks of 512 on a v5e chip
+    (docs/results/tpu-v5e.md#attention-kernels)."""
     padded = round_up(seq, LANES)
     return next(b for b in BLOCK_SIZES if padded % b == 0)
 
@@ -88,9 +87,9 @@ def block_size(seq: int) -> int:
 class SplashAttention(FlashAttention):
     """Splash attention; `interpret` runs the kernels in Pallas interpret mode (any backend).
     `block` overrides `block_size`'s rule, `fused_backward` (the default) uses the one-kernel
-    backward, measured faster on a v5e than the separate dq and dkv kernels (15.5 ms against 18.3
-    at the shape above), `gqa` chooses the MQA kernel per key/value head ("mqa") or the MHA kernel
-    over all heads ("mha", 17.9 ms unfused)."""
+    backward, measured faster on a v5e than the separate dq and dkv kernels, `gqa` chooses the MQA
+    kernel per key/value head ("mqa") or the MHA kernel over all heads ("mha"; unfused, it ran slower
+    than "mqa" with the fused backward: docs/results/tpu-v5e.md#attention-kernels)."""
 
     interpret: bool = False
     block: int | None = None

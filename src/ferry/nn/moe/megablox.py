@@ -29,10 +29,9 @@ Tile = tuple[int, int, int]  # rows x contracted x output columns per kernel ste
 # MaxText's default megablox tiling, for the products no measurement chose one for
 TILING: Tile = (512, 1024, 1024)
 # an expert matrix's (d_in, d_out) -> the tile of its three kernels (forward, input and weight
-# gradients), the fastest forward + backward measured on a TPU v5e (`benchmarks/moe_tpu.py`,
-# benchmarks/results/moe_tpu_v5e.json: DeepSeek-V3's widths, 16 experts, 2,048 tokens x top-8, on
-# 2026-12-06: 9.71 ms up, 8.77 ms down, 0.90x and 0.67x XLA's ragged_dot; no tile larger than
-# these fits the kernels' VMEM)
+# gradients), the fastest forward + backward measured on a TPU v5e at DeepSeek-V3's widths, and
+# faster than XLA's ragged_dot (`benchmarks/moe_tpu.py`; docs/results/tpu-v5e.md#moe-on-the-chip);
+# no tile larger than these fits the kernels' VMEM
 TUNED: dict[tuple[int, int], Tile] = {(7168, 2048): (512, 1024, 1024), (2048, 7168): (256, 1024, 1024)}
 
 
