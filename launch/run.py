@@ -47,7 +47,7 @@ from rich.console import Console  # noqa: E402
 from rich.markup import escape  # noqa: E402
 
 from ferry import distributed  # noqa: E402
-from ferry.config.overrides import compose_node  # noqa: E402
+from ferry.config.overrides import compose_node, group_presets, preset_node  # noqa: E402
 from ferry.config.root import FerryConfig, load_config  # noqa: E402
 from ferry.config.train import OffloadConfig  # noqa: E402
 from ferry.config_schema import from_dict  # noqa: E402
@@ -262,14 +262,12 @@ def plan(config: FerryConfig, console: Console, node: dict) -> int:
         check_gpu_jax(f"mode=plan target={config.target}")
 
     def load_preset(name: str) -> OffloadConfig:
-        path = Path(CONFIG_DIR) / "offload" / f"{name}.yaml"
-        if not path.exists():
+        if name not in group_presets(Path(CONFIG_DIR) / "offload"):
             raise ConfigError(f"plan.presets names {name!r}, which is not in configs/offload/")
-        return from_dict(OffloadConfig, yaml_mapping(path), f"offload {name}")
+        return from_dict(OffloadConfig, preset_node(Path(CONFIG_DIR), "offload", name), f"offload {name}")
 
     def load_platform(name: str) -> PlatformConfig:
-        path = Path(CONFIG_DIR) / "platform" / f"{name}.yaml"
-        return from_dict(PlatformConfig, yaml_mapping(path), f"platform {name}")
+        return from_dict(PlatformConfig, preset_node(Path(CONFIG_DIR), "platform", name), f"platform {name}")
 
     run_dir = resolve_run_dir(config)
     measure_one = compile_ahead = None
@@ -292,14 +290,6 @@ def plan(config: FerryConfig, console: Console, node: dict) -> int:
     written = write_plan(plans, choices, run_dir, config, measured)
     console.print("plan written to " + ", ".join(str(path) for path in written))
     return 0
-
-
-def yaml_mapping(path: Path) -> dict:
-    """A preset file's keys."""
-    node = OmegaConf.to_container(OmegaConf.load(path))
-    if not isinstance(node, dict):
-        raise ConfigError(f"{path} holds no keys")
-    return node
 
 
 def script(argv: list[str]) -> int:
