@@ -34,7 +34,7 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from ferry.config.overrides import hydra_compose
+from ferry.config.overrides import group_presets, hydra_compose
 from ferry.config.root import FerryConfig, load_config
 from ferry.models.registry import abstract_model
 from ferry.offload.schedule import format_bytes
@@ -43,7 +43,7 @@ from ferry.run.policy_check import TOLERANCE, PolicyCheckError, check_policy, on
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
-PRESETS = sorted(p.stem for p in (CONFIGS / "offload").glob("*.yaml") if p.stem != "auto")
+PRESETS = [name for name in group_presets(CONFIGS / "offload") if name != "auto"]
 TINY_MODELS = ("llama_tiny", "deepseek_v3_tiny")
 SLICE_PRESETS = ("full_remat", "moe_offload", "decoder_input_offload")
 # a few layers of DeepSeek-V3 at full width; 16 experts (top-8 of 4 kept groups of 2) instead of

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from ferry.config.overrides import group_presets, preset_node
 from ferry.config.train import OffloadConfig, TrainConfig
 from ferry.config_schema import from_dict
 from ferry.models.registry import abstract_model, build_model, model_config
@@ -32,7 +32,7 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
 def load(group: str, name: str) -> dict:
-    return OmegaConf.to_container(OmegaConf.load(CONFIGS / group / f"{name}.yaml"))
+    return preset_node(CONFIGS, group, name)
 
 
 def compare_presets(model: str, presets: list[str], steps: int, batch_size: int, seq_len: int, dtype: str) -> Table:
@@ -89,10 +89,10 @@ def preset_names(model: str) -> list[str]:
     """save_all first, then every preset whose tensor names this model tags."""
     tagged = abstract_model(model_config(load("model", model))).tagged_names()
     names = []
-    for path in sorted((CONFIGS / "offload").glob("*.yaml")):
-        preset = from_dict(OffloadConfig, load("offload", path.stem))
-        if set(preset.tensors) <= tagged and path.stem != "save_all":
-            names.append(path.stem)
+    for name in group_presets(CONFIGS / "offload"):
+        preset = from_dict(OffloadConfig, load("offload", name))
+        if set(preset.tensors) <= tagged and name != "save_all":
+            names.append(name)
     return ["save_all", *names]
 
 

@@ -91,7 +91,7 @@ def plan_here(preset: str, moe_matmul: str, out: Path, mesh: str) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin would otherwise try to start a GPU
     from omegaconf import OmegaConf
 
-    from ferry.config.overrides import hydra_compose
+    from ferry.config.overrides import hydra_compose, preset_node
     from ferry.config.root import load_config
     from ferry.config.train import OffloadConfig
     from ferry.config_schema import from_dict
@@ -107,10 +107,10 @@ def plan_here(preset: str, moe_matmul: str, out: Path, mesh: str) -> None:
     preset_config = (
         config.offload
         if preset == "maxtext_best"
-        else from_dict(OffloadConfig, OmegaConf.to_container(OmegaConf.load(configs / "offload" / f"{preset}.yaml")))
+        else from_dict(OffloadConfig, preset_node(configs, "offload", preset))
     )
     policy = preset_config.policy(abstract_model(config.model).tagged_names())
-    platform = from_dict(PlatformConfig, OmegaConf.to_container(OmegaConf.load(configs / "platform" / "tpu.yaml")))
+    platform = from_dict(PlatformConfig, preset_node(configs, "platform", "tpu"))
     plan = plan_memory(config, TARGETS["v5p"], policy, preset, xla_flags=dict(platform.xla_flags))
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{preset}-{moe_matmul}-{mesh}.json").write_text(json.dumps(plan.to_json(), default=str))

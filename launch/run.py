@@ -10,7 +10,7 @@ where minimal's compiled step does not fit; one start-up line says which and why
 (`ferry.run.default_policy`). `--cfg job` prints the resolved config and exits without starting JAX.
 `mode=compile target=v5e platform=tpu offload=<preset> ...` compiles the run's step for that TPU on
 this machine's CPU into JAX's compilation cache, so the run on the chip starts without compiling
-(`ferry.run.precompile`); `mode=plan target=...` plans presets for a target.
+(`ferry.run.precompile`); `mode=plan target=...` plans presets for a target (the targets are below).
 
 Exit status: 0 done (or stopped cleanly by SIGTERM), 2 refused (one line saying what and how to fix
 it; nothing was changed), 3 stopped at a non-finite loss (the last good state checkpointed), 130
@@ -47,7 +47,7 @@ from rich.console import Console  # noqa: E402
 from rich.markup import escape  # noqa: E402
 
 from ferry import distributed  # noqa: E402
-from ferry.config.overrides import compose_node  # noqa: E402
+from ferry.config.overrides import compose_node, group_presets, preset_node  # noqa: E402
 from ferry.config.root import FerryConfig, load_config  # noqa: E402
 from ferry.config.train import OffloadConfig  # noqa: E402
 from ferry.config_schema import from_dict  # noqa: E402
@@ -64,6 +64,7 @@ from ferry.run.preflight import PreparedRun, prepare  # noqa: E402
 from ferry.run.training import train  # noqa: E402
 from ferry.xla.hardware import accelerator_name  # noqa: E402
 from ferry.xla.scheduler_costs import scheduler_target  # noqa: E402
+from ferry.xla.targets import TARGETS, named_target, target_names  # noqa: E402
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 # the console width when output goes to a file (SLURM, a redirect): wide enough that no table is cut
@@ -89,11 +90,17 @@ def compose_overrides(argv: list[str]) -> dict:
     return compose_node("train", argv, Path(CONFIG_DIR))
 
 
+def targets_help() -> str:
+    """--help's list of the targets `target=` names, read from `ferry.xla.targets.TARGETS`."""
+    named = ", ".join(f"{name} ({target.description})" for name, target in TARGETS.items())
+    return f"Targets (target=NAME; mode=compile takes the TPUs: {', '.join(target_names('tpu'))}): {named}."
+
+
 def main(argv: list[str]) -> int:
     """Run the command `python launch/run.py ARGV...`; return its exit status."""
     console = make_console()
     if argv and argv[0] in ("-h", "--help"):
-        console.print(__doc__.strip(), highlight=False, markup=False)
+        console.print(f"{__doc__.strip()}\n\n{targets_help()}", highlight=False, markup=False)
         return 0
     runs: list[PreparedRun] = []  # prepared (more than one where the default preset's step did not fit)
     try:
@@ -223,13 +230,8 @@ def check_plan_extra(target: str, find_spec: Callable[[str], object] | None = No
     libtpu: refuse an unknown target, and at once when the one the target needs is not installed."""
     import importlib.util
 
-    from ferry.xla.targets import TARGETS
-
     find = find_spec or importlib.util.find_spec
-    spec = TARGETS.get(target)
-    if spec is None:
-        raise ConfigError(f"target={target} is not a target the planner knows; use one of {', '.join(TARGETS)}")
-    module, package = PLAN_EXTRA[spec.platform]
+    module, package = PLAN_EXTRA[named_target(target).platform]
     try:
         found = find(module) is not None
     except ModuleNotFoundError:
@@ -253,7 +255,6 @@ def plan(config: FerryConfig, console: Console, node: dict) -> int:
     from ferry.plan.measure import accelerator_present
     from ferry.plan.report import plan_presets, run_plan, target_platform, write_plan
     from ferry.run.compile_ahead import subprocess_compiler
-    from ferry.xla.targets import TARGETS
 
     if config.target is None:  # FerryConfig refuses mode=plan without one; said again for the type checker
         raise ConfigError("mode=plan needs target=<target>")
@@ -262,14 +263,12 @@ def plan(config: FerryConfig, console: Console, node: dict) -> int:
         check_gpu_jax(f"mode=plan target={config.target}")
 
     def load_preset(name: str) -> OffloadConfig:
-        path = Path(CONFIG_DIR) / "offload" / f"{name}.yaml"
-        if not path.exists():
+        if name not in group_presets(Path(CONFIG_DIR) / "offload"):
             raise ConfigError(f"plan.presets names {name!r}, which is not in configs/offload/")
-        return from_dict(OffloadConfig, yaml_mapping(path), f"offload {name}")
+        return from_dict(OffloadConfig, preset_node(Path(CONFIG_DIR), "offload", name), f"offload {name}")
 
     def load_platform(name: str) -> PlatformConfig:
-        path = Path(CONFIG_DIR) / "platform" / f"{name}.yaml"
-        return from_dict(PlatformConfig, yaml_mapping(path), f"platform {name}")
+        return from_dict(PlatformConfig, preset_node(Path(CONFIG_DIR), "platform", name), f"platform {name}")
 
     run_dir = resolve_run_dir(config)
     measure_one = compile_ahead = None
@@ -292,14 +291,6 @@ def plan(config: FerryConfig, console: Console, node: dict) -> int:
     written = write_plan(plans, choices, run_dir, config, measured)
     console.print("plan written to " + ", ".join(str(path) for path in written))
     return 0
-
-
-def yaml_mapping(path: Path) -> dict:
-    """A preset file's keys."""
-    node = OmegaConf.to_container(OmegaConf.load(path))
-    if not isinstance(node, dict):
-        raise ConfigError(f"{path} holds no keys")
-    return node
 
 
 def script(argv: list[str]) -> int:

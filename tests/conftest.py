@@ -41,7 +41,7 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 import pytest
 from omegaconf import OmegaConf
 
-from ferry.config.overrides import hydra_compose
+from ferry.config.overrides import group_presets, hydra_compose, preset_node
 from ferry.config.root import FerryConfig, load_config
 from ferry.config.train import OffloadConfig
 from ferry.config_schema import from_dict
@@ -51,8 +51,9 @@ from tests.old_default import with_old_default
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
-# the placement presets; `auto` is not one but the planner's instruction to choose one
-PRESETS = sorted(p.stem for p in (CONFIGS / "offload").glob("*.yaml") if p.stem != "auto")
+# the placement presets, as configs/offload/ holds them; `auto` is not one but the planner's
+# instruction to choose one
+PRESETS = [name for name in group_presets(CONFIGS / "offload") if name != "auto"]
 
 
 # Deviceless compiles for GPU and TPU targets need the planner's extra (the CUDA plugin, libtpu).
@@ -96,11 +97,12 @@ def compose_config(*overrides: str) -> FerryConfig:
 
 
 def load_preset(name: str) -> OffloadConfig:
-    return from_dict(OffloadConfig, OmegaConf.to_container(OmegaConf.load(CONFIGS / "offload" / f"{name}.yaml")))
+    """The preset as `offload=NAME` composes it (its file merged over the keys it inherits)."""
+    return from_dict(OffloadConfig, preset_node(CONFIGS, "offload", name))
 
 
 def load_platform(name: str) -> PlatformConfig:
-    return from_dict(PlatformConfig, OmegaConf.to_container(OmegaConf.load(CONFIGS / "platform" / f"{name}.yaml")))
+    return from_dict(PlatformConfig, preset_node(CONFIGS, "platform", name))
 
 
 def preset_policy(name: str, model):
@@ -108,7 +110,8 @@ def preset_policy(name: str, model):
     return load_preset(name).policy(model.tagged_names())
 
 
-MOE_ONLY_PRESETS = {"moe_offload"}
+# presets that place a routed expert's tensors (MaxText's `moe_` names), which only MoE layers tag
+MOE_ONLY_PRESETS = {name for name in PRESETS if any(t.startswith("moe_") for t in load_preset(name).tensors)}
 
 
 def run_launcher(*overrides: str, timeout: float = 300, old_default: bool = True) -> subprocess.CompletedProcess:

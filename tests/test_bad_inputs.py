@@ -98,6 +98,7 @@ BAD_INPUTS = [
     (["=5"], "needs a key"),
     (["model=../offload/save_all"], "no configs/model/../offload/save_all.yaml"),
     (["offload=[save_all,full_remat]"], "offload takes one preset"),
+    (["offload=_base"], "offload=_base: a configs/offload/ file whose name starts with _ holds keys the presets share"),
     (["train=5"], "train=5: train holds keys"),
     (["model.rope_scaling=5"], "model.rope_scaling=5"),
     (["model=deepseek_v3_tiny", "model.yarn=null"], "model.yarn=null"),

@@ -1,15 +1,20 @@
-"""Every offload preset on llama_tiny: the gradients of the full train loss equal save_all's,
-the jaxpr moves exactly the offloaded tensors, and the compiled FLOPs show recompute avoided."""
+"""Every offload preset (each file of configs/offload/, read from there) on llama_tiny: the gradients
+of the full train loss equal save_all's, the jaxpr moves exactly the offloaded tensors, and the
+compiled FLOPs show recompute avoided; each preset file keeps only what differs from _base.yaml."""
 
 import dataclasses
 import functools
+import re
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from omegaconf import OmegaConf
 
+from ferry.config.overrides import compose_node, config_groups, group_presets, prepared_overrides, preset_node
+from ferry.errors import ConfigError
 from ferry.models.llama import Llama
 from ferry.models.registry import abstract_model
 from ferry.nn.kernels.flash import ATTENTION_LSE
@@ -17,7 +22,7 @@ from ferry.offload.engine import PolicyError
 from ferry.offload.schedule import model_schedule
 from ferry.train.step import LossSettings, batch_loss
 from ferry.xla.hlo_flops import matmul_flops
-from tests.conftest import MOE_ONLY_PRESETS, PRESETS, load_model_config, preset_policy
+from tests.conftest import CONFIGS, MOE_ONLY_PRESETS, PRESETS, ROOT, load_model_config, preset_policy
 from tests.placements import count_device_puts
 
 
@@ -48,17 +53,38 @@ def compiled(preset: str, scan_layers: bool = True, pipelined: bool = True):
 
 
 def test_presets_are_the_documented_ones():
-    assert PRESETS == sorted(
-        [
-            "save_all",
-            "full_remat",
-            "minimal",
-            "qkv_offload",
-            "minimal_offloaded",
-            "decoder_input_offload",
-            "moe_offload",
-        ]
-    )
+    """The presets are the files of configs/offload/, and the engine page's table names each."""
+    table = (ROOT / "docs" / "concepts" / "engine.md").read_text().split("| preset | what it does |")[1]
+    documented = re.findall(r"^\| `(\w+)` \|", table.split("\n\n")[0], re.MULTILINE)
+    assert sorted(documented) == PRESETS and len(PRESETS) >= 7
+
+
+@pytest.mark.parametrize("preset", group_presets(CONFIGS / "offload"))
+def test_a_preset_file_keeps_only_what_differs(preset):
+    """A preset says what it is for and inherits the shared keys from _base.yaml (Hydra's defaults
+    list); each key it sets is its name or differs from the base, so the base is the one place a
+    shared key and its comment live."""
+    text = (CONFIGS / "offload" / f"{preset}.yaml").read_text()
+    assert text.startswith("# "), f"{preset}.yaml opens with no comment saying what it is for"
+    own = OmegaConf.to_container(OmegaConf.create(text))
+    base = OmegaConf.to_container(OmegaConf.load(CONFIGS / "offload" / "_base.yaml"))
+    assert own.pop("defaults") == ["_base", "_self_"] and own.pop("name") == preset
+    assert not [key for key, value in own.items() if base.get(key) == value]
+    assert preset_node(CONFIGS, "offload", preset) == base | {"name": preset} | own
+
+
+@pytest.mark.parametrize("preset", group_presets(CONFIGS / "offload"))
+def test_a_preset_loads_as_a_run_composes_it(preset):
+    """The planner's `load_preset` and a run's `offload=NAME` read the same keys."""
+    assert preset_node(CONFIGS, "offload", preset) == compose_node("train", [f"offload={preset}"], CONFIGS)["offload"]
+
+
+def test_the_base_is_no_preset():
+    assert "_base" not in config_groups(CONFIGS)["offload"] and (CONFIGS / "offload" / "_base.yaml").is_file()
+    with pytest.raises(ConfigError, match=r"offload=_base: .* starts with _ .* is not a preset; choose one of "):
+        prepared_overrides(["offload=_base"], CONFIGS)
+    with pytest.raises(ConfigError, match="no offload preset '_base'"):
+        preset_node(CONFIGS, "offload", "_base")
 
 
 def test_moe_preset_is_refused_for_llama():

@@ -1,5 +1,5 @@
 """The command line's Hydra overrides, checked before Hydra composes them, and the composition
-itself with every refusal as one `ConfigError` line.
+itself (of a whole run, or of one group's preset) with every refusal as one `ConfigError` line.
 
 Hydra accepts some overrides it then fails on with a traceback (a group given a number, `null`
 or a list, a deleted group, an empty key) or merges silently (`offload=[a,b]`), and its lexer
@@ -25,13 +25,16 @@ from ferry.errors import ConfigError
 OPEN_MAPPINGS = ("offload.tensors.", "platform.xla_flags.", "platform.host_offload_flags.", "platform.env.")
 
 
+def group_presets(folder: Path) -> list[str]:
+    """The presets of one config group (a folder of configs/): its YAML files' names, but for those
+    starting with `_`, which hold keys the group's presets share through their defaults lists
+    (configs/offload/_base.yaml) and are no preset to choose."""
+    return sorted(p.stem for p in Path(folder).glob("*.yaml") if not p.stem.startswith("_"))
+
+
 def config_groups(config_dir: Path) -> dict[str, list[str]]:
     """Each config group (a folder of configs/) and its presets' names."""
-    return {
-        folder.name: sorted(p.stem for p in folder.glob("*.yaml"))
-        for folder in sorted(Path(config_dir).iterdir())
-        if folder.is_dir()
-    }
+    return {folder.name: group_presets(folder) for folder in sorted(Path(config_dir).iterdir()) if folder.is_dir()}
 
 
 def quote_non_ascii(argument: str) -> str:
@@ -112,6 +115,11 @@ def _check_group_value(argument: str, group: str, value: Any, presets: list[str]
     if not isinstance(value, str) or not value:
         shown = "null" if value is None else repr(value)
         raise ConfigError(f"{argument}: {group} names a preset, not {shown}; {choose}")
+    if value.startswith("_"):
+        raise ConfigError(
+            f"{argument}: a configs/{group}/ file whose name starts with _ holds keys the presets share and is not "
+            f"a preset; {choose}"
+        )
     if value not in presets:
         raise ConfigError(f"{argument}: there is no configs/{group}/{value}.yaml; {choose}")
 
@@ -129,7 +137,22 @@ def compose_node(
 ) -> dict:
     """The resolved config `config_name` with these overrides, as a plain dict; every refusal
     (ferry's checks above, then Hydra's and OmegaConf's) a one-line ConfigError."""
-    overrides = prepared_overrides(argv, config_dir, allowed_groups)
+    return _resolved(config_dir, config_name, prepared_overrides(argv, config_dir, allowed_groups))
+
+
+def preset_node(config_dir: Path, group: str, name: str) -> dict:
+    """One preset of `group` as a run composes it, with the keys it takes from its defaults list
+    (configs/offload/_base.yaml), as a plain dict: what `offload=NAME` puts under `offload`."""
+    if name not in group_presets(Path(config_dir) / group):
+        raise ConfigError(f"there is no {group} preset {name!r} in configs/{group}/")
+    node = _resolved(config_dir, f"{group}/{name}", []).get(group)
+    if not isinstance(node, dict):
+        raise ConfigError(f"configs/{group}/{name}.yaml holds no keys")
+    return node
+
+
+def _resolved(config_dir: Path, config_name: str, overrides: list[str]) -> dict:
+    """Hydra's composition, resolved, as a plain dict; its refusals one-line ConfigErrors."""
     try:
         cfg = hydra_compose(config_dir, config_name, overrides)
         node = OmegaConf.to_container(cfg, resolve=True)

@@ -18,6 +18,7 @@ from ferry.models.base import AbstractModelConfig
 from ferry.models.registry import model_config
 from ferry.platform import PlatformConfig
 from ferry.sharding import MeshConfig, check_divisible
+from ferry.xla.targets import target_names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +97,7 @@ class FerryConfig:
     mesh: MeshConfig = MeshConfig()
     distributed: DistributedConfig = DistributedConfig()
     mode: str = "train"  # train | plan (compile for target=, no chip) | compile (a TPU run's step into the cache)
-    target: str | None = None
+    target: str | None = None  # what mode=plan or compile compiles for: a name of ferry.xla.targets.TARGETS
     plan: PlanConfig = PlanConfig()
     init: InitConfig = InitConfig()
     notes: tuple[str, ...] = ()  # what was adjusted or looks wrong, printed once at start-up
@@ -105,9 +106,12 @@ class FerryConfig:
         if self.mode not in ("train", "plan", "compile"):
             raise ConfigError(f"mode is {self.mode!r}; use train, plan or compile")
         if self.mode == "plan" and self.target is None:
-            raise ConfigError("mode=plan needs a target: target=h100|h200|b200|gb200|v5p|v5e|v6e")
+            raise ConfigError(f"mode=plan needs a target: target={'|'.join(target_names())}")
         if self.mode == "compile" and self.target is None:
-            raise ConfigError("mode=compile compiles a run's step for the TPU it will train on: add target=v5p|v5e|v6e")
+            raise ConfigError(
+                "mode=compile compiles a run's step for the TPU it will train on: add "
+                f"target={'|'.join(target_names('tpu'))}"
+            )
         if self.mode == "train" and self.target is not None:
             raise ConfigError(
                 f"target={self.target} is the hardware mode=plan compiles for; a training run uses this machine's. "

@@ -14,7 +14,6 @@ from rich.console import Console
 
 from ferry.config.root import FerryConfig, check_mesh_shape
 from ferry.config.train import OffloadConfig, StatePlacement
-from ferry.errors import ConfigError
 from ferry.models.registry import abstract_model
 from ferry.offload.engine import Policy
 from ferry.offload.schedule import format_bytes
@@ -62,7 +61,7 @@ from ferry.plan.tables import (
 from ferry.plan.verify import RecomputeNotChecked, explain_recompute, recompute_checked
 from ferry.platform import PlatformConfig
 from ferry.xla.scheduler_costs import ProfileCache
-from ferry.xla.targets import TARGETS, Target
+from ferry.xla.targets import Target, named_target
 
 
 def plan_presets(config: FerryConfig) -> tuple[str, ...]:
@@ -112,9 +111,7 @@ def _checked(
 ) -> tuple[Target, frozenset[str], dict[str, Policy]]:
     """The target, the model's tagged tensors and each preset's policy, every one checked before
     anything compiles."""
-    if config.target not in TARGETS:
-        raise ConfigError(f"target is {config.target!r}; the planner knows {', '.join(TARGETS)}")
-    target = TARGETS[config.target]
+    target = named_target(config.target)
     target.topology(config.mesh.num_devices)  # whole hosts of GPUs, or a TPU slice
     check_mesh_shape(config)
     tagged = abstract_model(config.model).tagged_names()

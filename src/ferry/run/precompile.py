@@ -28,7 +28,7 @@ from ferry.train.recipe import StepRecipe
 from ferry.train.state_layout import random_init
 from ferry.xla.compile_oom import StepOverHbm
 from ferry.xla.scheduler_costs import ProfileCache
-from ferry.xla.targets import TARGETS, Target
+from ferry.xla.targets import TARGETS, Target, target_names
 
 
 def check_compile_target(config: FerryConfig) -> Target:
@@ -37,8 +37,8 @@ def check_compile_target(config: FerryConfig) -> Target:
     target = TARGETS.get(config.target or "")
     if target is None or target.platform != "tpu":
         raise ConfigError(
-            f"mode=compile target={config.target}: it compiles for TPUs (v5p, v5e, v6e), whose compiler runs "
-            "without a chip; a GPU run compiles on its own GPU"
+            f"mode=compile target={config.target}: it compiles for TPUs ({', '.join(target_names('tpu'))}), "
+            "whose compiler runs without a chip; a GPU run compiles on its own GPU"
         )
     if config.platform.name != "tpu":
         raise ConfigError("mode=compile compiles the run of platform=tpu; add platform=tpu to the command")

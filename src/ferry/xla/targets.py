@@ -1,12 +1,17 @@
 """Device facts of the clusters ferry plans for, and how XLA compiles for each without the hardware:
 NVIDIA GPUs through the CUDA plugin's compile-only topology (a `GpuTargetConfigProto` built from the
-facts below), TPUs through libtpu's topologies."""
+facts below), TPUs through libtpu's topologies.
+
+`TARGETS` is the one registry of targets: a target is added there (its peak and device kind in
+`ferry.xla.hardware`), and every list of targets a user reads (the config's refusals, mode=compile's
+TPUs, the launcher's --help) is `target_names`' reading of it."""
 
 import dataclasses
 import math
 import threading
 from typing import Any, ClassVar
 
+from ferry.errors import ConfigError
 from ferry.xla.hardware import BF16_PEAK_FLOPS
 
 _COMMON_DEVICE_INFO = {
@@ -264,3 +269,16 @@ TARGETS: dict[str, Target] = {
         _tpu("v6e", "TPU v6e", 32 * 2**30, 64e9, 400e9, "v6e", 2, 256),
     )
 }
+
+
+def target_names(platform: str | None = None) -> tuple[str, ...]:
+    """The targets' names in `TARGETS`' order; only those of `platform` (gpu, tpu) where given."""
+    return tuple(name for name, target in TARGETS.items() if platform in (None, target.platform))
+
+
+def named_target(name: str | None) -> Target:
+    """The target `target=NAME` names; refused, naming every target, for a name `TARGETS` lacks."""
+    target = TARGETS.get(name or "")
+    if target is None:
+        raise ConfigError(f"target={name} is not a target the planner knows; use one of {', '.join(target_names())}")
+    return target
