@@ -1,6 +1,6 @@
 """The preset a command without `offload=` trained with before that became a choice
 (`ferry.run.default_policy`): the tests written against it keep it, pinned here;
-tests/test_default_policy.py tests the choice itself."""
+tests/run/test_default_policy.py tests the choice itself."""
 
 OLD_DEFAULT = "offload=minimal_offloaded"
 

@@ -18,7 +18,7 @@ from ferry.xla.compile_oom import CompileTimeOom, StepOverHbm, parse_size
 from ferry.xla.targets import TARGETS
 from tests.conftest import SMALL_RUN, compose_config, needs_libtpu, run_launcher
 from tests.launcher_cases import load_launcher, run_case
-from tests.test_bad_inputs import tree_digest
+from tests.run.test_bad_inputs import tree_digest
 
 # what jax 0.10.2 raised on the v5e chip for save_all at batch 8 of the 386M Llama (issue 45), in
 # the wording libtpu 0.0.50 uses deviceless too

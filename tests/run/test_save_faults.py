@@ -28,7 +28,7 @@ from ferry.run.lock import LOCK_FILE, RunDirectoryError, acquire
 from ferry.run.preflight import prepare
 from ferry.run.training import train
 from tests.conftest import ROOT, SMALL_RUN, compose_config, run_launcher, run_python
-from tests.test_bad_inputs import tree_digest
+from tests.run.test_bad_inputs import tree_digest
 
 # Six steps of the small run, each logged, checkpoints at 2, 4 and 6.
 FAULT_RUN = (*SMALL_RUN, "train.steps=6", "train.log_every=1", "offload=minimal_offloaded")  # the old default

@@ -51,7 +51,7 @@ from tests.conftest import (
 pytestmark = needs_cuda_plugin
 H200 = TARGETS["h200"]
 # The offload numbers below were measured with ferry's own attention (auto picks cuDNN on an H200,
-# whose residuals and temporaries differ: tests/test_attention_kernels.py plans with it)
+# whose residuals and temporaries differ: tests/models/test_attention_kernels.py plans with it)
 XLA_ATTENTION = "model.attention=xla"
 
 

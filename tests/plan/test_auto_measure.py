@@ -77,7 +77,7 @@ def test_measuring_is_on_where_the_targets_accelerator_is_and_refused_where_aske
     assert not resolve_measure(AutoMeasureConfig(measure=False), "tpu", "tpu")[0]
     with pytest.raises(ConfigError, match="offload.auto.measure=true .* has no accelerator"):
         resolve_measure(AutoMeasureConfig(measure=True), "tpu", None)
-    from tests.test_cpu_only import matching
+    from tests.run.test_cpu_only import matching
 
     assert accelerator_present({}, matching("/dev/vfio/2", "/dev/vfio/vfio"), list) == "tpu"  # the v5e VM
     assert accelerator_present({}, matching("/dev/nvidia0"), list) == "gpu"

@@ -32,7 +32,7 @@ from ferry.train.memory import CompiledMemory, InsufficientMemoryError, check_st
 from tests.conftest import ROOT, compose_config
 from tests.launcher_cases import load_launcher
 from tests.old_default import OLD_DEFAULT
-from tests.test_bad_inputs import COMMON, run_cases, tree_digest
+from tests.run.test_bad_inputs import COMMON, run_cases, tree_digest
 
 
 def run_in_process(run_dir, *overrides):

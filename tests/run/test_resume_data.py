@@ -19,8 +19,8 @@ from ferry.run.data_identity import data_difference
 from ferry.run.preflight import prepare
 from ferry.run.training import train
 from tests.conftest import SMALL_RUN, compose_config
-from tests.test_bad_inputs import run_cases, tree_digest
-from tests.test_prepared_data import DOCUMENTS, text_config
+from tests.data.test_prepared_data import DOCUMENTS, text_config
+from tests.run.test_bad_inputs import run_cases, tree_digest
 
 
 def copy_run(finished_run, root, name, damage=None):

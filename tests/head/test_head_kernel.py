@@ -17,7 +17,7 @@ from ferry.head.loss import MIB, LossHead
 from ferry.plan.replay import total_dot_flops
 from ferry.sharding import attention_platform
 from tests.conftest import compose_config, needs_libtpu
-from tests.test_loss_head import ATOL, RTOL, axes_of, head_case, loss_and_grads
+from tests.head.test_loss_head import ATOL, RTOL, axes_of, head_case, loss_and_grads
 
 
 def pallas(rows: int, positions: int, columns: int) -> LossHead:
@@ -177,7 +177,7 @@ def test_the_planner_counts_the_kernels_two_matmuls_once_each():
 def test_on_a_mesh_the_kernel_trains_like_xla(tmp_path):
     """8 virtual CPU devices, the batch over data and fsdp (the kernel under shard_map on each
     device's rows, the vocabulary whole): the same losses as XLA's fused head."""
-    from tests.test_mesh import losses_of, start_mesh_losses
+    from tests.run.test_mesh import losses_of, start_mesh_losses
 
     common = (
         "model=llama_tiny offload=minimal train.steps=3 train.warmup_steps=1 train.log_every=1 "

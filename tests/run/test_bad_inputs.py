@@ -89,7 +89,7 @@ BAD_INPUTS = [
     (["run.resume=false"], "run.resume"),
     (["model.dim=32"], "dim: 64 -> 32"),
     (["plan.capacity_gib=-1"], "plan.capacity_gib"),
-    (["--cfg", "hydra"], "--cfg"),  # `--cfg job` prints the config (tests/test_launch.py)
+    (["--cfg", "hydra"], "--cfg"),  # `--cfg job` prints the config (tests/run/test_launch.py)
     # Hydra's override grammar: any value, deletions, group values that are not one preset's name
     (["~model"], "~model: deleting model"),
     (["~train.steps"], "~train.steps"),

@@ -212,7 +212,7 @@ def test_expert_parallel_ring_equals_dense_masking(cases):
     code = (
         "from ferry.platform import PlatformConfig, apply_platform; "
         "apply_platform(PlatformConfig('cpu', cpu_devices=8)); "
-        f"from tests.test_moe import {cases}, check_expert_parallel_equals_dense; "
+        f"from tests.models.test_moe import {cases}, check_expert_parallel_equals_dense; "
         f"check_expert_parallel_equals_dense({cases})"
     )
     result = run_python(code, timeout=600)
@@ -408,7 +408,7 @@ def test_a_v5e_program_at_deepseek_widths_runs_the_tile_measured_for_them():
     """Deviceless, for a v5e: the gradient kernels of an expert product 2048 -> 7168 (DeepSeek-V3's
     `down`) are compiled with TUNED's tile, not MaxText's default."""
     from ferry.nn.moe.megablox import TILING, TUNED
-    from tests.test_hlo_stats import compiled_text
+    from tests.xla.test_hlo_stats import compiled_text
 
     shapes = (((512, 2048), "bfloat16"), ((2, 2048, 7168), "bfloat16"), ((2,), "int32"))
 

@@ -12,8 +12,8 @@ import pytest
 from ferry.offload.engine import LAYER_INPUT, Policy, PolicyError
 from ferry.train.step import LossSettings, batch_loss
 from tests.conftest import preset_policy
+from tests.engine.test_presets import jitted_loss_grad, model_and_batch
 from tests.placements import count_device_puts
-from tests.test_presets import jitted_loss_grad, model_and_batch
 
 
 def jax_engine_grad(model, batch, preset: str):

@@ -37,7 +37,7 @@ def losses(model_name: str, micro_batch_size: int | None, steps: int) -> list[fl
     [
         ("llama_tiny", 10),
         # DeepSeek's accumulation (its expert-load statistics and router-bias update included) is
-        # covered in CI by tests/test_mesh.py, which accumulates micro steps on a mesh.
+        # covered in CI by tests/run/test_mesh.py, which accumulates micro steps on a mesh.
         pytest.param("deepseek_v3_tiny", 3, marks=pytest.mark.slow),
     ],
 )

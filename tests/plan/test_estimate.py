@@ -6,7 +6,7 @@ import pytest
 
 from ferry.plan.estimate import StepEstimate, collective_traffic, ranked
 from ferry.xla.targets import TARGETS
-from tests.test_hlo_stats import GROUPS_MODULE
+from tests.xla.test_hlo_stats import GROUPS_MODULE
 
 
 def test_best_overlaps_collectives_and_worst_adds_them():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import ROOT, Background
-from tests.test_launch import read_metrics
+from tests.run.test_launch import read_metrics
 
 COMMON = (
     "train.steps=10 train.warmup_steps=2 train.log_every=1 train.compute_dtype=float32 "

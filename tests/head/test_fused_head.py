@@ -14,7 +14,7 @@ from ferry.head.loss import MIB, LossHead
 from ferry.models.registry import build_model
 from ferry.xla.hlo_flops import matmul_flops
 from tests.conftest import compose_config, load_model_config, needs_libtpu
-from tests.test_loss_head import (
+from tests.head.test_loss_head import (
     ATOL,
     RTOL,
     assert_losses_like_the_whole_logits,
@@ -175,8 +175,8 @@ def test_the_config_takes_the_fused_head_and_start_up_names_its_chunks():
 def test_on_a_mesh_the_fused_head_trains_like_the_chunked_head(tmp_path):
     """8 virtual CPU devices, the batch over data and fsdp and the vocabulary over tensor: the
     fused head's losses equal the chunked head's on the same mesh, whose losses equal one
-    device's (tests/test_mesh.py)."""
-    from tests.test_mesh import losses_of, start_mesh_losses
+    device's (tests/run/test_mesh.py)."""
+    from tests.run.test_mesh import losses_of, start_mesh_losses
 
     common = (
         "model=llama_tiny offload=minimal train.steps=4 train.warmup_steps=1 train.log_every=1 "

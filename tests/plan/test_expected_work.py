@@ -16,7 +16,7 @@ from ferry.xla.expected_work import expected_fraction, expected_work
 from ferry.xla.hlo_flops import matmul_count, matmul_flops
 from ferry.xla.targets import TARGETS
 from tests.conftest import GPU_FLAGS, needs_cuda_plugin, needs_libtpu
-from tests.test_scheduler_costs import planned
+from tests.xla.test_scheduler_costs import planned
 
 H200 = TARGETS["h200"]
 ROWS, DIM = 64, 128

@@ -435,7 +435,7 @@ def test_no_recompute_check_against_programs_over_hbm():
     recomputes in it, and at the DeepSeek-V3 seed, with that pass off, minimal still runs 845,899
     matmuls more than save_all that the check cannot explain. A save_all over HBM stops the check
     before it compiles anything more."""
-    from tests.test_extrapolate import synthetic_plan
+    from tests.plan.test_extrapolate import synthetic_plan
 
     fitting = synthetic_plan({"moe": 6})
     over = dataclasses.replace(fitting, capacity_bytes=1)
