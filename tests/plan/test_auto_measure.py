@@ -309,10 +309,10 @@ def test_the_launcher_leaves_measuring_off_on_a_cpu(tmp_path):
 
 
 def test_the_measured_step_is_the_runs_own_loss_head_included(monkeypatch):
-    """A candidate is timed on the step its run trains (`run_step_body`), so what auto measures
+    """A candidate is timed on the step its run trains (its `StepRecipe`), so what auto measures
     is what the pick runs: with `train.loss_head=logits` the measured step holds the logits too
     (it once took the default head whatever the config said)."""
-    from ferry.run import training
+    from ferry.train import recipe
 
     class Built(Exception):
         pass
@@ -323,7 +323,7 @@ def test_the_measured_step_is_the_runs_own_loss_head_included(monkeypatch):
         seen.append(settings)
         raise Built  # the step as built is all this asks; nothing compiles
 
-    monkeypatch.setattr(training, "train_step_body", body)
+    monkeypatch.setattr(recipe, "train_step_body", body)
     config = compose_config("model=llama_tiny", "train.loss_head=logits", "train.seq_len=32")
     with pytest.raises(Built):
         measure_train_step(config, StepTimer(0, 1), one_device_mesh(jax.devices()[0]))

@@ -40,9 +40,13 @@ def without_platform_choice() -> dict:
 
 @pytest.mark.skipif(not cpu_only(), reason="this machine has an accelerator")
 @pytest.mark.parametrize("first", ["import jax, ferry", "import ferry, jax"])
-def test_importing_ferry_keeps_a_cpu_machine_quiet(first):
+def test_a_program_starting_as_the_launchers_do_keeps_a_cpu_machine_quiet(first):
+    """Importing ferry sets nothing (tests/test_layers.py); a program that calls
+    `keep_jax_to_the_cpu` first, as the launchers and benchmarks do, starts JAX on the CPU quietly,
+    whether JAX was imported before or after ferry."""
+    start = "from ferry.cpu_only import keep_jax_to_the_cpu; keep_jax_to_the_cpu()"
     result = subprocess.run(
-        [sys.executable, "-c", f"{first}; print(jax.devices()[0].platform)"],
+        [sys.executable, "-c", f"{first}; {start}; print(jax.devices()[0].platform)"],
         capture_output=True,
         text=True,
         cwd=ROOT,
