@@ -29,10 +29,10 @@ from ferry.data.corpus import load_corpus  # noqa: E402
 from ferry.data.pipeline import PackedWindows, window_batches  # noqa: E402
 from ferry.data.tokenizer import load_tokenizer  # noqa: E402
 from ferry.hf import CheckpointError, check_checkpoint, load_pretrained, save_pretrained  # noqa: E402
+from ferry.hf import deepseek_v3 as hf_deepseek_v3  # noqa: E402
+from ferry.hf import llama as hf_llama_family  # noqa: E402
 from ferry.hf.config_json import check_matches  # noqa: E402
 from ferry.hf.layout import read_block  # noqa: E402
-from ferry.models.deepseek_v3 import hf as hf_deepseek_v3  # noqa: E402
-from ferry.models.llama import hf as hf_llama_family  # noqa: E402
 from ferry.nn.moe import route  # noqa: E402
 from ferry.nn.rope import yarn_frequencies, yarn_mscale  # noqa: E402
 from ferry.offload.engine import SAVE_ALL  # noqa: E402
