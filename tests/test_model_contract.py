@@ -2,12 +2,16 @@
 and a Hugging Face mapping; parameters are sharded by the logical axes their layers declare where
 they create them, and an array no layer declares is refused naming it."""
 
+import dataclasses
+from typing import ClassVar
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec
+from omegaconf import OmegaConf
 
 from ferry.hf.mapping import HFMapping, family_of_model_type, mapping_of
 from ferry.models.base import AbstractLanguageModel, AbstractModelConfig
@@ -41,8 +45,23 @@ def test_every_family_keeps_the_contract(name):
     tree_shardings(model, MESH)  # refuses any array without axes
 
 
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_every_family_is_found_by_the_name_its_config_declares(name):
+    """Its config class declares its name (configs/model's `family:`), and the registry and the
+    Hugging Face mapping find the family by that name, not by a class (Llama and Qwen3 share one
+    model class)."""
+    family = FAMILIES[name]
+    assert vars(family.config)["family"] == family.name == name  # declared by the class itself
+    assert OmegaConf.load(CONFIGS / "model" / f"{family.tiny_model}.yaml").family == name
+    config = load_model_config(family.tiny_model)
+    assert config.family == name and family_of(config) is family
+    assert family_of_model_type(mapping_of(family).MODEL_TYPE) is family
+    assert "family" not in dataclasses.asdict(config)  # a class variable: checkpoint identities never held it
+
+
 def test_a_family_missing_part_of_the_contract_cannot_be_built():
     class NoFlops(AbstractModelConfig):
+        family: ClassVar[str] = "no_flops"
         vocab_size: int = 8
         dim: int = 4
         num_layers: int = 1

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import equinox as eqx
 import jax
-from equinox import AbstractVar
+from equinox import AbstractClassVar, AbstractVar
 from jaxtyping import Array, Float, Int
 
 from ferry.data.segments import DocumentMask, document_segments, loss_weights
@@ -32,6 +32,9 @@ class AbstractModelConfig(eqx.Module):
     """A model family's architecture and its model-side training settings (frozen; built from
     the Hydra `model` node by `ferry.config_schema.from_dict`)."""
 
+    # The family's name (`family:` in configs/model/*.yaml): how the registry and the Hugging Face
+    # mapping find a config's family. A class variable, so no checkpoint's identity records it.
+    family: AbstractClassVar[str]
     vocab_size: AbstractVar[int]
     dim: AbstractVar[int]  # the residual stream's width: every decoder layer's input
     num_layers: AbstractVar[int]

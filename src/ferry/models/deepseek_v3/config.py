@@ -2,6 +2,7 @@
 multi-token prediction), and the layers it builds."""
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 from jaxtyping import PRNGKeyArray
@@ -15,6 +16,7 @@ from ferry.nn.rope import YarnScaling, check_yarn
 
 
 class DeepSeekV3Config(AbstractModelConfig):
+    family: ClassVar[str] = "deepseek_v3"
     vocab_size: int
     dim: int
     num_layers: int

@@ -5,6 +5,6 @@ from ferry.models.family import Family
 from ferry.models.llama.config import LlamaConfig
 from ferry.models.llama.model import Llama, llama_decoder_layer
 
-FAMILY = Family("llama", LlamaConfig, Llama, tiny_model="llama_tiny")
+FAMILY = Family(LlamaConfig, Llama, tiny_model="llama_tiny")
 
 __all__ = ["FAMILY", "Llama", "LlamaConfig", "llama_decoder_layer"]

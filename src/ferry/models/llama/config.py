@@ -1,11 +1,14 @@
 """Llama 3.1's architecture: the dense decoder with llama3-scaled RoPE (theta 500000) and RMSNorm
 epsilon 1e-5."""
 
+from typing import ClassVar
+
 from ferry.models.dense.config import DenseConfig
 from ferry.nn.rope import Llama3RopeScaling, check_llama3_scaling
 
 
 class LlamaConfig(DenseConfig):
+    family: ClassVar[str] = "llama"
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
     rope_scaling: Llama3RopeScaling | None = Llama3RopeScaling()

@@ -6,6 +6,6 @@ from ferry.models.family import Family
 from ferry.models.qwen3.config import Qwen3Config
 from ferry.models.qwen3.model import Qwen3, qwen3_decoder_layer
 
-FAMILY = Family("qwen3", Qwen3Config, Qwen3, tiny_model="qwen3_tiny")
+FAMILY = Family(Qwen3Config, Qwen3, tiny_model="qwen3_tiny")
 
 __all__ = ["FAMILY", "Qwen3", "Qwen3Config", "qwen3_decoder_layer"]

@@ -7,6 +7,7 @@ from ferry.models.dense.config import DenseConfig
 
 
 class Qwen3Config(DenseConfig):
+    family: ClassVar[str] = "qwen3"
     head_dim: int  # Qwen3 sets it apart from dim / num_heads (128 in every size)
     rope_theta: float = 1000000.0
     norm_eps: float = 1e-6  # every RMSNorm's, the per-head query and key norms' too
