@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ferry.models.llama import Llama
+from ferry.models.dense import DenseDecoder
 from ferry.models.registry import abstract_model
 from ferry.nn.kernels.flash import ATTENTION_LSE
 from ferry.offload.engine import PolicyError
@@ -24,7 +24,7 @@ from tests.placements import count_device_puts
 @functools.cache
 def model_and_batch(scan_layers: bool):
     config = load_model_config("llama_tiny", scan_layers=scan_layers, num_layers=3)
-    model = Llama(config, key=jax.random.key(0))
+    model = DenseDecoder(config, key=jax.random.key(0))
     batch = jax.random.randint(jax.random.key(1), (2, 33), 0, config.vocab_size)
     return model, batch
 

@@ -2,7 +2,7 @@
 multi-token prediction), and the layers it builds."""
 
 import dataclasses
-from typing import ClassVar
+from typing import ClassVar, final
 
 import jax
 from jaxtyping import PRNGKeyArray
@@ -15,6 +15,7 @@ from ferry.nn.moe import DeepSeekMoE
 from ferry.nn.rope import YarnScaling, check_yarn
 
 
+@final
 class DeepSeekV3Config(AbstractModelConfig):
     family: ClassVar[str] = "deepseek_v3"
     vocab_size: int
