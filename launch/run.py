@@ -52,7 +52,6 @@ from ferry.config.root import FerryConfig, load_config  # noqa: E402
 from ferry.config.train import OffloadConfig  # noqa: E402
 from ferry.config_schema import from_dict  # noqa: E402
 from ferry.errors import ConfigError, FerryError  # noqa: E402
-from ferry.train.memory import InsufficientMemoryError  # noqa: E402
 from ferry.platform import PlatformConfig, apply_platform, check_gpu_jax, check_platform  # noqa: E402
 from ferry.run.checkpoint import checkpoint_steps  # noqa: E402
 from ferry.run.config_paths import check_config_paths  # noqa: E402
@@ -62,6 +61,7 @@ from ferry.run.nonfinite import NonFiniteLossError  # noqa: E402
 from ferry.run.precompile import check_compile_target, precompile  # noqa: E402
 from ferry.run.preflight import PreparedRun, prepare  # noqa: E402
 from ferry.run.training import train  # noqa: E402
+from ferry.train.memory import InsufficientMemoryError  # noqa: E402
 from ferry.xla.hardware import accelerator_name  # noqa: E402
 from ferry.xla.scheduler_costs import scheduler_target  # noqa: E402
 from ferry.xla.targets import TARGETS, named_target, target_names  # noqa: E402

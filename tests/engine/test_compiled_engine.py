@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from ferry.models.llama import llama_decoder_layer
+from ferry.models.dense import dense_decoder_layer
 from ferry.offload.engine import Policy, offloaded
 from ferry.xla.hlo_host_copies import host_copies
 from ferry.xla.targets import TARGETS
@@ -27,7 +27,7 @@ def compile_one_layer(policy: Policy, num_layers: int = 1):
     scan) and an output head (so the layers' residuals wait while the head runs, as an MTP block's
     do), compiled for an H200 without one."""
     config = load_model_config("llama_tiny")
-    layer = llama_decoder_layer(config, key=jax.random.key(0))
+    layer = dense_decoder_layer(config, key=jax.random.key(0))
     params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if isinstance(a, jax.Array) else a, layer)
     x = jax.ShapeDtypeStruct((8, 512, config.dim), jnp.float32)
     head = jax.ShapeDtypeStruct((config.dim, 2048), jnp.float32)

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from ferry.config.overrides import compose_node, config_groups, group_presets, prepared_overrides, preset_node
 from ferry.errors import ConfigError
-from ferry.models.llama import Llama
+from ferry.models.dense import DenseDecoder
 from ferry.models.registry import abstract_model
 from ferry.nn.kernels.flash import ATTENTION_LSE
 from ferry.offload.engine import PolicyError
@@ -29,7 +29,7 @@ from tests.placements import count_device_puts
 @functools.cache
 def model_and_batch(scan_layers: bool):
     config = load_model_config("llama_tiny", scan_layers=scan_layers, num_layers=3)
-    model = Llama(config, key=jax.random.key(0))
+    model = DenseDecoder(config, key=jax.random.key(0))
     batch = jax.random.randint(jax.random.key(1), (2, 33), 0, config.vocab_size)
     return model, batch
 

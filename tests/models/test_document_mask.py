@@ -11,7 +11,7 @@ import pytest
 
 from ferry.data.segments import DocumentMask, document_segments
 from ferry.models.registry import build_model
-from ferry.nn.attention import GroupedQueryAttention, causal_attention
+from ferry.nn.attention import causal_attention, grouped_query_attention
 from ferry.nn.mla import MultiHeadLatentAttention
 from ferry.nn.rope import Llama3RopeScaling, YarnScaling
 from ferry.offload.engine import SAVE_ALL
@@ -80,7 +80,7 @@ def test_attention_over_packed_documents_equals_each_document_alone(query_chunk)
 def test_attention_modules_restart_rotary_positions_in_each_document(kind):
     key = jax.random.key(1)
     if kind == "grouped_query":
-        module = GroupedQueryAttention(32, 4, 2, 8, 500000.0, Llama3RopeScaling(original_max_position=16), key=key)
+        module = grouped_query_attention(32, 4, 2, 8, 500000.0, Llama3RopeScaling(original_max_position=16), key=key)
     else:
         module = MultiHeadLatentAttention(32, 4, 16, 8, 8, 4, 8, 10000.0, YarnScaling(), 1e-6, key=key)
     x = jax.random.normal(jax.random.key(2), (1, 13, 32))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ferry.head.loss import next_token_loss
-from ferry.models.llama import Llama
+from ferry.models.dense import DenseDecoder
 from ferry.models.registry import parameter_count
 from ferry.nn.attention import causal_attention
 from ferry.nn.norm import RMSNorm
@@ -27,13 +27,13 @@ def test_published_parameter_counts(name, expected):
 
 def test_scan_and_loop_give_the_same_logits(tiny_config):
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, tiny_config.vocab_size)
-    scanned = Llama(tiny_config, key=jax.random.key(0))
-    looped = Llama(dataclasses.replace(tiny_config, scan_layers=False), key=jax.random.key(0))
+    scanned = DenseDecoder(tiny_config, key=jax.random.key(0))
+    looped = DenseDecoder(dataclasses.replace(tiny_config, scan_layers=False), key=jax.random.key(0))
     np.testing.assert_allclose(scanned(tokens), looped(tokens), rtol=1e-5, atol=1e-6)
 
 
 def test_logits_are_causal(tiny_config):
-    model = Llama(tiny_config, key=jax.random.key(0))
+    model = DenseDecoder(tiny_config, key=jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (1, 12), 0, tiny_config.vocab_size)
     changed = tokens.at[0, 8:].set((tokens[0, 8:] + 1) % tiny_config.vocab_size)
     a, b = model(tokens), model(changed)

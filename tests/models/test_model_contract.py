@@ -2,16 +2,28 @@
 and a Hugging Face mapping; parameters are sharded by the logical axes their layers declare where
 they create them, and an array no layer declares is refused naming it."""
 
+import dataclasses
+import importlib
+import pkgutil
+from typing import ClassVar, final
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec
+from omegaconf import OmegaConf
 
+import ferry.models
+from ferry.errors import ConfigError
 from ferry.hf.mapping import HFMapping, family_of_model_type, mapping_of
 from ferry.models.base import AbstractLanguageModel, AbstractModelConfig
+from ferry.models.dense import AbstractDenseConfig, DenseDecoder
+from ferry.models.llama import LlamaConfig
 from ferry.models.registry import FAMILIES, abstract_model, family_of
+from ferry.nn.attention import GroupedQueryAttention
+from ferry.nn.block import DecoderBlock
 from ferry.nn.linear import Linear
 from ferry.sharding import MESH_AXES, MeshError, tree_shardings
 from ferry.train.step_flops import training_flops
@@ -41,8 +53,83 @@ def test_every_family_keeps_the_contract(name):
     tree_shardings(model, MESH)  # refuses any array without axes
 
 
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_every_family_is_found_by_the_name_its_config_declares(name):
+    """Its config class declares its name (configs/model's `family:`), and the registry and the
+    Hugging Face mapping find the family by that name, not by a class (Llama and Qwen3 share one
+    model class)."""
+    family = FAMILIES[name]
+    assert vars(family.config)["family"] == family.name == name  # declared by the class itself
+    assert OmegaConf.load(CONFIGS / "model" / f"{family.tiny_model}.yaml").family == name
+    config = load_model_config(family.tiny_model)
+    assert config.family == name and family_of(config) is family
+    assert family_of_model_type(mapping_of(family).MODEL_TYPE) is family
+    assert "family" not in dataclasses.asdict(config)  # a class variable: checkpoint identities never held it
+
+
+def test_a_config_declaring_no_registered_family_is_refused():
+    @final
+    class Unlisted(AbstractDenseConfig):
+        family: ClassVar[str] = "unlisted"
+        qk_norm: ClassVar[bool] = False
+
+        def rope_scaling_of(self):
+            return None
+
+        def tied_head(self):
+            return False
+
+    config = Unlisted(vocab_size=8, dim=4, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=4, mlp_dim=8,
+                      rope_theta=1e4, norm_eps=1e-6)  # fmt: skip
+    with pytest.raises(ConfigError, match="declares family 'unlisted'; known families"):
+        family_of(config)
+
+
+def _model_classes() -> list[type]:
+    """Every Equinox module class ferry.models defines, and the dense decoder's layers'."""
+    names = [m.name for m in pkgutil.walk_packages(ferry.models.__path__, "ferry.models.")]
+    modules = [importlib.import_module(name) for name in [*names, "ferry.nn.attention", "ferry.nn.block"]]
+    found = {
+        value
+        for module in modules
+        for value in vars(module).values()
+        if isinstance(value, type) and issubclass(value, eqx.Module) and value.__module__ == module.__name__
+    }
+    return sorted(found, key=lambda cls: f"{cls.__module__}.{cls.__qualname__}")
+
+
+def _concrete_methods(cls: type) -> set[str]:
+    """The methods and properties `cls` itself defines that are not abstract."""
+    own = {name for name, value in vars(cls).items() if callable(value) or isinstance(value, property)}
+    return own - set(getattr(cls, "__abstractmethods__", ())) - {"__init__", "__check_init__", "__init_subclass__"}
+
+
+@pytest.mark.parametrize("cls", _model_classes(), ids=lambda cls: cls.__qualname__)
+def test_every_model_class_is_abstract_or_final(cls):
+    """Equinox's abstract/final pattern (`ferry.models.base`): an abstract class is named so and
+    declares something to implement; a final one is marked `typing.final`, has no subclass and
+    overrides no concrete method (`__check_init__` is no override: Equinox runs each class's)."""
+    ferry_bases = [base for base in cls.__mro__[1:] if base.__module__.startswith("ferry.")]
+    if cls.__name__.startswith("Abstract"):
+        assert not cls.__dict__.get("__final__", False)
+        assert cls.__abstractmethods__ or cls.__abstractvars__ or cls.__abstractclassvars__
+        return
+    assert cls.__dict__.get("__final__", False), f"{cls.__qualname__} is neither abstract nor final"
+    assert not [sub for sub in cls.__subclasses__() if sub.__module__.startswith("ferry.")]
+    assert all(base.__name__.startswith("Abstract") for base in ferry_bases)
+    overridden = {name for base in ferry_bases for name in _concrete_methods(base) if name in vars(cls)}
+    assert not overridden, f"{cls.__qualname__} overrides {sorted(overridden)}"
+
+
+@pytest.mark.parametrize("final_class", [LlamaConfig, DenseDecoder, GroupedQueryAttention, DecoderBlock])
+def test_subclassing_a_final_class_is_refused(final_class):
+    with pytest.raises(TypeError, match=f"subclasses {final_class.__name__}, a final class"):
+        type("Sub", (final_class,), {})
+
+
 def test_a_family_missing_part_of_the_contract_cannot_be_built():
     class NoFlops(AbstractModelConfig):
+        family: ClassVar[str] = "no_flops"
         vocab_size: int = 8
         dim: int = 4
         num_layers: int = 1

@@ -20,8 +20,7 @@ from transformers import Qwen3ForCausalLM  # noqa: E402
 from ferry.hf import CheckpointError, load_pretrained, save_pretrained  # noqa: E402
 from ferry.hf import qwen3 as qwen3_hf  # noqa: E402
 from ferry.hf.config_json import check_matches  # noqa: E402
-from ferry.models import qwen3  # noqa: E402
-from ferry.models.llama import Llama  # noqa: E402
+from ferry.models.dense import DenseDecoder  # noqa: E402
 from ferry.models.registry import abstract_model, parameter_count  # noqa: E402
 from ferry.offload.engine import PolicyError  # noqa: E402
 from ferry.train.step import LossSettings, batch_loss  # noqa: E402
@@ -148,7 +147,7 @@ def test_published_qwen3_8b_is_configs_qwen3_8b():
 @pytest.fixture(scope="module")
 def tiny():
     config = load_model_config("qwen3_tiny", num_layers=3)
-    model = qwen3.Qwen3(config, key=jax.random.key(0))
+    model = DenseDecoder(config, key=jax.random.key(0))
     return model, jax.random.randint(jax.random.key(1), (2, 33), 0, config.vocab_size)
 
 
@@ -164,7 +163,7 @@ def test_qwen3_tags_llamas_tensor_names(tiny):
     """The same names as Llama, so every Llama preset applies; MoE's are refused."""
     model, batch = tiny
     llama = abstract_model(load_model_config("llama_tiny"))
-    assert isinstance(llama, Llama) and model.tagged_names() == llama.tagged_names()
+    assert isinstance(llama, DenseDecoder) and model.tagged_names() == llama.tagged_names()
     with pytest.raises(PolicyError, match=r"moe_mlpwi_0.*never tags"):
         loss_grad(model, batch, "moe_offload")
 

@@ -18,7 +18,7 @@ from ferry.hf.layout import TensorMap, check_tensors, host_tensors, load_array
 from ferry.hf.mapping import MAPPINGS, family_of_model_type, mapping_of
 from ferry.hf.safetensors_io import CheckpointError, CheckpointReader, ShardedWriter
 from ferry.models import registry
-from ferry.models.base import AbstractLanguageModel
+from ferry.models.base import AbstractLanguageModel, AbstractModelConfig
 from ferry.models.family import Family
 from ferry.sharding import tree_shardings
 
@@ -82,7 +82,7 @@ def matching_config(checkpoint: Checkpoint, config: Any) -> Any:
     otherwise); its training settings (scan, MoE dispatch, loss weights) are its own. MTP depths
     may be fewer than the checkpoint's."""
     family = checkpoint.family
-    if type(config) is not family.config:
+    if not isinstance(config, AbstractModelConfig) or config.family != family.name:
         raise CheckpointError(
             f"{checkpoint.directory} is a {mapping_of(family).FAMILY} checkpoint but the model config is a "
             f"{type(config).__name__}"
@@ -151,10 +151,10 @@ def save_pretrained(
     `{"bos_token_id": 128000, "max_position_embeddings": 131072}`. Every process must call this
     (each tensor is gathered from the devices holding it, one at a time); process 0 writes.
     Returns the files written."""
-    family = next((f for f in registry.FAMILIES.values() if type(model) is f.model), None)
-    if family is None:
-        known = ", ".join(f.model.__name__ for f in registry.FAMILIES.values())
+    if not isinstance(model, AbstractLanguageModel):
+        known = ", ".join(registry.FAMILIES)
         raise TypeError(f"save_pretrained exports models of ferry's families ({known}), not a {type(model).__name__}")
+    family = registry.family_of(model.config)  # by the name its config declares
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype is {dtype!r}; export as one of {sorted(EXPORT_DTYPES)}")
     mapping = mapping_of(family)

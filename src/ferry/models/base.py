@@ -1,21 +1,30 @@
 """The contract every model family keeps: an abstract config and an abstract language model.
 
-Equinox's abstract/final pattern: these classes declare, with `AbstractVar` and abstract methods,
-everything the trainer, the planner, the FLOPs count, the Hugging Face mapping and the mesh checks
-read of a model; a family's config and model are final classes that implement all of it, so a
-family missing a piece cannot be instantiated, and nothing outside a family asks which family it
-holds (no `isinstance` chains, no `getattr(config, name, default)`).
+These classes declare, with `AbstractVar`, `AbstractClassVar` and abstract methods, everything the
+trainer, the planner, the FLOPs count, the Hugging Face mapping and the mesh checks read of a model,
+so a family missing a piece cannot be instantiated, and nothing outside a family asks which family
+it holds (no `isinstance` chains, no `getattr(config, name, default)`): a config declares its
+family's name (`family`), by which the registry finds the family.
+
+Every model class keeps Equinox's abstract/final pattern: it is abstract (named `Abstract...`, it
+declares what its subclasses implement) or final (`typing.final`: never subclassed, overriding no
+concrete method). One liberty: an abstract class may declare the fields its final classes share
+(`AbstractDenseConfig`'s, GQA's) instead of each repeating them. Equinox 0.13 accepts `strict=True`
+and checks nothing, so ferry enforces the pattern itself: mypy refuses a subclass of a final class,
+the abstract classes refuse one where it is defined (`ferry.final`), and
+tests/test_model_contract.py checks every class of `ferry.models` and the dense decoder's layers.
 """
 
 import abc
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import equinox as eqx
 import jax
-from equinox import AbstractVar
+from equinox import AbstractClassVar, AbstractVar
 from jaxtyping import Array, Float, Int
 
 from ferry.data.segments import DocumentMask, document_segments, loss_weights
+from ferry.final import refuse_final_bases
 from ferry.head.chunked import OutputHead
 from ferry.head.loss import DEFAULT_HEAD, LossHead
 from ferry.nn.attention import Segments
@@ -32,6 +41,9 @@ class AbstractModelConfig(eqx.Module):
     """A model family's architecture and its model-side training settings (frozen; built from
     the Hydra `model` node by `ferry.config_schema.from_dict`)."""
 
+    # The family's name (`family:` in configs/model/*.yaml): how the registry and the Hugging Face
+    # mapping find a config's family. A class variable, so no checkpoint's identity records it.
+    family: AbstractClassVar[str]
     vocab_size: AbstractVar[int]
     dim: AbstractVar[int]  # the residual stream's width: every decoder layer's input
     num_layers: AbstractVar[int]
@@ -48,6 +60,10 @@ class AbstractModelConfig(eqx.Module):
         mtp_depth: AbstractVar[int]  # multi-token prediction depths (0 for a family without them)
         scan_layers: AbstractVar[bool]
         attention: AbstractVar[str]  # the attention kernel: auto, xla, splash or cudnn (`ferry.nn.kernels.choice`)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        refuse_final_bases(cls)
 
     def __check_init__(self) -> None:
         check_attention_setting(self.attention)
@@ -109,6 +125,10 @@ class AbstractLanguageModel(eqx.Module):
     (which the offload schedule, the planner and the policy self-check run one at a time)."""
 
     config: AbstractVar[AbstractModelConfig]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        refuse_final_bases(cls)
 
     @abc.abstractmethod
     def __call__(

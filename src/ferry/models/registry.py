@@ -29,11 +29,12 @@ FAMILIES: dict[str, Family] = {
 
 
 def family_of(config: AbstractModelConfig) -> Family:
-    """The family whose config `config` is."""
-    for family in FAMILIES.values():
-        if type(config) is family.config:
-            return family
-    raise ConfigError(f"no model family takes a {type(config).__name__}; known families: {sorted(FAMILIES)}")
+    """The family of the name `config` declares (its class's `family`)."""
+    if config.family not in FAMILIES:
+        raise ConfigError(
+            f"a {type(config).__name__} declares family {config.family!r}; known families: {sorted(FAMILIES)}"
+        )
+    return FAMILIES[config.family]
 
 
 def model_config(node: Mapping[str, Any]) -> AbstractModelConfig:

@@ -1,13 +1,15 @@
 """Causal grouped-query attention (Llama 3; Qwen3's with per-head query and key norms). Softmax in
 float32; the kernel is `model.attention`'s (`ferry.nn.kernels.choice`)."""
 
-from typing import Any
+import abc
+from typing import Any, final
 
 import equinox as eqx
 import jax
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from ferry.final import refuse_final_bases
 from ferry.nn.kernels.choice import attend
 from ferry.nn.kernels.xla import QUERY_CHUNK, causal_attention
 from ferry.nn.linear import Linear
@@ -18,6 +20,7 @@ from ferry.sharding import EMBED, HEADS
 
 __all__ = [
     "QUERY_CHUNK",
+    "AbstractGroupedQueryAttention",
     "GroupedQueryAttention",
     "QKNormedAttention",
     "Segments",
@@ -30,8 +33,10 @@ __all__ = [
 Segments = tuple[Int[Array, "batch seq"], Int[Array, "batch seq"]]
 
 
-class GroupedQueryAttention(eqx.Module):
-    """Causal GQA with RoPE (llama3-scaled where `rope_scaling` says), scale head_dim^-0.5."""
+class AbstractGroupedQueryAttention(eqx.Module):
+    """Causal GQA with RoPE (llama3-scaled where `rope_scaling` says), scale head_dim^-0.5: the fields
+    and the forward pass every variant shares; a final class says which query and key heads RoPE
+    rotates (and adds what it needs for that). Built by `grouped_query_attention`."""
 
     query: Linear
     key: Linear
@@ -44,32 +49,15 @@ class GroupedQueryAttention(eqx.Module):
     rope_scaling: Llama3RopeScaling | None = eqx.field(static=True)
     attention: str = eqx.field(static=True)  # model.attention: auto, xla, splash or cudnn
 
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        rope_theta: float,
-        rope_scaling: Llama3RopeScaling | None,
-        *,
-        key: PRNGKeyArray,
-        attention: str = "auto",
-    ):
-        kq, kk, kv, ko = jax.random.split(key, 4)
-        self.query = Linear(dim, num_heads * head_dim, axes=("embed", "heads"), key=kq)
-        self.key = Linear(dim, num_kv_heads * head_dim, axes=("embed", "heads"), key=kk)
-        self.value = Linear(dim, num_kv_heads * head_dim, axes=("embed", "heads"), key=kv)
-        self.out = Linear(num_heads * head_dim, dim, axes=("heads", "embed"), key=ko)
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
-        self.attention = attention
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        refuse_final_bases(cls)
 
+    @abc.abstractmethod
     def query_and_key(
         self, q: Float[Array, "batch seq heads head_dim"], k: Float[Array, "batch seq kv_heads head_dim"]
     ) -> tuple[Float[Array, "batch seq heads head_dim"], Float[Array, "batch seq kv_heads head_dim"]]:
-        """The query and key heads RoPE rotates: the projections' (`QKNormedAttention` norms them)."""
-        return q, k
+        """The query and key heads RoPE rotates, from the projections'."""
 
     def __call__(
         self, x: Float[Array, "batch seq dim"], segments: Segments | None = None
@@ -90,18 +78,24 @@ class GroupedQueryAttention(eqx.Module):
         return tag(self.out(context), "out_proj", EMBED)
 
 
-class QKNormedAttention(GroupedQueryAttention):
+@final
+class GroupedQueryAttention(AbstractGroupedQueryAttention):
+    """Llama's GQA: RoPE rotates the projections' query and key heads as they are."""
+
+    def query_and_key(
+        self, q: Float[Array, "batch seq heads head_dim"], k: Float[Array, "batch seq kv_heads head_dim"]
+    ) -> tuple[Float[Array, "batch seq heads head_dim"], Float[Array, "batch seq kv_heads head_dim"]]:
+        return q, k
+
+
+@final
+class QKNormedAttention(AbstractGroupedQueryAttention):
     """GQA whose query and key heads each pass an RMSNorm over head_dim (one weight shared by all
-    heads) before RoPE, as Hugging Face's `Qwen3Attention`. A subclass, not a field that may be
-    None, so plain GQA's parameter tree (its checkpoints) is unchanged."""
+    heads) before RoPE, as Hugging Face's `Qwen3Attention`. A class of its own, not a field that
+    may be None, so plain GQA's parameter tree (its checkpoints) is unchanged."""
 
     query_norm: RMSNorm
     key_norm: RMSNorm
-
-    def __init__(self, *args: Any, norm_eps: float, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.query_norm = RMSNorm(self.head_dim, norm_eps)
-        self.key_norm = RMSNorm(self.head_dim, norm_eps)
 
     def query_and_key(
         self, q: Float[Array, "batch seq heads head_dim"], k: Float[Array, "batch seq kv_heads head_dim"]
@@ -120,10 +114,22 @@ def grouped_query_attention(
     key: PRNGKeyArray,
     attention: str = "auto",
     qk_norm_eps: float | None = None,
-) -> GroupedQueryAttention:
+) -> AbstractGroupedQueryAttention:
     """GQA with one option: `qk_norm_eps` (not None) norms every query and key head
-    (`QKNormedAttention`, Qwen3's)."""
-    args = (dim, num_heads, num_kv_heads, head_dim, rope_theta, rope_scaling)
+    (`QKNormedAttention`, Qwen3's); without it, `GroupedQueryAttention`."""
+    kq, kk, kv, ko = jax.random.split(key, 4)
+    fields = (  # every variant's, in the order its fields are declared
+        Linear(dim, num_heads * head_dim, axes=("embed", "heads"), key=kq),  # query
+        Linear(dim, num_kv_heads * head_dim, axes=("embed", "heads"), key=kk),  # key
+        Linear(dim, num_kv_heads * head_dim, axes=("embed", "heads"), key=kv),  # value
+        Linear(num_heads * head_dim, dim, axes=("heads", "embed"), key=ko),  # out
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        rope_theta,
+        rope_scaling,
+        attention,
+    )
     if qk_norm_eps is None:
-        return GroupedQueryAttention(*args, key=key, attention=attention)
-    return QKNormedAttention(*args, key=key, attention=attention, norm_eps=qk_norm_eps)
+        return GroupedQueryAttention(*fields)
+    return QKNormedAttention(*fields, RMSNorm(head_dim, qk_norm_eps), RMSNorm(head_dim, qk_norm_eps))

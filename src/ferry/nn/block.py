@@ -5,12 +5,13 @@ reports (None for a dense one; a MoE's balance loss and expert load), so a stack
 asks what a layer returned."""
 
 import abc
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, final, runtime_checkable
 
 import equinox as eqx
 from equinox import AbstractVar
 from jaxtyping import Array, Float
 
+from ferry.final import refuse_final_bases
 from ferry.nn.attention import Segments
 from ferry.nn.mlp import SwiGLU
 from ferry.nn.norm import RMSNorm
@@ -25,6 +26,7 @@ class Attention(Protocol):
     ) -> Float[Array, "batch seq dim"]: ...
 
 
+@final
 class LayerOutput(eqx.Module):
     """What a decoder layer returns: the next hidden state and the statistics it reports."""
 
@@ -39,6 +41,10 @@ class AbstractDecoderBlock(eqx.Module):
     attention: AbstractVar[Attention]
     mlp_norm: AbstractVar[RMSNorm]
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        refuse_final_bases(cls)
+
     @abc.abstractmethod
     def feed_forward(self, x: Float[Array, "batch seq dim"]) -> tuple[Float[Array, "batch seq dim"], Any]:
         """The feed-forward's output and its statistics (None for none)."""
@@ -50,6 +56,7 @@ class AbstractDecoderBlock(eqx.Module):
         return LayerOutput(x + out, stats)
 
 
+@final
 class DecoderBlock(AbstractDecoderBlock):
     """Attention and a SwiGLU feed-forward (Llama's and Qwen3's layers, DeepSeek-V3's dense ones)."""
 

@@ -13,7 +13,7 @@ from ferry.models.deepseek_v3.model import (
 )
 from ferry.models.family import Family
 
-FAMILY = Family("deepseek_v3", DeepSeekV3Config, DeepSeekV3, tiny_model="deepseek_v3_tiny")
+FAMILY = Family(DeepSeekV3Config, DeepSeekV3, tiny_model="deepseek_v3_tiny")
 
 __all__ = [
     "FAMILY",

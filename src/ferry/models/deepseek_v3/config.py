@@ -2,6 +2,7 @@
 multi-token prediction), and the layers it builds."""
 
 import dataclasses
+from typing import ClassVar, final
 
 import jax
 from jaxtyping import PRNGKeyArray
@@ -14,7 +15,9 @@ from ferry.nn.moe import DeepSeekMoE
 from ferry.nn.rope import YarnScaling, check_yarn
 
 
+@final
 class DeepSeekV3Config(AbstractModelConfig):
+    family: ClassVar[str] = "deepseek_v3"
     vocab_size: int
     dim: int
     num_layers: int

@@ -2,6 +2,8 @@
 auxiliary-loss-free router bias update. Facts: DeepSeek-V3 technical report; layout: Hugging Face's
 `DeepseekV3ForCausalLM` (so weights map one-to-one)."""
 
+from typing import final
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -32,6 +34,7 @@ def dense_layer(config: DeepSeekV3Config, *, key: PRNGKeyArray) -> DecoderBlock:
     return DecoderBlock(config.attention_layer(k_attention), mlp, config.dim, config.norm_eps)
 
 
+@final
 class MoEDecoderBlock(AbstractDecoderBlock):
     """MLA + DeepSeekMoE (routed experts plus the shared expert), reporting the MoE's stats."""
 
@@ -56,6 +59,7 @@ def moe_layer(config: DeepSeekV3Config, *, key: PRNGKeyArray) -> MoEDecoderBlock
     return MoEDecoderBlock(config, key=key)
 
 
+@final
 class MultiTokenPrediction(eqx.Module):
     """One MTP depth: h' = final_norm(block(proj[RMSNorm(emb(t + k)); RMSNorm(h)])), read out
     through the model's shared output head; h is the previous depth's h' (the main model's
@@ -88,6 +92,7 @@ def _update_bias(moe: DeepSeekMoE, load: Float[Array, "... experts"], rate: floa
     return eqx.tree_at(lambda m: m.correction_bias, moe, moe.correction_bias + rate * jnp.sign(mean - load))
 
 
+@final
 class DeepSeekV3(AbstractLanguageModel):
     embed: Embedding
     dense_layers: LayerStack | None

@@ -1,7 +1,8 @@
-"""The dense decoder every dense family shares (Llama, Qwen3): a config base and the model. A new
-dense family is a `DenseConfig` subclass (its defaults and options) and its Hugging Face mapping."""
+"""The dense decoder every dense family shares (Llama, Qwen3): an abstract config and the model. A
+new dense family is a final `AbstractDenseConfig` subclass (its name, defaults and options), its
+`Family` with `DenseDecoder` as the model, and its Hugging Face mapping."""
 
-from ferry.models.dense.config import DenseConfig
+from ferry.models.dense.config import AbstractDenseConfig
 from ferry.models.dense.model import DenseDecoder, dense_decoder_layer
 
-__all__ = ["DenseConfig", "DenseDecoder", "dense_decoder_layer"]
+__all__ = ["AbstractDenseConfig", "DenseDecoder", "dense_decoder_layer"]

@@ -1,8 +1,11 @@
 """The architecture every dense family shares: pre-norm blocks of grouped-query attention with RoPE
-and a SwiGLU feed-forward. A family subclasses `DenseConfig` with its defaults and options."""
+and a SwiGLU feed-forward. A family is a final subclass of `AbstractDenseConfig` with its defaults
+and options."""
 
+import abc
 import dataclasses
-from typing import ClassVar
+
+from equinox import AbstractClassVar
 
 from ferry.config_schema import require_positive
 from ferry.models.base import AbstractModelConfig, MeshDim
@@ -10,10 +13,11 @@ from ferry.models.flops import grouped_query_attention_flops, swiglu_flops
 from ferry.nn.rope import Llama3RopeScaling
 
 
-class DenseConfig(AbstractModelConfig):
-    """A dense decoder's dimensions. The options a family sets in code, not in its config:
-    `qk_norm` (an RMSNorm over every query and key head before RoPE, Qwen3's), `rope_scaling_of`
-    (Llama 3.1's frequency scaling) and `tied_head` (the head reads the embedding table)."""
+class AbstractDenseConfig(AbstractModelConfig):
+    """A dense decoder's dimensions, declared once for every dense family. The options a family
+    sets in code, not in its config: `qk_norm` (an RMSNorm over every query and key head before
+    RoPE, Qwen3's), `rope_scaling_of` (Llama 3.1's frequency scaling) and `tied_head` (the head
+    reads the embedding table)."""
 
     vocab_size: int
     dim: int
@@ -27,7 +31,7 @@ class DenseConfig(AbstractModelConfig):
     scan_layers: bool = True
     attention: str = "auto"  # the attention kernel: auto, xla, splash, cudnn (ferry.nn.kernels.choice)
 
-    qk_norm: ClassVar[bool] = False
+    qk_norm: AbstractClassVar[bool]
 
     def __check_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -39,13 +43,13 @@ class DenseConfig(AbstractModelConfig):
         require_positive("model.norm_eps", self.norm_eps, "RMSNorm divides by the root of the mean square plus it")
         require_positive("model.rope_theta", self.rope_theta, "RoPE's wavelengths are its powers")
 
+    @abc.abstractmethod
     def rope_scaling_of(self) -> Llama3RopeScaling | None:
         """RoPE's frequency scaling (None: plain RoPE)."""
-        return None
 
+    @abc.abstractmethod
     def tied_head(self) -> bool:
         """Does the output head read the embedding table (no head of its own)?"""
-        return False
 
     @property
     def mtp_depth(self) -> int:
@@ -73,15 +77,15 @@ class DenseConfig(AbstractModelConfig):
         head = 2 * batch * seq * self.dim * self.vocab_size
         return per_layer * self.num_layers + head, attention * self.num_layers
 
-    def for_platform(self, platform: str) -> "DenseConfig":
+    def for_platform(self, platform: str) -> "AbstractDenseConfig":
         """A dense decoder leaves nothing to the backend."""
         return self
 
-    def without_mtp(self) -> "DenseConfig":
+    def without_mtp(self) -> "AbstractDenseConfig":
         return self
 
     def stack_depths(self) -> dict[str, int]:
         return {"decoder": self.num_layers}
 
-    def with_stack_depths(self, depths: dict[str, int]) -> "DenseConfig":
+    def with_stack_depths(self, depths: dict[str, int]) -> "AbstractDenseConfig":
         return dataclasses.replace(self, num_layers=depths["decoder"])

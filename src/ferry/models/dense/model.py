@@ -1,5 +1,8 @@
 """The dense decoder: embedding, a scanned stack of pre-norm GQA + SwiGLU blocks, a final RMSNorm
-and an output head (its own, or tied to the embedding). Llama and Qwen3 are this model."""
+and an output head (its own, or tied to the embedding). Llama and Qwen3 are this model: their
+configs say how they differ."""
+
+from typing import final
 
 import equinox as eqx
 import jax
@@ -9,7 +12,7 @@ from ferry.data.segments import DocumentMask
 from ferry.head.chunked import OutputHead
 from ferry.head.loss import DEFAULT_HEAD, LossHead, whole_logits
 from ferry.models.base import AbstractLanguageModel, dense_training_loss
-from ferry.models.dense.config import DenseConfig
+from ferry.models.dense.config import AbstractDenseConfig
 from ferry.nn.attention import Segments, grouped_query_attention
 from ferry.nn.block import DecoderBlock
 from ferry.nn.embedding import Embedding
@@ -21,7 +24,7 @@ from ferry.offload.engine import SAVE_ALL, Policy
 from ferry.offload.schedule import LayerKind
 
 
-def dense_decoder_layer(config: DenseConfig, *, key: PRNGKeyArray) -> DecoderBlock:
+def dense_decoder_layer(config: AbstractDenseConfig, *, key: PRNGKeyArray) -> DecoderBlock:
     """One decoder layer: GQA (with per-head query and key norms where the family has them) and
     SwiGLU, each behind an RMSNorm."""
     k_attention, k_mlp = jax.random.split(key)
@@ -39,16 +42,17 @@ def dense_decoder_layer(config: DenseConfig, *, key: PRNGKeyArray) -> DecoderBlo
     return DecoderBlock(attention, SwiGLU(config.dim, config.mlp_dim, key=k_mlp), config.dim, config.norm_eps)
 
 
+@final
 class DenseDecoder(AbstractLanguageModel):
-    """A dense decoder-only model; a family's model class subclasses it only to carry its name."""
+    """A dense decoder-only model: every dense family's model (its family is its config's)."""
 
     embed: Embedding
     layers: LayerStack
     final_norm: RMSNorm
     head: Linear | None  # None: tied, the logits read the embedding table
-    config: DenseConfig = eqx.field(static=True)
+    config: AbstractDenseConfig = eqx.field(static=True)
 
-    def __init__(self, config: DenseConfig, *, key: PRNGKeyArray):
+    def __init__(self, config: AbstractDenseConfig, *, key: PRNGKeyArray):
         k_embed, k_layers, k_head = jax.random.split(key, 3)
         self.embed = Embedding(config.vocab_size, config.dim, key=k_embed)
         self.layers = LayerStack(

@@ -1,10 +1,10 @@
-"""The Llama 3.1 family: `config` (its architecture), `model` (the Equinox model); its Hugging Face mapping is
-`ferry.hf.llama`."""
+"""The Llama 3.1 family: `config` (its architecture); its model is the dense decoder
+(`ferry.models.dense`), its Hugging Face mapping `ferry.hf.llama`."""
 
+from ferry.models.dense import DenseDecoder
 from ferry.models.family import Family
 from ferry.models.llama.config import LlamaConfig
-from ferry.models.llama.model import Llama, llama_decoder_layer
 
-FAMILY = Family("llama", LlamaConfig, Llama, tiny_model="llama_tiny")
+FAMILY = Family(LlamaConfig, DenseDecoder, tiny_model="llama_tiny")
 
-__all__ = ["FAMILY", "Llama", "LlamaConfig", "llama_decoder_layer"]
+__all__ = ["FAMILY", "LlamaConfig"]

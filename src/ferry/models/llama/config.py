@@ -1,14 +1,20 @@
 """Llama 3.1's architecture: the dense decoder with llama3-scaled RoPE (theta 500000) and RMSNorm
 epsilon 1e-5."""
 
-from ferry.models.dense.config import DenseConfig
+from typing import ClassVar, final
+
+from ferry.models.dense.config import AbstractDenseConfig
 from ferry.nn.rope import Llama3RopeScaling, check_llama3_scaling
 
 
-class LlamaConfig(DenseConfig):
+@final
+class LlamaConfig(AbstractDenseConfig):
+    family: ClassVar[str] = "llama"
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
     rope_scaling: Llama3RopeScaling | None = Llama3RopeScaling()
+
+    qk_norm: ClassVar[bool] = False
 
     def __check_init__(self) -> None:
         if self.rope_scaling is not None:
@@ -16,3 +22,7 @@ class LlamaConfig(DenseConfig):
 
     def rope_scaling_of(self) -> Llama3RopeScaling | None:
         return self.rope_scaling
+
+    def tied_head(self) -> bool:
+        """A head of its own: a tied checkpoint's embedding (Llama 3.2's small models) is read into it."""
+        return False

@@ -1,11 +1,10 @@
-"""The Qwen3 (dense) family: `config` (its architecture), `model` (the dense decoder with
-q/k-normed attention); its Hugging Face mapping is
-`ferry.hf.qwen3`."""
+"""The Qwen3 (dense) family: `config` (its architecture); its model is the dense decoder
+(`ferry.models.dense`) with q/k-normed attention, its Hugging Face mapping `ferry.hf.qwen3`."""
 
+from ferry.models.dense import DenseDecoder
 from ferry.models.family import Family
 from ferry.models.qwen3.config import Qwen3Config
-from ferry.models.qwen3.model import Qwen3, qwen3_decoder_layer
 
-FAMILY = Family("qwen3", Qwen3Config, Qwen3, tiny_model="qwen3_tiny")
+FAMILY = Family(Qwen3Config, DenseDecoder, tiny_model="qwen3_tiny")
 
-__all__ = ["FAMILY", "Qwen3", "Qwen3Config", "qwen3_decoder_layer"]
+__all__ = ["FAMILY", "Qwen3Config"]
