@@ -12,7 +12,7 @@ concrete method). One liberty: an abstract class may declare the fields its fina
 (`AbstractDenseConfig`'s, GQA's) instead of each repeating them. Equinox 0.13 accepts `strict=True`
 and checks nothing, so ferry enforces the pattern itself: mypy refuses a subclass of a final class,
 the abstract classes refuse one where it is defined (`ferry.final`), and
-tests/test_model_contract.py checks every class of `ferry.models` and the dense decoder's layers.
+tests/models/test_model_contract.py checks every class of `ferry.models` and the dense decoder's layers.
 """
 
 import abc
