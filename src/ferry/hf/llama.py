@@ -59,6 +59,7 @@ def config_from_hf(hf: Mapping[str, Any], mtp_layers: int = 0) -> LlamaConfig:
         rope_theta=theta,
         rope_scaling=scaling,
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )
 
 
@@ -89,19 +90,19 @@ def config_to_hf(config: LlamaConfig) -> dict[str, Any]:
         "rope_scaling": rope_scaling,
         "attention_bias": False,
         "mlp_bias": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": config.tie_embeddings,
     }
 
 
 def tensor_maps(config: LlamaConfig, hf: Mapping[str, Any]) -> dict[str, TensorMap]:
-    """Every ferry parameter path -> its tensors. A tied head (Llama 3.2's small models) reads
-    the embedding."""
+    """Every ferry parameter path -> its tensors. A tied model (Llama 3.2's small models) has no
+    head of its own; an untied one built from a tied checkpoint reads the embedding into its head."""
 
     def layer(suffix: str, transposed: bool = True) -> TensorMap:
         return stacked(lambda i: f"model.layers.{i}.{suffix}", config.num_layers, transposed=transposed)
 
     tied = hf.get("tie_word_embeddings", False)
-    return {
+    maps = {
         ".embed.weight": single("model.embed_tokens.weight"),
         ".layers.layers.attention_norm.weight": layer("input_layernorm.weight", transposed=False),
         ".layers.layers.attention.query.weight": layer("self_attn.q_proj.weight"),
@@ -113,8 +114,10 @@ def tensor_maps(config: LlamaConfig, hf: Mapping[str, Any]) -> dict[str, TensorM
         ".layers.layers.mlp.wi_1.weight": layer("mlp.up_proj.weight"),
         ".layers.layers.mlp.wo.weight": layer("mlp.down_proj.weight"),
         ".final_norm.weight": single("model.norm.weight"),
-        ".head.weight": single("model.embed_tokens.weight" if tied else "lm_head.weight", transposed=True),
     }
+    if not config.tie_embeddings:
+        maps[".head.weight"] = single("model.embed_tokens.weight" if tied else "lm_head.weight", transposed=True)
+    return maps
 
 
 def ignored(config: LlamaConfig, hf: Mapping[str, Any]) -> Callable[[str], bool]:

@@ -1,5 +1,6 @@
-"""Llama 3.1's architecture: the dense decoder with llama3-scaled RoPE (theta 500000) and RMSNorm
-epsilon 1e-5."""
+"""Llama 3.1's and 3.2's architecture: the dense decoder with llama3-scaled RoPE (theta 500000; factor 8
+in 3.1, 32 in 3.2) and RMSNorm epsilon 1e-5; Llama 3.2's 1B and 3B tie the output head to the
+embedding."""
 
 from typing import ClassVar, final
 
@@ -13,6 +14,7 @@ class LlamaConfig(AbstractDenseConfig):
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
     rope_scaling: Llama3RopeScaling | None = Llama3RopeScaling()
+    tie_embeddings: bool = False  # the head reads the embedding table (Llama 3.2 1B and 3B)
 
     qk_norm: ClassVar[bool] = False
 
@@ -24,5 +26,4 @@ class LlamaConfig(AbstractDenseConfig):
         return self.rope_scaling
 
     def tied_head(self) -> bool:
-        """A head of its own: a tied checkpoint's embedding (Llama 3.2's small models) is read into it."""
-        return False
+        return self.tie_embeddings
