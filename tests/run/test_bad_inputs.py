@@ -82,6 +82,7 @@ BAD_INPUTS = [
     (["data.source=text", "data.path=/nonexistent/corpus", "train.steps=6"], "data.path"),  # after the claim
     (["data.eval_fraction=2"], "data.eval_fraction"),
     (["data.tokenizer=/nonexistent/tokenizer.json"], "data.tokenizer"),
+    (["data.eos_token=</s>"], "data.eos_token=</s> names a token of a Hugging Face tokenizer, but data.tokenizer=byte"),
     (["init.from_hf=/nonexistent/checkpoint"], "init.from_hf"),
     (["distributed.num_processes=2"], "distributed"),
     (["log.wandb=maybe"], "log.wandb"),
