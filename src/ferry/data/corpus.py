@@ -15,9 +15,18 @@ import numpy as np
 from rich.console import Console
 
 from ferry.data.config import DataConfig
-from ferry.data.prepare import cache_directory, is_held_out, prepare_corpus, token_dtype
+from ferry.data.prepare import cache_directory, is_held_out, prepare_corpus
 from ferry.data.segments import DocumentMask
-from ferry.data.shards import Manifest, PreparedDataError, ShardedTokens, check_prepared, read_manifest
+from ferry.data.shards import (
+    MANIFEST,
+    Manifest,
+    PreparedDataError,
+    ShardedTokens,
+    check_dtype_width,
+    check_prepared,
+    read_manifest,
+    token_dtype,
+)
 from ferry.data.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["Corpus", "check_vocab", "document_mask_of", "is_held_out", "load_corpus", "open_prepared", "token_dtype"]
@@ -71,6 +80,7 @@ def open_prepared(
             "or more, or prepare the corpus with a smaller tokenizer"
         )
     check_prepared(directory, manifest, tokenizer.identity, tokenizer_spec)
+    check_dtype_width(directory / MANIFEST, manifest)
     return manifest
 
 

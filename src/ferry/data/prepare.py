@@ -33,7 +33,16 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from ferry.data.config import DataConfig
-from ferry.data.shards import MANIFEST, SPLITS, Manifest, PreparedDataError, Shard, damaged_shards, read_manifest
+from ferry.data.shards import (
+    MANIFEST,
+    SPLITS,
+    Manifest,
+    PreparedDataError,
+    Shard,
+    damaged_shards,
+    read_manifest,
+    token_dtype,
+)
 from ferry.data.sources import TextSplit, documents, source_files
 from ferry.data.tokenizer import Tokenizer, load_tokenizer
 
@@ -43,10 +52,6 @@ _TOKENIZE_BATCH = 512  # documents per tokenizer call (Hugging Face tokenizers e
 
 def is_held_out(key: str, eval_fraction: float) -> bool:
     return zlib.crc32(key.encode()) / 2**32 < eval_fraction
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint8 if vocab_size <= 256 else np.uint16 if vocab_size <= 65536 else np.uint32)
 
 
 def available_cores() -> int:
