@@ -107,3 +107,71 @@ def test_a_shard_cut_short_or_grown_is_refused_naming_it(prepared):
     shard.write_bytes(whole[:-1])
     with pytest.raises(PreparedDataError, match=rf"{shard} holds [\d,]+ bytes, the manifest says [\d,]+ \(cut short\)"):
         open_prepared(prepared, ByteTokenizer(), "byte", 256)
+
+
+# --- files that are not text -------------------------------------------------------------------
+
+
+def test_text_is_told_from_binary_by_its_unreadable_bytes(tmp_path):
+    from ferry.data.text_check import NOT_TEXT_FRACTION, SNIFF_BYTES, is_text, unreadable_bytes
+
+    text = "naïve café, 東京: the quick brown fox\n".encode() * 1000
+    assert unreadable_bytes(text, whole=True) == 0
+    cut = text + "東京".encode()[:-1]
+    assert unreadable_bytes(cut, whole=False) == 0  # a character cut by the end of what was read
+    assert unreadable_bytes(cut, whole=True) == 2  # ... or by the end of the file
+    assert unreadable_bytes(b"a\0b\xffc", whole=True) == 2
+    samples = {
+        "utf-8.txt": (text, True),
+        "a stray latin-1 byte.txt": (text + "Zoë\n".encode("latin-1"), True),
+        "latin-1 throughout.txt": ("déjà vu, où êtes-vous? ".encode("latin-1") * 500, False),
+        "utf-16.txt": ("the quick brown fox\n".encode("utf-16") * 100, False),
+        "random.bin": (np.random.default_rng(0).integers(0, 256, 100_000, np.uint8).tobytes(), False),
+        "empty.txt": (b"", True),
+        # judged on its first MiB: what follows costs a character where it is read
+        "binary after the first MiB.txt": (b"x" * SNIFF_BYTES + bytes(range(256)) * 100, True),
+    }
+    for name, (data, text_like) in samples.items():
+        (tmp_path / name).write_bytes(data)
+        assert is_text(tmp_path / name) == text_like, name
+    assert NOT_TEXT_FRACTION == 0.01
+
+
+def test_files_that_are_not_text_are_skipped_with_one_line_or_refused_when_none_is_left(tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from ferry.data.corpus import load_corpus
+    from ferry.data.sources import DataSourceError
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for number, text in enumerate(DOCUMENTS[:40]):
+        (corpus / f"{number:02d}.txt").write_text(text)
+    (corpus / "program.txt").write_bytes(bytes(range(256)) * 64)
+    (corpus / "wide.txt").write_text("the quick brown fox\n" * 50, encoding="utf-16")
+    config = DataConfig(source="text", path=str(corpus), eval_fraction=0.2)
+    for start in ("tokenized", "cached"):
+        out = io.StringIO()
+        loaded = load_corpus(config, ByteTokenizer(), 256, Console(file=out, width=100, soft_wrap=True))
+        notes = [line for line in out.getvalue().splitlines() if line.startswith("note:")]
+        assert notes == [
+            f"note: skipped 2 of the 42 files in data.path={corpus} that are not text (NUL bytes or invalid UTF-8 in "
+            "over 1% of the first MiB): program.txt, wide.txt"
+        ], (start, out.getvalue())
+        assert loaded.num_documents == 40
+    read = b"".join(np.asarray(split).tobytes() for split in (loaded.train, loaded.eval))
+    assert b"fox" not in read and bytes(range(1, 256)) not in read
+
+    binary = tmp_path / "binary"
+    binary.mkdir()
+    for name in ("a.jsonl", "b.jsonl"):
+        (binary / name).write_bytes(bytes(range(256)) * 8)
+    with pytest.raises(
+        DataSourceError,
+        match=rf"data.source=jsonl: none of the 2 files in data.path={binary} is text \(a.jsonl, b.jsonl\): NUL bytes",
+    ):
+        load_corpus(DataConfig(source="jsonl", path=str(binary)), ByteTokenizer(), 256)
+    with pytest.raises(DataSourceError, match=rf"data.source=text: {corpus / 'program.txt'} is not text: NUL bytes"):
+        load_corpus(DataConfig(source="text", path=str(corpus / "program.txt")), ByteTokenizer(), 256)

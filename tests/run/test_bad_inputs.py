@@ -183,6 +183,7 @@ def run_dir_cases(root):
         "prepared a file": ["data=stdlib", f"data.prepared={root / 'a_file'}", f"run.dir={root / 'prepared'}"],
         "from_hf a file": [f"init.from_hf={root / 'a_file'}", f"run.dir={root / 'from_hf'}"],
         "garbage jsonl": ["data.source=jsonl", f"data.path={root / 'garbage.jsonl'}", f"run.dir={root / 'jsonl'}"],
+        "binary text": ["data.source=text", f"data.path={root / 'garbage.jsonl'}", f"run.dir={root / 'binary'}"],
     }
     cases |= prepared_cases(root)
     if Path("/proc/self").is_dir():
@@ -325,7 +326,13 @@ def test_a_run_dir_on_a_kernel_filesystem_is_refused(refused):
 
 def test_a_jsonl_file_of_garbage_is_refused_naming_the_file(refused):
     _, _, by_dir, root = refused
-    assert_refused(by_dir["garbage jsonl"], f"{root / 'garbage.jsonl'}:1 is not JSON")
+    assert_refused(by_dir["garbage jsonl"], f"data.source=jsonl: {root / 'garbage.jsonl'} is not text: NUL bytes")
+
+
+def test_a_binary_file_as_a_text_source_is_refused_naming_it(refused):
+    _, _, by_dir, root = refused
+    assert_refused(by_dir["binary text"], f"data.source=text: {root / 'garbage.jsonl'} is not text: NUL bytes")
+    assert not (root / "binary").exists()
 
 
 def test_a_prepared_corpus_that_its_manifest_does_not_describe_is_refused(refused):

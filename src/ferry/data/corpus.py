@@ -27,6 +27,7 @@ from ferry.data.shards import (
     read_manifest,
     token_dtype,
 )
+from ferry.data.text_check import skipped_line
 from ferry.data.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["Corpus", "check_vocab", "document_mask_of", "is_held_out", "load_corpus", "open_prepared", "token_dtype"]
@@ -101,6 +102,12 @@ def check_manifest_tokenizer(directory: Path, manifest: Manifest, tokenizer: Tok
             )
 
 
+def skipped_note(manifest: Manifest) -> str | None:
+    """The line naming the source's files that its preparation skipped as not text, or None."""
+    source = manifest.source
+    return skipped_line(manifest.skipped, int(source.get("files", 0)), f"data.path={source.get('path')}")
+
+
 def load_corpus(
     config: DataConfig,
     tokenizer: Tokenizer,
@@ -126,6 +133,8 @@ def load_corpus(
         prepared = prepare_corpus(config, directory, tokenizer, console)
         manifest = prepared.manifest
         origin = f"tokenized into {directory}" if prepared.units_written else f"cached in {directory}"
+    if console is not None and (note := skipped_note(manifest)) is not None:
+        console.print(note, highlight=False)
     documents = manifest.documents("train") + manifest.documents("eval")
     return Corpus(
         ShardedTokens.of(directory, manifest, "train"),

@@ -198,9 +198,10 @@ def prepare_corpus(
             for result in done.values():
                 journal.write(json.dumps(result.to_json()) + "\n")
         (directory / MANIFEST).unlink(missing_ok=True)  # a damaged corpus: journalled first, then no longer complete
-        written = _tokenize(config, directory, tokenizer, done, console, started)
+        skipped: list[str] = []  # the source's files that are not text
+        written = _tokenize(config, directory, tokenizer, done, console, started, skipped)
         results = [done[unit] for unit in sorted(done)]
-        manifest = _manifest(config, tokenizer, identity, digest, results)
+        manifest = dataclasses.replace(_manifest(config, tokenizer, identity, digest, results), skipped=tuple(skipped))
         partial = directory / (MANIFEST + ".partial")
         partial.write_text(json.dumps(manifest.to_json(), indent=1))
         os.replace(partial, directory / MANIFEST)
@@ -310,11 +311,14 @@ def _tokenize(
     done: dict[int, UnitResult],
     console: Console | None,
     started: float,
+    skipped: list[str],
 ) -> list[int]:
-    """Tokenize every unit not in `done` (adding it there); returns the units written."""
+    """Tokenize every unit not in `done` (adding it there); returns the units written. The keys of
+    the source's files skipped as not text are added to `skipped`."""
     dtype = token_dtype(tokenizer.vocab_size).name
     split = TextSplit.of(config.separator, config.document_bytes)
-    stream = units_of(documents(config.source, config.path, config.field, config.pattern, split), config.shard_bytes)
+    source = documents(config.source, config.path, config.field, config.pattern, split, skipped)
+    stream = units_of(source, config.shard_bytes)
     workers = config.workers or available_cores()
     numbered = enumerate(stream)
     first = next(numbered, None)

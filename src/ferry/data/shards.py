@@ -56,6 +56,7 @@ class Manifest:
     source_hash: str
     shards: dict[str, tuple[Shard, ...]]  # per split, in the order of the token stream
     format: int = FORMAT
+    skipped: tuple[str, ...] = ()  # the source's files skipped as not text (`ferry.data.text_check`)
 
     def documents(self, split: str) -> int:
         return sum(shard.documents for shard in self.shards[split])
@@ -78,6 +79,7 @@ class Manifest:
             "source": self.source,
             "source_hash": self.source_hash,
             "shards": {split: [dataclasses.asdict(shard) for shard in self.shards[split]] for split in SPLITS},
+            "skipped": list(self.skipped),
         }
 
     @staticmethod
@@ -93,6 +95,7 @@ class Manifest:
             source_hash=data["source_hash"],
             shards={split: tuple(Shard(**shard) for shard in data["shards"][split]) for split in SPLITS},
             format=int(data["format"]),
+            skipped=tuple(str(key) for key in data.get("skipped", ())),  # absent before ferry refused binary files
         )
 
 
