@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ferry.run.lock import acquire
@@ -220,7 +221,16 @@ def prepared_cases(root):
     def shard_sized(change):
         return lambda d: (d / "train" / "000001.bin").write_bytes(change((d / "train" / "000001.bin").read_bytes()))
 
+    def wide_ids(directory):  # shards written again as uint16 (as a converter would), one id past 255
+        for shard in directory.glob("*/*.bin"):
+            shard.write_bytes(np.fromfile(shard, np.uint8).astype("<u2").tobytes())
+        manifest_with(dtype="uint16")(directory)
+        ids = np.fromfile(directory / "train" / "000001.bin", "<u2")
+        ids[40] = 300
+        ids.tofile(directory / "train" / "000001.bin")
+
     return {
+        "ids outside the vocabulary": damaged("ids", wide_ids),
         "dtype int8": damaged("int8", manifest_with(dtype="int8")),
         "dtype banana": damaged("banana", manifest_with(dtype="banana")),
         "shard cut short": damaged("cut", shard_sized(lambda data: data[:-7])),
@@ -347,6 +357,13 @@ def test_a_prepared_corpus_that_its_manifest_does_not_describe_is_refused(refuse
         assert f"({how}): the shards do not match" in by_dir[case]["stdout"]
     for name in ("int8", "banana", "cut", "grown"):
         assert not (root / f"{name} run").exists()
+
+
+def test_a_prepared_corpus_with_ids_outside_the_vocabulary_is_refused_naming_the_shard(refused):
+    _, _, by_dir, root = refused
+    shard = root / "ids" / "train" / "000001.bin"
+    assert_refused(by_dir["ids outside the vocabulary"], f"{shard} token 40 is id 300, outside model llama_tiny's")
+    assert not (root / "ids run").exists()
 
 
 def test_a_parquet_file_of_garbage_is_refused_naming_it(tmp_path):

@@ -233,6 +233,11 @@ class ShardedTokens:
     def __len__(self) -> int:
         return int(self.starts[-1])
 
+    def locate(self, position: int) -> tuple[Path, int]:
+        """The shard holding the stream's token `position`, and the token's offset in it."""
+        shard = int(np.searchsorted(self.starts, position, side="right")) - 1
+        return self.paths[shard], position - int(self.starts[shard])
+
     def _shard(self, index: int) -> np.ndarray:
         with self._lock:
             if index in self._open:
