@@ -38,6 +38,7 @@ from ferry.config.overrides import compose_node  # noqa: E402
 from ferry.config.paths import check_directory_to_write  # noqa: E402
 from ferry.config_schema import from_dict  # noqa: E402
 from ferry.data.config import DataConfig  # noqa: E402
+from ferry.data.corpus import skipped_note  # noqa: E402
 from ferry.data.prepare import prepare_corpus  # noqa: E402
 from ferry.data.shards import SPLITS  # noqa: E402
 from ferry.data.tokenizer import load_tokenizer  # noqa: E402
@@ -86,6 +87,8 @@ def main(argv: list[str]) -> int:
             console.print(f"interrupted: the same command resumes from the shards written in {config.prepared}")
         return 130
     manifest = prepared.manifest
+    if (note := skipped_note(manifest)) is not None:
+        console.print(note, highlight=False, markup=False)
     counts = ", ".join(f"{manifest.documents(s):,} documents / {manifest.tokens(s):,} tokens {s}" for s in SPLITS)
     if prepared.units_written == 0:
         console.print(f"{directory} is up to date ({counts}): nothing to do", highlight=False)

@@ -149,7 +149,7 @@ def test_damaged_prepared_directories_are_refused_naming_the_file_and_fix(big_te
         open_prepared(directory, ByteTokenizer(), "byte", 256)
     (directory / "eval" / sorted(os.listdir(directory / "eval"))[0]).unlink()
     with pytest.raises(
-        PreparedDataError, match=r"000002.bin holds .* \(and 1 more\): the prepared corpus is incomplete"
+        PreparedDataError, match=r"000002.bin holds .* \(and 1 more\): the shards do not match .*manifest.json"
     ):
         open_prepared(directory, ByteTokenizer(), "byte", 256)
     repaired = prepare_corpus(text_config(big_text), directory, ByteTokenizer())

@@ -9,6 +9,7 @@ process (see `tests/launcher_cases.py`); those that need a backend of their own 
 import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -16,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ferry.run.lock import acquire
@@ -82,6 +84,7 @@ BAD_INPUTS = [
     (["data.source=text", "data.path=/nonexistent/corpus", "train.steps=6"], "data.path"),  # after the claim
     (["data.eval_fraction=2"], "data.eval_fraction"),
     (["data.tokenizer=/nonexistent/tokenizer.json"], "data.tokenizer"),
+    (["data.eos_token=</s>"], "data.eos_token=</s> names a token of a Hugging Face tokenizer, but data.tokenizer=byte"),
     (["init.from_hf=/nonexistent/checkpoint"], "init.from_hf"),
     (["distributed.num_processes=2"], "distributed"),
     (["log.wandb=maybe"], "log.wandb"),
@@ -181,13 +184,58 @@ def run_dir_cases(root):
         "prepared a file": ["data=stdlib", f"data.prepared={root / 'a_file'}", f"run.dir={root / 'prepared'}"],
         "from_hf a file": [f"init.from_hf={root / 'a_file'}", f"run.dir={root / 'from_hf'}"],
         "garbage jsonl": ["data.source=jsonl", f"data.path={root / 'garbage.jsonl'}", f"run.dir={root / 'jsonl'}"],
+        "binary text": ["data.source=text", f"data.path={root / 'garbage.jsonl'}", f"run.dir={root / 'binary'}"],
     }
+    cases |= prepared_cases(root)
     if Path("/proc/self").is_dir():
         cases["under /proc"] = [f"run.dir=/proc/ferry-{os.getpid()}/run"]
     if os.geteuid() != 0:  # root writes through permission bits
         (root / "unwritable").mkdir(mode=0o500)
         cases["unwritable"] = [f"run.dir={root / 'unwritable' / 'run'}"]
     return cases
+
+
+def prepared_cases(root):
+    """Commands training on a prepared corpus damaged one way each: (name, overrides)."""
+    from ferry.data.config import DataConfig
+    from ferry.data.prepare import prepare_corpus
+    from ferry.data.tokenizer import ByteTokenizer
+
+    text = root / "prepared_source.txt"
+    text.write_text("\n\n".join(f"document {i}: " + "lorem ipsum dolor sit amet " * (1 + i % 8) for i in range(200)))
+    whole = root / "whole"
+    config = DataConfig(source="text", path=str(text), separator="\\n\\n", shard_bytes=4000, workers=1)
+    prepare_corpus(config, whole, ByteTokenizer())
+
+    def damaged(name, damage):
+        directory = root / name
+        shutil.copytree(whole, directory)
+        damage(directory)
+        return ["data=stdlib", f"data.prepared={directory}", f"run.dir={root / (name + ' run')}"]
+
+    def manifest_with(**keys):
+        return lambda d: (d / "manifest.json").write_text(
+            json.dumps({**json.loads((d / "manifest.json").read_text()), **keys})
+        )
+
+    def shard_sized(change):
+        return lambda d: (d / "train" / "000001.bin").write_bytes(change((d / "train" / "000001.bin").read_bytes()))
+
+    def wide_ids(directory):  # shards written again as uint16 (as a converter would), one id past 255
+        for shard in directory.glob("*/*.bin"):
+            shard.write_bytes(np.fromfile(shard, np.uint8).astype("<u2").tobytes())
+        manifest_with(dtype="uint16")(directory)
+        ids = np.fromfile(directory / "train" / "000001.bin", "<u2")
+        ids[40] = 300
+        ids.tofile(directory / "train" / "000001.bin")
+
+    return {
+        "ids outside the vocabulary": damaged("ids", wide_ids),
+        "dtype int8": damaged("int8", manifest_with(dtype="int8")),
+        "dtype banana": damaged("banana", manifest_with(dtype="banana")),
+        "shard cut short": damaged("cut", shard_sized(lambda data: data[:-7])),
+        "shard grown": damaged("grown", shard_sized(lambda data: data + b"more")),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -288,7 +336,34 @@ def test_a_run_dir_on_a_kernel_filesystem_is_refused(refused):
 
 def test_a_jsonl_file_of_garbage_is_refused_naming_the_file(refused):
     _, _, by_dir, root = refused
-    assert_refused(by_dir["garbage jsonl"], f"{root / 'garbage.jsonl'}:1 is not JSON")
+    assert_refused(by_dir["garbage jsonl"], f"data.source=jsonl: {root / 'garbage.jsonl'} is not text: NUL bytes")
+
+
+def test_a_binary_file_as_a_text_source_is_refused_naming_it(refused):
+    _, _, by_dir, root = refused
+    assert_refused(by_dir["binary text"], f"data.source=text: {root / 'garbage.jsonl'} is not text: NUL bytes")
+    assert not (root / "binary").exists()
+
+
+def test_a_prepared_corpus_that_its_manifest_does_not_describe_is_refused(refused):
+    """A manifest's dtype edited (to a signed type, to no type) or a shard cut short or grown:
+    refused before the run directory is made."""
+    _, _, by_dir, root = refused
+    manifest = '"dtype": "{}"'
+    assert_refused(by_dir["dtype int8"], f"{root / 'int8' / 'manifest.json'}: {manifest.format('int8')} is signed")
+    assert_refused(by_dir["dtype banana"], f"{root / 'banana' / 'manifest.json'}: {manifest.format('banana')} is not")
+    for case, name, how in (("shard cut short", "cut", "cut short"), ("shard grown", "grown", "grown")):
+        assert_refused(by_dir[case], f"{root / name / 'train' / '000001.bin'} holds")
+        assert f"({how}): the shards do not match" in by_dir[case]["stdout"]
+    for name in ("int8", "banana", "cut", "grown"):
+        assert not (root / f"{name} run").exists()
+
+
+def test_a_prepared_corpus_with_ids_outside_the_vocabulary_is_refused_naming_the_shard(refused):
+    _, _, by_dir, root = refused
+    shard = root / "ids" / "train" / "000001.bin"
+    assert_refused(by_dir["ids outside the vocabulary"], f"{shard} token 40 is id 300, outside model llama_tiny's")
+    assert not (root / "ids run").exists()
 
 
 def test_a_parquet_file_of_garbage_is_refused_naming_it(tmp_path):

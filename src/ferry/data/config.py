@@ -67,6 +67,12 @@ class DataConfig:
             raise ValueError(
                 "data.document_mask=true needs documents; data=synthetic has none. Use a text source or data.prepared"
             )
+        if self.eos_token is not None and self.tokenizer == "byte":
+            raise ValueError(
+                f"data.eos_token={self.eos_token} names a token of a Hugging Face tokenizer, but data.tokenizer=byte "
+                "ends every document with byte 0 and has no other end-of-document token; drop data.eos_token, or "
+                "set data.tokenizer to the tokenizer.json that holds it"
+            )
         if self.prepared is not None and self.source == "synthetic":
             raise ValueError("data=synthetic makes random tokens; data.prepared reads token shards. Drop one of them")
 

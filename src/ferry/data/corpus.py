@@ -15,9 +15,19 @@ import numpy as np
 from rich.console import Console
 
 from ferry.data.config import DataConfig
-from ferry.data.prepare import cache_directory, is_held_out, prepare_corpus, token_dtype
+from ferry.data.prepare import cache_directory, is_held_out, prepare_corpus
 from ferry.data.segments import DocumentMask
-from ferry.data.shards import Manifest, PreparedDataError, ShardedTokens, check_prepared, read_manifest
+from ferry.data.shards import (
+    MANIFEST,
+    Manifest,
+    PreparedDataError,
+    ShardedTokens,
+    check_dtype_width,
+    check_prepared,
+    read_manifest,
+    token_dtype,
+)
+from ferry.data.text_check import skipped_line
 from ferry.data.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["Corpus", "check_vocab", "document_mask_of", "is_held_out", "load_corpus", "open_prepared", "token_dtype"]
@@ -71,6 +81,7 @@ def open_prepared(
             "or more, or prepare the corpus with a smaller tokenizer"
         )
     check_prepared(directory, manifest, tokenizer.identity, tokenizer_spec)
+    check_dtype_width(directory / MANIFEST, manifest)
     return manifest
 
 
@@ -89,6 +100,12 @@ def check_manifest_tokenizer(directory: Path, manifest: Manifest, tokenizer: Tok
                 f"(data.tokenizer={tokenizer_spec}, {tokenizer.identity}) has {actual}: the manifest was edited or "
                 "damaged. Prepare the corpus again with python launch/prepare_data.py into a new directory"
             )
+
+
+def skipped_note(manifest: Manifest) -> str | None:
+    """The line naming the source's files that its preparation skipped as not text, or None."""
+    source = manifest.source
+    return skipped_line(manifest.skipped, int(source.get("files", 0)), f"data.path={source.get('path')}")
 
 
 def load_corpus(
@@ -116,6 +133,8 @@ def load_corpus(
         prepared = prepare_corpus(config, directory, tokenizer, console)
         manifest = prepared.manifest
         origin = f"tokenized into {directory}" if prepared.units_written else f"cached in {directory}"
+    if console is not None and (note := skipped_note(manifest)) is not None:
+        console.print(note, highlight=False)
     documents = manifest.documents("train") + manifest.documents("eval")
     return Corpus(
         ShardedTokens.of(directory, manifest, "train"),

@@ -33,7 +33,16 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from ferry.data.config import DataConfig
-from ferry.data.shards import MANIFEST, SPLITS, Manifest, PreparedDataError, Shard, damaged_shards, read_manifest
+from ferry.data.shards import (
+    MANIFEST,
+    SPLITS,
+    Manifest,
+    PreparedDataError,
+    Shard,
+    damaged_shards,
+    read_manifest,
+    token_dtype,
+)
 from ferry.data.sources import TextSplit, documents, source_files
 from ferry.data.tokenizer import Tokenizer, load_tokenizer
 
@@ -43,10 +52,6 @@ _TOKENIZE_BATCH = 512  # documents per tokenizer call (Hugging Face tokenizers e
 
 def is_held_out(key: str, eval_fraction: float) -> bool:
     return zlib.crc32(key.encode()) / 2**32 < eval_fraction
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint8 if vocab_size <= 256 else np.uint16 if vocab_size <= 65536 else np.uint32)
 
 
 def available_cores() -> int:
@@ -193,9 +198,10 @@ def prepare_corpus(
             for result in done.values():
                 journal.write(json.dumps(result.to_json()) + "\n")
         (directory / MANIFEST).unlink(missing_ok=True)  # a damaged corpus: journalled first, then no longer complete
-        written = _tokenize(config, directory, tokenizer, done, console, started)
+        skipped: list[str] = []  # the source's files that are not text
+        written = _tokenize(config, directory, tokenizer, done, console, started, skipped)
         results = [done[unit] for unit in sorted(done)]
-        manifest = _manifest(config, tokenizer, identity, digest, results)
+        manifest = dataclasses.replace(_manifest(config, tokenizer, identity, digest, results), skipped=tuple(skipped))
         partial = directory / (MANIFEST + ".partial")
         partial.write_text(json.dumps(manifest.to_json(), indent=1))
         os.replace(partial, directory / MANIFEST)
@@ -305,11 +311,14 @@ def _tokenize(
     done: dict[int, UnitResult],
     console: Console | None,
     started: float,
+    skipped: list[str],
 ) -> list[int]:
-    """Tokenize every unit not in `done` (adding it there); returns the units written."""
+    """Tokenize every unit not in `done` (adding it there); returns the units written. The keys of
+    the source's files skipped as not text are added to `skipped`."""
     dtype = token_dtype(tokenizer.vocab_size).name
     split = TextSplit.of(config.separator, config.document_bytes)
-    stream = units_of(documents(config.source, config.path, config.field, config.pattern, split), config.shard_bytes)
+    source = documents(config.source, config.path, config.field, config.pattern, split, skipped)
+    stream = units_of(source, config.shard_bytes)
     workers = config.workers or available_cores()
     numbered = enumerate(stream)
     first = next(numbered, None)

@@ -11,7 +11,8 @@ DIR/eval/000042.bin        end-of-document id, as raw little-endian integers of 
 Training memory-maps the shards and reads only the windows it batches, so start-up time and
 memory do not grow with the corpus. Everything a directory could get wrong (another tokenizer, a
 vocabulary larger than the model's, a missing or short shard, a newer format) is refused when it
-is opened, naming the file and the fix.
+is opened, naming the file and the fix; so is a manifest's `dtype` that would read other ids than
+were written (signed, unknown, too narrow for the vocabulary).
 """
 
 import collections
@@ -55,6 +56,7 @@ class Manifest:
     source_hash: str
     shards: dict[str, tuple[Shard, ...]]  # per split, in the order of the token stream
     format: int = FORMAT
+    skipped: tuple[str, ...] = ()  # the source's files skipped as not text (`ferry.data.text_check`)
 
     def documents(self, split: str) -> int:
         return sum(shard.documents for shard in self.shards[split])
@@ -77,6 +79,7 @@ class Manifest:
             "source": self.source,
             "source_hash": self.source_hash,
             "shards": {split: [dataclasses.asdict(shard) for shard in self.shards[split]] for split in SPLITS},
+            "skipped": list(self.skipped),
         }
 
     @staticmethod
@@ -92,6 +95,7 @@ class Manifest:
             source_hash=data["source_hash"],
             shards={split: tuple(Shard(**shard) for shard in data["shards"][split]) for split in SPLITS},
             format=int(data["format"]),
+            skipped=tuple(str(key) for key in data.get("skipped", ())),  # absent before ferry refused binary files
         )
 
 
@@ -124,11 +128,57 @@ def read_manifest(directory: Path) -> Manifest:
             "upgrade ferry, or prepare the corpus again with this one into a new directory"
         )
     try:
+        check_dtype(path, data["dtype"], int(data["tokenizer"]["vocab_size"]))
         return Manifest.from_json(data)
+    except PreparedDataError:
+        raise
     except (KeyError, TypeError, ValueError) as error:
         raise PreparedDataError(
             f"{path} lacks {error} or holds it in another form; prepare the corpus again"
         ) from error
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned type that holds every id below `vocab_size`: what shards are written in."""
+    return np.dtype(np.uint8 if vocab_size <= 256 else np.uint16 if vocab_size <= 65536 else np.uint32)
+
+
+def _dtype_fix(vocab_size: int) -> str:
+    return (
+        f'set "dtype" to "{token_dtype(vocab_size).name}" if the shards were written by prepare_data (its type for '
+        f"a {vocab_size:,}-id vocabulary), or prepare the corpus again into a new directory"
+    )
+
+
+def check_dtype(path: Path, dtype: object, vocab_size: int) -> None:
+    """The manifest's `dtype` reads the shards as they were written: an unsigned integer type (a
+    signed one reads the ids in the top half of its range as negative ones), little-endian. Anything
+    else would train on other ids than were written. (Whether it holds the vocabulary is
+    `check_dtype_width`'s, once the vocabulary is known to be the tokenizer's.)"""
+    problem: str | None = None
+    try:
+        parsed = np.dtype(dtype)  # type: ignore[call-overload]  # any JSON value: refused below if not a type
+    except (TypeError, ValueError, KeyError):
+        problem = "is not a numpy integer type"
+    else:
+        if parsed.kind == "i":
+            problem = "is signed: ids in the top half of its range would be read as negative ones"
+        elif parsed.kind != "u":
+            problem = "is not an unsigned integer type, the type of token ids"
+        elif parsed.byteorder == ">":
+            problem = "is big-endian; shards are written little-endian"
+    if problem is not None:
+        raise PreparedDataError(f'{path}: "dtype": {json.dumps(dtype)} {problem}; {_dtype_fix(vocab_size)}')
+
+
+def check_dtype_width(path: Path, manifest: Manifest) -> None:
+    """The manifest's `dtype` holds every id of its vocabulary (a narrower one would have cut them)."""
+    largest = int(np.iinfo(np.dtype(manifest.dtype)).max)
+    if largest < manifest.vocab_size - 1:
+        raise PreparedDataError(
+            f'{path}: "dtype": "{manifest.dtype}" holds ids up to {largest:,}, but the vocabulary has '
+            f"{manifest.vocab_size:,} ids; {_dtype_fix(manifest.vocab_size)}"
+        )
 
 
 def damaged_shards(directory: Path, manifest: Manifest) -> list[tuple[Shard, str]]:
@@ -140,9 +190,9 @@ def damaged_shards(directory: Path, manifest: Manifest) -> list[tuple[Shard, str
             path = directory / shard.file
             if not path.is_file():
                 problems.append((shard, f"{path} is missing"))
-            elif path.stat().st_size != shard.tokens * itemsize:
-                size = path.stat().st_size
-                problems.append((shard, f"{path} holds {size:,} bytes, the manifest says {shard.tokens * itemsize:,}"))
+            elif (size := path.stat().st_size) != (expected := shard.tokens * itemsize):
+                how = "cut short" if size < expected else "grown"
+                problems.append((shard, f"{path} holds {size:,} bytes, the manifest says {expected:,} ({how})"))
     return problems
 
 
@@ -159,8 +209,9 @@ def check_prepared(directory: Path, manifest: Manifest, tokenizer_identity: str,
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise PreparedDataError(
-            f"{problems[0][1]}{more}: the prepared corpus is incomplete. Run python launch/prepare_data.py "
-            f"data.prepared={directory} with the data.* keys it was prepared with to rewrite what is missing"
+            f"{problems[0][1]}{more}: the shards do not match {directory / MANIFEST}. Run python "
+            f"launch/prepare_data.py data.prepared={directory} with the data.* keys it was prepared with to rewrite "
+            "those shards"
         )
 
 
@@ -181,6 +232,11 @@ class ShardedTokens:
 
     def __len__(self) -> int:
         return int(self.starts[-1])
+
+    def locate(self, position: int) -> tuple[Path, int]:
+        """The shard holding the stream's token `position`, and the token's offset in it."""
+        shard = int(np.searchsorted(self.starts, position, side="right")) - 1
+        return self.paths[shard], position - int(self.starts[shard])
 
     def _shard(self, index: int) -> np.ndarray:
         with self._lock:

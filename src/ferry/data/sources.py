@@ -14,6 +14,7 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
+from ferry.data.text_check import WHY, is_text, listed
 from ferry.errors import FerryError
 
 FILE_SOURCES = ("text", "jsonl", "parquet", "arrayrecord", "hf_dataset")
@@ -115,19 +116,44 @@ class TextSplit:
         return pieces
 
 
-def text_documents(files: list[Path], base: Path, split: TextSplit = TextSplit()) -> Iterator[Document]:
-    """One document per file, or per piece of a file that `split` cuts."""
-    whole = split.separator is None and split.document_bytes is None
+def text_files(source: str, files: list[Path], base: Path, skipped: list[str] | None) -> Iterator[tuple[Path, str]]:
+    """Each file of a text or JSONL source that is text, with its key; the others' keys are added
+    to `skipped` (`ferry.data.text_check`). Refuses the source, naming them, when none is text."""
+    passed_over = []
     for path in files:
         key = _key(path, base)
+        if is_text(path):
+            yield path, key
+        else:
+            passed_over.append(key)
+            if skipped is not None:
+                skipped.append(key)
+    if files and len(passed_over) == len(files):
+        what = (
+            f"{files[0]} is not text"
+            if len(files) == 1
+            else f"none of the {len(files)} files in data.path={base} is text ({listed(passed_over)})"
+        )
+        raise DataSourceError(
+            f"data.source={source}: {what}: {WHY}; point data.path at UTF-8 text (convert another encoding with iconv)"
+        )
+
+
+def text_documents(
+    files: list[Path], base: Path, split: TextSplit = TextSplit(), skipped: list[str] | None = None
+) -> Iterator[Document]:
+    """One document per file, or per piece of a file that `split` cuts; files that are not text
+    are skipped (their keys added to `skipped`)."""
+    whole = split.separator is None and split.document_bytes is None
+    for path, key in text_files("text", files, base, skipped):
         for number, text in enumerate(split.documents(path)):
             yield (key if whole else f"{key}#{number}"), text
 
 
-def jsonl_documents(files: list[Path], base: Path, field: str) -> Iterator[Document]:
-    """One document per line: the line's JSON object's `field` (a string)."""
-    for path in files:
-        key = _key(path, base)
+def jsonl_documents(files: list[Path], base: Path, field: str, skipped: list[str] | None = None) -> Iterator[Document]:
+    """One document per line: the line's JSON object's `field` (a string); files that are not text
+    are skipped (their keys added to `skipped`)."""
+    for path, key in text_files("jsonl", files, base, skipped):
         with path.open("rb") as lines:
             for number, line in enumerate(lines, start=1):
                 if not line.strip():
@@ -278,9 +304,15 @@ def _text_bytes(value: object, where: str, field: str) -> bytes:
 
 
 def documents(
-    source: str, path: str | None, field: str, pattern: str | None = None, split: TextSplit = TextSplit()
+    source: str,
+    path: str | None,
+    field: str,
+    pattern: str | None = None,
+    split: TextSplit = TextSplit(),
+    skipped: list[str] | None = None,
 ) -> Iterator[Document]:
-    """The documents of a text source (every source but `synthetic`)."""
+    """The documents of a text source (every source but `synthetic`); the keys of the text and
+    JSONL files skipped as not text are added to `skipped`."""
     if source == "stdlib":
         return stdlib_documents(None if path is None else Path(path))
     if source == "hf_dataset":
@@ -288,9 +320,9 @@ def documents(
     files = data_files(source, path, pattern)
     base = Path(path).expanduser()  # type: ignore[arg-type]  # data_files has refused None
     if source == "text":
-        return text_documents(files, base, split)
+        return text_documents(files, base, split, skipped)
     if source == "jsonl":
-        return jsonl_documents(files, base, field)
+        return jsonl_documents(files, base, field, skipped)
     if source == "parquet":
         return parquet_documents(files, base, field)
     if source == "arrayrecord":

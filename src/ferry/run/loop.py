@@ -1,6 +1,7 @@
 """The step loop: each step is issued, then its events (log, evaluate, save, stop) are handled by
 short methods of `TrainingLoop`; the profiler brackets the steps it traces, and the lagged
-non-finite check (`NonFiniteWatch`) reads each step's flag a step late."""
+non-finite check (`NonFiniteWatch`) reads each step's flag a step late, as the check of each
+batch's token ids (`TokenIdWatch`) reads its batch's smallest and largest id."""
 
 import contextlib
 import dataclasses
@@ -20,6 +21,7 @@ from ferry.config.train import TrainConfig
 from ferry.data.placement import BatchPlacement
 from ferry.distributed import is_main_process
 from ferry.run.checkpoint import Checkpoints
+from ferry.run.id_watch import TokenIdWatch
 from ferry.run.loggers import RunLoggers
 from ferry.run.meter import StepMeter
 from ferry.run.nonfinite import NonFiniteWatch
@@ -108,7 +110,8 @@ def progress_bar(console: Console) -> Progress:
 @dataclasses.dataclass
 class TrainingLoop:
     """Steps `start + 1` to `train.steps` from `state`, logging, evaluating on `eval_batches`,
-    checkpointing and stopping on SIGTERM or (with `watch` enabled) at a non-finite step."""
+    checkpointing and stopping on SIGTERM, (with `watch` enabled) at a non-finite step, or at a
+    batch holding an id outside the model's `vocab_size` (`ids`)."""
 
     train: TrainConfig
     state: TrainState
@@ -126,12 +129,15 @@ class TrainingLoop:
     start: int
     data_states: dict[int, Any]  # the training stream's position before each recent step's batch
     first_batch: jax.Array | None  # taken before the loop (its position is `data_states[start]`)
+    vocab_size: int  # the model's: every batch's ids are checked against it
     watch: NonFiniteWatch = dataclasses.field(init=False)
+    ids: TokenIdWatch = dataclasses.field(init=False)
     progress: Progress = dataclasses.field(init=False)
     clock: StepClock = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         self.watch = NonFiniteWatch(self.train.on_nonfinite == "stop")
+        self.ids = TokenIdWatch(self.vocab_size)
         self.progress = progress_bar(self.console)
 
     def log_initial_evaluation(self) -> None:
@@ -149,16 +155,18 @@ class TrainingLoop:
                 if not self.step(step, task):
                     break
             self.watch.settle()
+            self.ids.settle()
 
     def step(self, step: int, task: TaskID) -> bool:
         """Step `step` and its events; False when the run stops after it (or before, when the
-        step before it was not finite)."""
+        step before it was not finite or its batch held an id outside the vocabulary)."""
         metrics = self.issue(step)
         self.checkpoints.poll()  # a background save that failed stops the run now, naming its step
         due = self.due(step)
         if due.anything:
             self.watch.settle()
-        if self.watch.bad_step is not None:
+            self.ids.settle()
+        if self.watch.bad_step is not None or self.ids.bad is not None:
             return False
         if due.log or due.evaluate:
             self.log(step, metrics, due.evaluate, task)
@@ -175,6 +183,7 @@ class TrainingLoop:
         self.first_batch = None
         self.data_states[step] = self.batches.train.get_state()
         self.data_states.pop(step - 3, None)
+        self.ids.issued(step, batch)  # before the step, which donates the batch
         self.profiler.before_step(step)
         self.state, metrics = self.train_step(self.state, batch)
         self.profiler.after_step(step, metrics)
@@ -213,10 +222,11 @@ class TrainingLoop:
         self.checkpoints.save(step, eqx.filter(self.state, eqx.is_array), self.data_states[step], self.identity)
 
     def finish(self) -> None:
-        """Stop the profiler, checkpoint the last good state after a non-finite step, close."""
+        """Stop the profiler, checkpoint the last good state after a non-finite step (none after a
+        batch outside the vocabulary, whose state may be poisoned), close."""
         self.profiler.stop(self.state)
         bad_step = self.watch.bad_step
-        if bad_step is not None:
+        if bad_step is not None and self.ids.bad is None:
             # Nothing has been applied since step bad_step - 1 but the count of non-finite steps,
             # which was 0 then (any earlier one would have stopped the run): that state is saved.
             self.state = dataclasses.replace(self.state, nonfinite_steps=jnp.zeros_like(self.state.nonfinite_steps))

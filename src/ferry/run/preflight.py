@@ -15,8 +15,10 @@ from jax.sharding import Mesh
 from rich.console import Console
 
 from ferry.config.root import FerryConfig, check_mesh_shape
+from ferry.config.train import TrainConfig
 from ferry.data.corpus import Corpus, check_vocab, load_corpus, open_prepared
 from ferry.data.pipeline import PackedWindows, window_batches
+from ferry.data.token_range import check_corpus_ids
 from ferry.data.tokenizer import Tokenizer, load_tokenizer
 from ferry.errors import DataError, FerryError, JsonFileError
 from ferry.hf import CheckpointError as HFCheckpointError
@@ -200,12 +202,23 @@ def locked_directory(config: FerryConfig, identity: dict[str, Any], console: Con
 
 
 def checked_corpus(config: FerryConfig, tokenizer: Tokenizer, console: Console) -> Corpus:
-    """The corpus, whose train and held-out splits each hold a whole global batch of windows."""
+    """The corpus, whose train and held-out splits each hold a whole global batch of windows, and
+    whose ids lie in the model's vocabulary: a sample of the training split, and every token
+    evaluation reads (each training batch is checked again on the device, `ferry.run.id_watch`)."""
     with data_refusals():
         corpus = load_corpus(config.data, tokenizer, config.model.vocab_size, console, config.model_name)
         for split, tokens in (("train", corpus.train), ("held-out", corpus.eval)):
             window_batches(PackedWindows(tokens, config.train.seq_len), config.train.global_batch_size, 0, where=split)
+        held_out = held_out_read(config.train, PackedWindows(corpus.eval, config.train.seq_len))
+        check_corpus_ids(corpus.train, corpus.eval, held_out, config.model.vocab_size, config.model_name)
     return corpus
+
+
+def held_out_read(train: TrainConfig, held_out: PackedWindows) -> int:
+    """How many of the held-out split's first tokens evaluation reads: `train.eval_batches` batches
+    of its windows in order (fewer when they cycle)."""
+    windows = min(held_out.num_windows, train.eval_batches * train.global_batch_size)
+    return windows * train.seq_len + 1 if windows else 0
 
 
 def announce(config: FerryConfig, num_parameters: int, corpus: Corpus, console: Console) -> None:

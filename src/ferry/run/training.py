@@ -6,6 +6,7 @@ step loop (`ferry.run.loop`)."""
 import contextlib
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import jax
 import optax
@@ -15,10 +16,12 @@ from ferry.config.train import TrainConfig
 from ferry.data.corpus import Corpus
 from ferry.data.pipeline import PackedWindows, local_batches
 from ferry.data.placement import BatchPlacement
+from ferry.data.token_range import TokenIdError
 from ferry.distributed import is_main_process
 from ferry.offload.schedule import schedule_table
 from ferry.run.checkpoint import Checkpoints
 from ferry.run.directory import write_start_files
+from ferry.run.id_watch import BadBatch, bad_batch_error, batch_index
 from ferry.run.loggers import RunLoggers
 from ferry.run.loop import RunBatches, TrainingLoop
 from ferry.run.memory_report import describe_memory, host_bytes_line, step_fit_advice
@@ -88,12 +91,15 @@ def _train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
             start=prepared.resume_step or 0,
             data_states={prepared.resume_step or 0: batches.train.get_state()},  # before the first batch
             first_batch=batches.next(),
+            vocab_size=config.model.vocab_size,
         )
         console.print(describe_memory(memory), highlight=False)
         if prepared.resume_step is None:
             loop.log_initial_evaluation()
         loop.run()
         loop.finish()
+    if loop.ids.bad is not None:
+        raise batch_refusal(prepared, loop.ids.bad, loop.data_states, checkpoints.directory)
     report_skipped(loop.state, config.train.on_nonfinite, console)
     if loop.watch.bad_step is not None:
         raise nonfinite_error(loop.watch.bad_step, checkpoints.directory, likely_causes(config))
@@ -101,6 +107,21 @@ def _train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
     summary = run_summary(run_dir, int(loop.state.step), config.train.steps, prepared.resume_step or 0, trace)
     console.print(summary, highlight=False, markup=False)
     return run_dir
+
+
+def batch_refusal(prepared: PreparedRun, bad: BadBatch, data_states: dict[int, Any], checkpoints: Path) -> TokenIdError:
+    """The refusal of the training batch with an id outside the vocabulary, naming where it lies."""
+    config, tc = prepared.config, prepared.config.train
+    return bad_batch_error(
+        bad,
+        batch_index(data_states.get(bad.step)),
+        PackedWindows(training_corpus(prepared).train, tc.seq_len),
+        tc.global_batch_size,
+        config.data.seed,
+        config.model.vocab_size,
+        config.model_name,
+        checkpoints,
+    )
 
 
 def held_out_note(train: TrainConfig, held_out_windows: int) -> str | None:
