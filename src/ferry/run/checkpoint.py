@@ -42,6 +42,7 @@ from jaxtyping import Array, UInt32
 
 from ferry.config.root import CheckpointConfig
 from ferry.errors import FerryError
+from ferry.run.details_log import cause_and_details, first_line
 from ferry.train.state_memory import on_host
 
 ITEMS = ("state", "data", "model", "checksums")
@@ -120,12 +121,6 @@ def quiet_aborted_writes() -> None:
     reads that failure at its next step boundary."""
     if not isinstance(sys.unraisablehook, _QuietAbortedWrites):
         sys.unraisablehook = _QuietAbortedWrites(sys.unraisablehook)
-
-
-def first_line(error: BaseException) -> str:
-    """The first line of an error's message, or its type's name."""
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _mix(h: UInt32[Array, "*shape"]) -> UInt32[Array, "*shape"]:
@@ -334,9 +329,11 @@ class Checkpoints:
             if earlier
             else "No earlier checkpoint was saved, so the same command starts the run over"
         )
-        cause = first_line(error) if isinstance(error, OSError) else f"{type(error).__name__}: {first_line(error)}"
+        what = f"checkpoint step {step} could not be saved in {self.directory}"
+        cause = cause_and_details(self.directory.parent, what, error)
+        cause = cause if isinstance(error, OSError) else f"{type(error).__name__}: {cause}"
         return CheckpointSaveError(
-            f"checkpoint step {step} could not be saved in {self.directory}: {cause}; the run stops here. "
+            f"{what}: {cause}; the run stops here. "
             f"{kept} once {self.directory} is a writable directory with room for a checkpoint"
         )
 
@@ -390,8 +387,12 @@ class Checkpoints:
         return f"move {self.directory / str(step)} aside to resume from step {max(earlier)} (left untouched)"
 
     def _unreadable(self, step: int, error: Exception) -> RunCheckpointError:
+        """A step Orbax or TensorStore could not read, in one short line: their own explanation of a
+        truncated or missing file runs to thousands of characters, kept in the run's ferry.log."""
+        what = f"checkpoint step {step} in {self.directory} cannot be read"
+        cause = cause_and_details(self.directory.parent, what, error)
         return RunCheckpointError(
-            f"checkpoint step {step} in {self.directory} cannot be read ({first_line(error)}); {self._fallback(step)}"
+            f"{what} (a file of it is missing, truncated or damaged: {cause}); {self._fallback(step)}"
         )
 
     def close(self) -> None:

@@ -5,6 +5,7 @@ directory. A refused start leaves the directory byte for byte as it was."""
 import os
 from pathlib import Path
 
+from ferry.run.details_log import DETAILS_LOG
 from ferry.run.lock import LOCK_FILE, RunDirectoryError
 
 # the members ferry writes or rewrites, and whether each is a directory
@@ -16,6 +17,7 @@ MEMBERS = {
     "config.yaml": False,
     "schedule.json": False,
     LOCK_FILE: False,
+    DETAILS_LOG: False,
 }
 
 
