@@ -7,6 +7,9 @@ saving (of the same size, which Orbax's own reads do not notice) is refused, nam
 fall back to. A step is written once: saving a step that exists and was not written or restored
 by this run is an error, never a silent skip.
 
+Old steps are removed by ferry (`ferry.run.rotation`), not Orbax: a step that cannot be removed
+is said as that, and the run goes on.
+
 Orbax writes each step into a temporary directory and renames it once complete, so a crash
 during a save leaves the earlier steps as they were; saves are asynchronous (the state is copied
 to host memory before `save` returns, so the next step may reuse its buffers). Every process
@@ -31,6 +34,7 @@ import shutil
 import sys
 import traceback
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +45,10 @@ import orbax.checkpoint as ocp
 from jaxtyping import Array, UInt32
 
 from ferry.config.root import CheckpointConfig
+from ferry.distributed import is_main_process
 from ferry.errors import FerryError
 from ferry.run.details_log import cause_and_details, first_line
+from ferry.run.rotation import remove_step, steps_to_remove
 from ferry.train.state_memory import on_host
 
 ITEMS = ("state", "data", "model", "checksums")
@@ -241,14 +247,14 @@ def checkpoint_steps(directory: Path) -> list[int]:
 
 
 class Checkpoints:
-    """The run's CheckpointManager."""
+    """The run's CheckpointManager. `say` prints what the run goes on after (a step rotation
+    could not remove)."""
 
-    def __init__(self, directory: Path, config: CheckpointConfig):
+    def __init__(self, directory: Path, config: CheckpointConfig, say: Callable[[str], None] | None = None):
         quiet_orbax_logs()
         quiet_aborted_writes()  # a failed write's stragglers report before the failure is read
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=config.keep,
-            keep_period=config.keep_every,
+            max_to_keep=None,  # ferry removes old steps itself (`_rotate`): Orbax keeps every step
             enable_async_checkpointing=config.async_save,
             create=True,
             # the step directory made in `save`: a failure to make it raises there, and leaves no
@@ -256,8 +262,10 @@ class Checkpoints:
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
         )
         self.directory = directory.absolute()
+        self.config = config
         self.every = config.every
         self.final = config.final
+        self.say = say or _warn
         try:
             self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
         except OSError as error:
@@ -267,6 +275,7 @@ class Checkpoints:
             ) from error
         self.own_steps: set[int] = set()  # steps this run saved or restored: their contents are known
         self.pending: int | None = None  # the step whose background write has not been checked yet
+        self.unremovable: set[int] = set()  # steps rotation failed to remove: not tried again
 
     def due(self, step: int, last: bool = False) -> bool:
         """Is `step` saved: every `every` steps, and the run's `last` unless `final` is off."""
@@ -305,7 +314,8 @@ class Checkpoints:
             self.settle()
 
     def settle(self) -> None:
-        """Wait for the save in flight; its failure raised as a `CheckpointSaveError`."""
+        """Wait for the save in flight; its failure raised as a `CheckpointSaveError`. Once it is
+        whole, the steps the keep rules let go are removed."""
         if self.pending is None:
             return
         step, self.pending = self.pending, None
@@ -314,6 +324,22 @@ class Checkpoints:
         except Exception as error:
             self.own_steps.discard(step)
             raise self._save_failed(step, error) from error
+        self._rotate(step)
+
+    def _rotate(self, saved: int) -> None:
+        """Remove old steps (checkpoint.keep, checkpoint.keep_every), on process 0 as Orbax did;
+        a step that cannot be removed is said, and the run goes on (`ferry.run.rotation`)."""
+        doomed = steps_to_remove(list(self.manager.all_steps()), self.config.keep, self.config.keep_every)
+        doomed = [step for step in doomed if step not in self.unremovable]
+        if not doomed:
+            return
+        if is_main_process():
+            for step in doomed:
+                failure = remove_step(self.directory, step)
+                if failure is not None:
+                    self.unremovable.add(step)
+                    self.say(failure.line(saved, self.directory))
+        self.manager.reload()
 
     def _save_failed(self, step: int, error: BaseException) -> CheckpointSaveError:
         """The failure of saving `step`, in one line; its partial temporary directory removed (on
@@ -399,3 +425,7 @@ class Checkpoints:
         """Wait for any save in flight (its failure raised), then release the manager."""
         self.settle()
         self.manager.close()
+
+
+def _warn(line: str) -> None:
+    warnings.warn(line, stacklevel=3)

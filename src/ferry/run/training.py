@@ -68,7 +68,11 @@ def _train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
         step, memory = compile_checked(prepared)  # no state yet
         meter = dataclasses.replace(meter, memory=memory)
         prepared.directory.mark_started()  # what is written from here marks the directory as this run's
-        checkpoints = Checkpoints(run_dir / "checkpoints", config.checkpoint)
+        checkpoints = Checkpoints(
+            run_dir / "checkpoints",
+            config.checkpoint,
+            say=lambda line: console.print(f"warning: {line}", highlight=False),
+        )
         state = starting_state(prepared, optimizer, checkpoints, batches)
         announce_start(prepared, meter, config_yaml, console)
         loop = TrainingLoop(
