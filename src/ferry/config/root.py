@@ -27,6 +27,8 @@ class RunConfig:
     root: str = "runs"
     resume: bool = True  # a run.dir holding checkpoints of this model resumes from the latest
     allow_data_change: bool = False  # resume although batch, sequence, seed or data differ from the checkpoint's
+    # resume a latest checkpoint step whose record names another step (a symlink, copy or rename) or another run
+    allow_foreign_checkpoint: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

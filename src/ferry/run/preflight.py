@@ -181,8 +181,11 @@ def checked_tokenizer(config: FerryConfig) -> Tokenizer:
 
 
 def locked_directory(config: FerryConfig, identity: dict[str, Any], console: Console) -> RunDirectory:
-    """The run directory, locked, saying when its lock was taken over from a dead holder."""
+    """The run directory, locked, saying what its resume goes on with on purpose (an unrecorded or
+    foreign step, other data) and when its lock was taken over from a dead holder."""
     directory = run_directory(config, identity)
+    for note in directory.notes:
+        console.print(f"note: {note}", highlight=False)
     if directory.data_change:
         console.print(
             f"run.allow_data_change=true: resuming step {directory.resume_step} on other data "
