@@ -1,8 +1,8 @@
 """The run directory: which one a run writes (a new one, or one whose checkpoints it resumes),
 chosen by process 0 under its lock and told to every process, and the files a run starts with.
 A resume continues its latest step only when that step is its own (`ferry.run.foreign_step`) and
-the model and the data agree with it, or the difference is allowed on purpose; what was allowed
-is said at start-up and recorded in run.json (`ferry.run.run_record`)."""
+the model, the data and the training settings agree with it, or the difference is allowed on
+purpose; what was allowed is said at start-up and recorded in run.json (`ferry.run.run_record`)."""
 
 import dataclasses
 import datetime
@@ -26,6 +26,7 @@ from ferry.run.foreign_step import check_step
 from ferry.run.lock import LOCK_FILE, RunDirectoryError, RunLock, acquire
 from ferry.run.members import check_members
 from ferry.run.run_record import Change, changes, new_run_id, recorded_run_id, write_run_record
+from ferry.run.settings_change import settings_changes, unused_allowances
 
 
 def resolve_run_dir(config: FerryConfig) -> Path:
@@ -131,6 +132,7 @@ def run_directory(config: FerryConfig, identity: dict[str, Any]) -> RunDirectory
             directory.notes, directory.changes = resume.notes, resume.changes
         else:
             directory.restart = any(p.name != LOCK_FILE for p in path.iterdir()) if path.is_dir() else False
+            directory.notes = tuple(unused_allowances(config, None))
     except BaseException:
         directory.release()
         raise
@@ -185,9 +187,9 @@ def _resumable(
     config: FerryConfig, path: Path, steps: list[int], identity: dict[str, Any], run_id: str | None
 ) -> Resume:
     """The latest step, when it is its own and this command may continue the run that saved it:
-    refused when it is another step's or run's (`ferry.run.foreign_step`), or the model or the data
-    differ, unless run.allow_foreign_checkpoint or run.allow_data_change allows it (`run_id`:
-    run.json's, None where the run has none)."""
+    refused when it is another step's or run's (`ferry.run.foreign_step`), or the model, the data
+    or the training settings differ, unless run.allow_foreign_checkpoint, run.allow_data_change or
+    run.allow_change allows it (`run_id`: run.json's, None where the run has none)."""
     if not config.run.resume:
         raise RunDirectoryError(
             f"run.dir={path} holds checkpoints up to step {steps[-1]} and run.resume=false "
@@ -213,9 +215,10 @@ def _resumable(
             "resuming would continue its data position over other batches. Resume with the checkpoint's values, "
             "pass a new run.dir, or pass run.allow_data_change=true to continue on this data anyway"
         )
-    made = changes(saved.get("data"), identity.get("data", {}), "run.allow_data_change")
+    notes, settings = settings_changes(config, path, steps[-1], saved.get("train"), identity.get("train", {}))
+    made = [*settings, *changes(saved.get("data"), identity.get("data", {}), "run.allow_data_change")]
     made += [foreign] if foreign is not None else []
-    notes = [record_note] if record_note is not None else []
+    notes = [record_note, *notes] if record_note is not None else notes
     record_run = found.record.run if found.record is not None else None
     return Resume(steps[-1], tuple(changed), run_id or record_run, tuple(notes), tuple(made))
 
