@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ferry.config.plan import PlanConfig
-from ferry.config.train import OffloadConfig, TrainConfig
+from ferry.config.train import UPDATE_SETTINGS, OffloadConfig, TrainConfig
 from ferry.config_schema import from_dict
 from ferry.data.config import DataConfig
 from ferry.distributed import DistributedConfig
@@ -27,6 +27,20 @@ class RunConfig:
     root: str = "runs"
     resume: bool = True  # a run.dir holding checkpoints of this model resumes from the latest
     allow_data_change: bool = False  # resume although batch, sequence, seed or data differ from the checkpoint's
+    # resume although these training settings (train.* keys of the update or the loss) differ from the
+    # checkpoint's, e.g. [train.learning_rate,train.warmup_steps]; each change is recorded in <run dir>/run.json
+    allow_change: tuple[str, ...] = ()
+    # resume a latest checkpoint step whose record names another step (a symlink, copy or rename) or another run
+    allow_foreign_checkpoint: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = [key for key in self.allow_change if key not in UPDATE_SETTINGS]
+        if unknown:
+            raise ConfigError(
+                f"run.allow_change names {', '.join(unknown)}, not a training setting a resume compares; "
+                f"it takes {', '.join(UPDATE_SETTINGS)} (a data key: run.allow_data_change=true; train.steps "
+                "needs no allowing)"
+            )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -201,6 +201,30 @@ class TrainConfig:
             raise ConfigError(f"train.compute_dtype is {self.compute_dtype!r}; use float32 or bfloat16")
 
 
+# The train.* keys that shape the update or the loss, which a resume compares with its checkpoint's
+# (`ferry.run.settings_change`): the learning rate and its schedule (warmup, floor), AdamW's betas, eps
+# and weight decay, the gradient clipping and the z-loss weight. A change is refused unless
+# `run.allow_change` names it. Left out: train.steps (lengthening a run is what a resume with more
+# steps is for; its stretched decay is said and recorded, not refused); the batch and sequence
+# (data keys: `run.allow_data_change`); how the same loss and update are computed (micro_batch_size,
+# loss_head and its chunks and kernel, compute_dtype, the offload placement); what is read at the
+# start only (seed) or decides when to stop (on_nonfinite), logging and evaluation.
+UPDATE_SETTINGS = tuple(
+    f"train.{name}"
+    for name in (
+        "learning_rate",
+        "warmup_steps",
+        "min_learning_rate_ratio",
+        "adam_b1",
+        "adam_b2",
+        "adam_eps",
+        "weight_decay",
+        "grad_clip_norm",
+        "z_loss_weight",
+    )
+)
+
+
 # The config holding TrainConfig's defaults as Hydra sees them; configs/train.yaml's defaults list loads it.
 TRAIN_DEFAULTS = "train_defaults"
 

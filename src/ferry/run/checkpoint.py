@@ -7,6 +7,11 @@ saving (of the same size, which Orbax's own reads do not notice) is refused, nam
 fall back to. A step is written once: saving a step that exists and was not written or restored
 by this run is an error, never a silent skip.
 
+Each step also records itself (`ferry.run.step_record`): its step, the run's id and a digest of
+its metadata, checked before a resume (`ferry.run.foreign_step`). Old steps are removed by ferry
+(`ferry.run.rotation`), not Orbax: a step that cannot be removed is said as that, and the run goes
+on.
+
 Orbax writes each step into a temporary directory and renames it once complete, so a crash
 during a save leaves the earlier steps as they were; saves are asynchronous (the state is copied
 to host memory before `save` returns, so the next step may reuse its buffers). Every process
@@ -31,6 +36,7 @@ import shutil
 import sys
 import traceback
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +47,19 @@ import orbax.checkpoint as ocp
 from jaxtyping import Array, UInt32
 
 from ferry.config.root import CheckpointConfig
+from ferry.distributed import is_main_process
 from ferry.errors import FerryError
+from ferry.run.details_log import cause_and_details, first_line
+from ferry.run.rotation import remove_step, steps_to_remove
+from ferry.run.step_record import RECORD_FORMAT, FoundStep, StepRecord, metadata_digest
 from ferry.train.state_memory import on_host
 
 ITEMS = ("state", "data", "model", "checksums")
 # The identity's "checkpoint_format": 2 saves the checksums (and the data the state was trained on)
-# with every step; a step of format 2 without its checksums has lost them, and is refused.
-CHECKPOINT_FORMAT = 2
+# with every step; a step of format 2 or later without its checksums has lost them, and is refused.
+# 3 also records the step itself (`ferry.run.step_record`).
+CHECKSUMS_FORMAT = 2
+CHECKPOINT_FORMAT = RECORD_FORMAT
 
 
 class RunCheckpointError(FerryError, ValueError):
@@ -120,12 +132,6 @@ def quiet_aborted_writes() -> None:
     reads that failure at its next step boundary."""
     if not isinstance(sys.unraisablehook, _QuietAbortedWrites):
         sys.unraisablehook = _QuietAbortedWrites(sys.unraisablehook)
-
-
-def first_line(error: BaseException) -> str:
-    """The first line of an error's message, or its type's name."""
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _mix(h: UInt32[Array, "*shape"]) -> UInt32[Array, "*shape"]:
@@ -246,14 +252,20 @@ def checkpoint_steps(directory: Path) -> list[int]:
 
 
 class Checkpoints:
-    """The run's CheckpointManager."""
+    """The run's CheckpointManager. `run_id` goes into every step's record; `say` prints what the
+    run goes on after (a step rotation could not remove)."""
 
-    def __init__(self, directory: Path, config: CheckpointConfig):
+    def __init__(
+        self,
+        directory: Path,
+        config: CheckpointConfig,
+        run_id: str | None = None,
+        say: Callable[[str], None] | None = None,
+    ):
         quiet_orbax_logs()
         quiet_aborted_writes()  # a failed write's stragglers report before the failure is read
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=config.keep,
-            keep_period=config.keep_every,
+            max_to_keep=None,  # ferry removes old steps itself (`_rotate`): Orbax keeps every step
             enable_async_checkpointing=config.async_save,
             create=True,
             # the step directory made in `save`: a failure to make it raises there, and leaves no
@@ -261,8 +273,11 @@ class Checkpoints:
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
         )
         self.directory = directory.absolute()
+        self.config = config
         self.every = config.every
         self.final = config.final
+        self.run_id = run_id
+        self.say = say or _warn
         try:
             self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
         except OSError as error:
@@ -272,15 +287,16 @@ class Checkpoints:
             ) from error
         self.own_steps: set[int] = set()  # steps this run saved or restored: their contents are known
         self.pending: int | None = None  # the step whose background write has not been checked yet
+        self.unremovable: set[int] = set()  # steps rotation failed to remove: not tried again
 
     def due(self, step: int, last: bool = False) -> bool:
         """Is `step` saved: every `every` steps, and the run's `last` unless `final` is off."""
         return (self.every > 0 and step % self.every == 0) or (last and self.final)
 
     def save(self, step: int, state_arrays: Any, data_state: dict[str, Any], identity: dict[str, Any]) -> None:
-        """Start saving `step` (returns once the arrays are on the host). A step this run saved or
-        restored already holds this very state and is left as it is; any other existing step is
-        another writer's, and refused."""
+        """Start saving `step` (returns once the arrays are on the host), with its record. A step
+        this run saved or restored already holds this very state and is left as it is; any other
+        existing step is another writer's, and refused."""
         if step in self.own_steps:
             return
         if step in self.manager.all_steps():
@@ -289,14 +305,17 @@ class Checkpoints:
                 "another run writes the same run.dir. Its checkpoint is left as it is"
             )
         self.settle()  # the previous save's failure is that save's, not this one's
+        model = {**identity, "checkpoint_format": CHECKPOINT_FORMAT}
+        checksums = array_checksums(state_arrays)
+        record = StepRecord(step, self.run_id, metadata_digest(model, data_state, checksums))
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state_arrays),
             data=ocp.args.JsonSave(data_state),
-            model=ocp.args.JsonSave({**identity, "checkpoint_format": CHECKPOINT_FORMAT}),
-            checksums=ocp.args.JsonSave(array_checksums(state_arrays)),
+            model=ocp.args.JsonSave(model),
+            checksums=ocp.args.JsonSave(checksums),
         )
         try:
-            self.manager.save(step, args=args, force=True)
+            self.manager.save(step, args=args, force=True, custom_metadata=record.to_json())
         except Exception as error:  # Orbax and TensorStore raise many kinds for a failed write
             raise self._save_failed(step, error) from error
         self.own_steps.add(step)
@@ -310,7 +329,8 @@ class Checkpoints:
             self.settle()
 
     def settle(self) -> None:
-        """Wait for the save in flight; its failure raised as a `CheckpointSaveError`."""
+        """Wait for the save in flight; its failure raised as a `CheckpointSaveError`. Once it is
+        whole, the steps the keep rules let go are removed."""
         if self.pending is None:
             return
         step, self.pending = self.pending, None
@@ -319,6 +339,22 @@ class Checkpoints:
         except Exception as error:
             self.own_steps.discard(step)
             raise self._save_failed(step, error) from error
+        self._rotate(step)
+
+    def _rotate(self, saved: int) -> None:
+        """Remove old steps (checkpoint.keep, checkpoint.keep_every), on process 0 as Orbax did;
+        a step that cannot be removed is said, and the run goes on (`ferry.run.rotation`)."""
+        doomed = steps_to_remove(list(self.manager.all_steps()), self.config.keep, self.config.keep_every)
+        doomed = [step for step in doomed if step not in self.unremovable]
+        if not doomed:
+            return
+        if is_main_process():
+            for step in doomed:
+                failure = remove_step(self.directory, step)
+                if failure is not None:
+                    self.unremovable.add(step)
+                    self.say(failure.line(saved, self.directory))
+        self.manager.reload()
 
     def _save_failed(self, step: int, error: BaseException) -> CheckpointSaveError:
         """The failure of saving `step`, in one line; its partial temporary directory removed (on
@@ -334,29 +370,40 @@ class Checkpoints:
             if earlier
             else "No earlier checkpoint was saved, so the same command starts the run over"
         )
-        cause = first_line(error) if isinstance(error, OSError) else f"{type(error).__name__}: {first_line(error)}"
+        what = f"checkpoint step {step} could not be saved in {self.directory}"
+        cause = cause_and_details(self.directory.parent, what, error)
+        cause = cause if isinstance(error, OSError) else f"{type(error).__name__}: {cause}"
         return CheckpointSaveError(
-            f"checkpoint step {step} could not be saved in {self.directory}: {cause}; the run stops here. "
+            f"{what}: {cause}; the run stops here. "
             f"{kept} once {self.directory} is a writable directory with room for a checkpoint"
         )
 
-    def read_identity(self, step: int) -> dict[str, Any]:
+    def read_step(self, step: int) -> FoundStep:
+        """What step `step`'s directory holds about itself: its model item, its record and the
+        digest of its metadata as it reads now (`ferry.run.foreign_step` checks them)."""
+        items = {"model": ocp.args.JsonRestore(), "data": ocp.args.JsonRestore()}
+        if (self.directory / str(step) / "checksums").exists():
+            items["checksums"] = ocp.args.JsonRestore()
         try:
-            return self.manager.restore(step, args=ocp.args.Composite(model=ocp.args.JsonRestore())).model
-        except Exception as error:
+            restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+            custom = self.manager.metadata(step).custom_metadata
+        except Exception as error:  # Orbax and TensorStore raise many kinds for a damaged step
             raise self._unreadable(step, error) from error
+        model = dict(restored.model)
+        if "checksums" not in items and model.get("checkpoint_format", 1) >= CHECKSUMS_FORMAT:
+            raise self._checksums_gone(step)
+        checksums = dict(restored.checksums) if "checksums" in items else None
+        digest = metadata_digest(model, dict(restored.data), checksums)
+        path = self.directory / str(step)
+        return FoundStep(step, path, model, StepRecord.of(custom), digest, self._fallback(step))
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
         """The state's arrays (placed as `abstract_state`'s shardings say) and the data position,
-        checked against the checksums saved with them. A step this ferry saved (format 2) without
-        its checksums lost them and is refused; an earlier ferry's is restored with a warning."""
+        checked against the checksums saved with them. A step this ferry saved (format 2 or later)
+        without its checksums lost them and is refused; an earlier ferry's is restored with a warning."""
         verified = (self.directory / str(step) / "checksums").exists()
-        if not verified and self.read_identity(step).get("checkpoint_format", 1) >= CHECKPOINT_FORMAT:
-            raise RunCheckpointError(
-                f"checkpoint step {step} in {self.directory} was saved with checksums, which are gone "
-                f"({self.directory / str(step) / 'checksums'} is missing), so it cannot be verified; "
-                f"{self._fallback(step)}"
-            )
+        if not verified:
+            self.read_step(step)  # refuses a step of this ferry whose checksums are gone
         items = {"state": ocp.args.StandardRestore(abstract_state), "data": ocp.args.JsonRestore()}
         if verified:
             items["checksums"] = ocp.args.JsonRestore()
@@ -365,15 +412,7 @@ class Checkpoints:
         except Exception as error:  # Orbax and TensorStore raise many kinds for a damaged step
             raise self._unreadable(step, error) from error
         if verified:
-            saved, found = dict(restored.checksums), array_checksums(restored.state)
-            changed = sorted(k for k in saved.keys() | found.keys() if saved.get(k) != found.get(k))
-            if changed:
-                shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
-                raise RunCheckpointError(
-                    f"checkpoint step {step} in {self.directory} fails its checksums: {len(changed)} array(s) "
-                    f"differ from what was saved ({shown}), so its files changed after saving; "
-                    f"{self._fallback(step)}"
-                )
+            self._check_sums(step, dict(restored.checksums), array_checksums(restored.state))
         else:
             warnings.warn(
                 f"checkpoint step {step} in {self.directory} has no checksums (saved by an earlier ferry); "
@@ -383,6 +422,23 @@ class Checkpoints:
         self.own_steps.add(step)
         return restored.state, dict(restored.data)
 
+    def _check_sums(self, step: int, saved: dict[str, Any], found: dict[str, Any]) -> None:
+        changed = sorted(k for k in saved.keys() | found.keys() if saved.get(k) != found.get(k))
+        if changed:
+            shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+            raise RunCheckpointError(
+                f"checkpoint step {step} in {self.directory} fails its checksums: {len(changed)} array(s) "
+                f"differ from what was saved ({shown}), so its files changed after saving; "
+                f"{self._fallback(step)}"
+            )
+
+    def _checksums_gone(self, step: int) -> RunCheckpointError:
+        return RunCheckpointError(
+            f"checkpoint step {step} in {self.directory} was saved with checksums, which are gone "
+            f"({self.directory / str(step) / 'checksums'} is missing), so it cannot be verified; "
+            f"{self._fallback(step)}"
+        )
+
     def _fallback(self, step: int) -> str:
         earlier = [s for s in self.manager.all_steps() if s < step]
         if not earlier:
@@ -390,11 +446,19 @@ class Checkpoints:
         return f"move {self.directory / str(step)} aside to resume from step {max(earlier)} (left untouched)"
 
     def _unreadable(self, step: int, error: Exception) -> RunCheckpointError:
+        """A step Orbax or TensorStore could not read, in one short line: their own explanation of a
+        truncated or missing file runs to thousands of characters, kept in the run's ferry.log."""
+        what = f"checkpoint step {step} in {self.directory} cannot be read"
+        cause = cause_and_details(self.directory.parent, what, error)
         return RunCheckpointError(
-            f"checkpoint step {step} in {self.directory} cannot be read ({first_line(error)}); {self._fallback(step)}"
+            f"{what} (a file of it is missing, truncated or damaged: {cause}); {self._fallback(step)}"
         )
 
     def close(self) -> None:
         """Wait for any save in flight (its failure raised), then release the manager."""
         self.settle()
         self.manager.close()
+
+
+def _warn(line: str) -> None:
+    warnings.warn(line, stacklevel=3)

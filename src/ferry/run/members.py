@@ -5,7 +5,9 @@ directory. A refused start leaves the directory byte for byte as it was."""
 import os
 from pathlib import Path
 
+from ferry.run.details_log import DETAILS_LOG
 from ferry.run.lock import LOCK_FILE, RunDirectoryError
+from ferry.run.run_record import RUN_RECORD
 
 # the members ferry writes or rewrites, and whether each is a directory
 MEMBERS = {
@@ -16,6 +18,8 @@ MEMBERS = {
     "config.yaml": False,
     "schedule.json": False,
     LOCK_FILE: False,
+    RUN_RECORD: False,
+    DETAILS_LOG: False,
 }
 
 

@@ -32,6 +32,7 @@ from ferry.run.directory import RunDirectory, run_directory
 from ferry.run.disk_space import check_checkpoint_space, state_bytes
 from ferry.run.loggers import check_wandb
 from ferry.run.policy_check import check_before_training
+from ferry.run.settings_change import settings_identity
 from ferry.sharding import make_mesh, parameters_per_device
 from ferry.train.memory import StateBytes, check_fits
 from ferry.train.recipe import StepRecipe
@@ -100,6 +101,7 @@ def prepare(config: FerryConfig, console: Console) -> PreparedRun:
     schedule = dataclasses.replace(schedule, state=state_copies(layout.model, layout.placement, layout.sharding.model))
     identity = model_identity(config.model_name, config.model, layout.shapes)
     identity["data"] = data_identity(config, tokenizer)
+    identity["train"] = settings_identity(config)
     check_checkpoint_space(Path(config.run.dir or config.run.root), state_bytes(layout.shapes))
     directory = locked_directory(config, identity, console)  # locked from here: release on any refusal
     prepared = PreparedRun(config, None, schedule, directory, identity, recipe)
@@ -183,8 +185,11 @@ def checked_tokenizer(config: FerryConfig) -> Tokenizer:
 
 
 def locked_directory(config: FerryConfig, identity: dict[str, Any], console: Console) -> RunDirectory:
-    """The run directory, locked, saying when its lock was taken over from a dead holder."""
+    """The run directory, locked, saying what its resume goes on with on purpose (an unrecorded or
+    foreign step, other data or settings) and when its lock was taken over from a dead holder."""
     directory = run_directory(config, identity)
+    for note in directory.notes:
+        console.print(f"note: {note}", highlight=False)
     if directory.data_change:
         console.print(
             f"run.allow_data_change=true: resuming step {directory.resume_step} on other data "

@@ -71,7 +71,12 @@ def _train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
         step, memory = compile_checked(prepared)  # no state yet
         meter = dataclasses.replace(meter, memory=memory)
         prepared.directory.mark_started()  # what is written from here marks the directory as this run's
-        checkpoints = Checkpoints(run_dir / "checkpoints", config.checkpoint)
+        checkpoints = Checkpoints(
+            run_dir / "checkpoints",
+            config.checkpoint,
+            run_id=prepared.directory.run_id,
+            say=lambda line: console.print(f"warning: {line}", highlight=False),
+        )
         state = starting_state(prepared, optimizer, checkpoints, batches)
         announce_start(prepared, meter, config_yaml, console)
         loop = TrainingLoop(
@@ -192,6 +197,7 @@ def announce_start(prepared: PreparedRun, meter: StepMeter, config_yaml: str, co
     console.print(host_bytes_line(prepared.schedule, meter.memory), highlight=False)
     if is_main_process():
         write_start_files(run_dir, config_yaml, prepared.schedule, prepared.resume_step)
+        prepared.directory.write_record()  # run.json: the run's id, what this resume changed on purpose
         if prepared.directory.restart:
             console.print(
                 f"run.dir={run_dir} held an earlier attempt that saved no checkpoint: starting it over "
