@@ -182,6 +182,7 @@ def run_dir_cases(root):
         "from_hf a file": [f"init.from_hf={root / 'a_file'}", f"run.dir={root / 'from_hf'}"],
         "garbage jsonl": ["data.source=jsonl", f"data.path={root / 'garbage.jsonl'}", f"run.dir={root / 'jsonl'}"],
     }
+    cases["name too long"] = [f"run.dir={root / ('a' * 300) / 'run'}"]
     if Path("/proc/self").is_dir():
         cases["under /proc"] = [f"run.dir=/proc/ferry-{os.getpid()}/run"]
     if os.geteuid() != 0:  # root writes through permission bits
@@ -277,6 +278,12 @@ def test_a_file_where_a_directory_belongs_is_refused_naming_the_key(refused):
     for name in ("cache", "prepared", "from_hf"):
         assert not (root / name).exists()
     assert (root / "a_file").read_text() == "precious\n"
+
+
+def test_a_run_dir_whose_name_is_too_long_is_refused(refused):
+    """`Path.exists` raises for a name over the file system's limit (255 bytes on most)."""
+    assert_refused(refused[2]["name too long"], "is longer than the file system allows")
+    assert "300 bytes" in refused[2]["name too long"]["stdout"]
 
 
 def test_a_run_dir_on_a_kernel_filesystem_is_refused(refused):
