@@ -140,6 +140,8 @@ BAD_INPUTS = [
         ["distributed.coordinator_address=localhost", "distributed.num_processes=1", "distributed.process_id=0"],
         "distributed.coordinator_address=localhost has no port",
     ),
+    # a setting that would do nothing, or run elsewhere than asked
+    (["platform.env.JAX_PLATFORMS=tpu"], "platform.env.JAX_PLATFORMS=tpu asks JAX for another backend"),
 ]
 
 
