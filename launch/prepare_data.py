@@ -68,7 +68,7 @@ def load_data_config(argv: list[str]) -> DataConfig:
 
 
 def main(argv: list[str]) -> int:
-    console = Console()
+    console = Console(markup=False, emoji=False)  # a path's brackets or colons are text
     config: DataConfig | None = None
     try:
         config = load_data_config(argv)
@@ -77,7 +77,7 @@ def main(argv: list[str]) -> int:
         prepared = prepare_corpus(config, directory, tokenizer, console)
     except (FerryError, ValueError, FileNotFoundError) as error:  # ConfigError, PreparedDataError, DataSourceError
         line = escape(" ".join(str(error).split()))  # one line whatever the width, its brackets not markup
-        console.print(f"[bold red]error:[/] {line}", highlight=False, soft_wrap=True)
+        console.print(f"[bold red]error:[/] {line}", highlight=False, soft_wrap=True, markup=True)
         return 2
     except KeyboardInterrupt:
         if config is None:

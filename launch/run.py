@@ -77,8 +77,11 @@ def make_console(quiet: bool = False) -> Console:
     """The console: the terminal's width on a terminal, otherwise wide enough for every table
     (a log file has no width, and rich would cut columns at 80)."""
     terminal = sys.stdout.isatty()
-    # markup off: a printed line's own brackets (an install hint's ".[gpu]") are text
-    return Console(quiet=quiet, width=None if terminal else FILE_WIDTH, soft_wrap=not terminal, markup=False)
+    # markup and emoji codes off: a printed line's own brackets (an install hint's ".[gpu]") and a
+    # user's value (`localhost:abc:` would become an emoji) are text
+    return Console(
+        quiet=quiet, width=None if terminal else FILE_WIDTH, soft_wrap=not terminal, markup=False, emoji=False
+    )
 
 
 def compose_overrides(argv: list[str]) -> dict:
@@ -211,18 +214,20 @@ def with_choice(choice: DefaultChoice, argv: list[str], node: dict) -> tuple[dic
 def refuse(error: Exception, code: int = 2) -> int:
     """One line (any newlines in the message folded), exit status `code`."""
     line = escape(" ".join(str(error).split()))  # a message's own brackets (".[plan]") are not markup
-    Console(width=FILE_WIDTH, soft_wrap=True).print(f"[bold red]error:[/] {line}", highlight=False)
+    Console(width=FILE_WIDTH, soft_wrap=True, emoji=False).print(f"[bold red]error:[/] {line}", highlight=False)
     return code
 
 
-def interrupted(prepared: PreparedRun | None) -> str:
-    """Ctrl-C's one line: where the run can continue from, if anywhere."""
+def interrupted(prepared: PreparedRun | None, what: str = "interrupted") -> str:
+    """Ctrl-C's (or SIGTERM's) one line: where the run can continue from, if anywhere."""
     if prepared is None:
-        return EARLY_INTERRUPT
+        return f"{what} before the run started; nothing was written"
     steps = checkpoint_steps(prepared.run_dir / "checkpoints")
     if steps:
-        return f"interrupted: {prepared.run_dir} holds checkpoints up to step {steps[-1]}; the same command resumes"
-    return f"interrupted before the first checkpoint of {prepared.run_dir}; the same command starts the run over"
+        return f"{what}: {prepared.run_dir} holds checkpoints up to step {steps[-1]}; the same command resumes"
+    if not wrote(prepared):
+        return f"{what} before the run wrote anything in {prepared.run_dir}; nothing was written"
+    return f"{what} before the first checkpoint of {prepared.run_dir}; the same command starts the run over"
 
 
 def check_plan_extra(target: str, find_spec: Callable[[str], object] | None = None, mode: str = "plan") -> None:
@@ -250,7 +255,9 @@ def plan(config: FerryConfig, console: Console, node: dict) -> int:
     # libtpu's lockfile keeps a second process off a TPU VM's chips; a plan only compiles, so it may
     # run beside a training run (or another plan) there
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    console = Console(width=max(console.width, 150), soft_wrap=console.soft_wrap)  # the tables are wide
+    console = Console(  # the tables are wide; their cells hold user values (no markup, no emoji codes)
+        width=max(console.width, 150), soft_wrap=console.soft_wrap, markup=False, emoji=False
+    )
     from ferry.plan.auto_measure import candidate_run, resolve_measure, subprocess_measurer
     from ferry.plan.measure import accelerator_present
     from ferry.plan.report import plan_presets, run_plan, target_platform, write_plan

@@ -35,7 +35,7 @@ BAD_INPUTS = [
     (["train.learning_rate=nan"], "train.learning_rate"),
     (["train.learning_rate=inf"], "train.learning_rate"),
     (["train.global_batch_size=0"], "train.global_batch_size"),
-    (["train.global_batch_size=6", "train.micro_batch_size=4"], "train.global_batch_size"),
+    (["train.global_batch_size=6", "train.micro_batch_size=4"], "choose a global batch that is a multiple of 4"),
     (["train.seq_len=0"], "train.seq_len"),
     (["train.seq_len=1.5"], "train.seq_len"),
     (["train.micro_batch_size=0"], "train.micro_batch_size"),
@@ -140,6 +140,12 @@ BAD_INPUTS = [
         ["distributed.coordinator_address=localhost", "distributed.num_processes=1", "distributed.process_id=0"],
         "distributed.coordinator_address=localhost has no port",
     ),
+    # a user's value printed as it is (rich read `:abc:` as an emoji code), no traceback on an empty list
+    (
+        ["distributed.coordinator_address=localhost:abc", "distributed.num_processes=1", "distributed.process_id=0"],
+        "distributed.coordinator_address=localhost:abc: the port 'abc'",
+    ),
+    (["mode=plan", "target=v5e", "plan.presets=[]"], "plan.presets=[] names no preset"),
     # a setting that would do nothing, or run elsewhere than asked
     (["platform.env.JAX_PLATFORMS=tpu"], "platform.env.JAX_PLATFORMS=tpu asks JAX for another backend"),
 ]

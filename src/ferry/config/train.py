@@ -140,7 +140,8 @@ class TrainConfig:
             )
             raise ConfigError(
                 f"train.global_batch_size {self.global_batch_size} is not a multiple of {what} "
-                f"(data x fsdp x expert of mesh {mesh_description}); choose a global batch that is"
+                f"(data x fsdp x expert of mesh {mesh_description}); choose a global batch that is a multiple "
+                f"of {per_step}"
             )
 
     def __post_init__(self) -> None:
