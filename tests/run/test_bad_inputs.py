@@ -191,12 +191,49 @@ def run_dir_cases(root):
         "garbage jsonl": ["data.source=jsonl", f"data.path={root / 'garbage.jsonl'}", f"run.dir={root / 'jsonl'}"],
     }
     cases["name too long"] = [f"run.dir={root / ('a' * 300) / 'run'}"]
+    cases |= from_hf_cases(root)
     if Path("/proc/self").is_dir():
         cases["under /proc"] = [f"run.dir=/proc/ferry-{os.getpid()}/run"]
     if os.geteuid() != 0:  # root writes through permission bits
         (root / "unwritable").mkdir(mode=0o500)
         cases["unwritable"] = [f"run.dir={root / 'unwritable' / 'run'}"]
     return cases
+
+
+def hf_checkpoint(directory: Path, **changes) -> Path:
+    """llama_tiny as a Hugging Face checkpoint in `directory`, its config.json's keys changed
+    (`config_json` replaces the whole file)."""
+    import jax
+
+    from ferry.hf import save_pretrained
+    from ferry.models.registry import build_model
+    from tests.conftest import load_model_config
+
+    save_pretrained(build_model(load_model_config("llama_tiny"), jax.random.key(0)), directory)
+    config = json.loads((directory / "config.json").read_text())
+    whole = changes.pop("config_json", None)
+    (directory / "config.json").write_text(json.dumps(whole if whole is not None else config | changes))
+    return directory
+
+
+def from_hf_cases(root: Path) -> dict[str, list[str]]:
+    """init.from_hf at malformed checkpoints (a config.json that is a list, a rope_scaling that
+    is, a weight that is not finite), each run.dir new and two levels below `root`."""
+    from safetensors.numpy import load_file, save_file
+
+    inf = hf_checkpoint(root / "hf_inf")
+    tensors = load_file(inf / "model.safetensors")
+    tensors["lm_head.weight"][0, 0] = float("inf")
+    save_file(tensors, str(inf / "model.safetensors"))
+    checkpoints = {
+        "from_hf a list": hf_checkpoint(root / "hf_list", config_json=[1, 2]),
+        "from_hf rope a list": hf_checkpoint(root / "hf_rope", rope_scaling=[1, 2]),
+        "from_hf inf": inf,
+    }
+    return {
+        name: [f"init.from_hf={path}", f"run.dir={root / path.name / 'new' / 'run'}"]
+        for name, path in checkpoints.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -286,6 +323,35 @@ def test_a_file_where_a_directory_belongs_is_refused_naming_the_key(refused):
     for name in ("cache", "prepared", "from_hf"):
         assert not (root / name).exists()
     assert (root / "a_file").read_text() == "precious\n"
+
+
+def test_a_malformed_hugging_face_checkpoint_is_refused_leaving_nothing_behind(refused):
+    """A config.json that is no object, a value of the wrong kind in it, a weight that is not
+    finite (found once the run directory was claimed and the step compiled): one line each, and
+    neither the run directory nor the parent made for it stays behind."""
+    _, _, by_dir, root = refused
+    assert_refused(by_dir["from_hf a list"], f"{root / 'hf_list' / 'config.json'} holds a JSON array, not an object")
+    assert_refused(by_dir["from_hf rope a list"], "has a value ferry cannot read as a Llama config")
+    assert_refused(by_dir["from_hf inf"], "tensor lm_head.weight holds 1 non-finite value")
+    for name in ("hf_list", "hf_rope", "hf_inf"):
+        assert sorted(p.name for p in (root / name).iterdir()) == ["config.json", "model.safetensors"], name
+
+
+def test_a_sequence_longer_than_the_checkpoints_positions_is_noted(tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from ferry.run.preflight import prepare
+    from tests.conftest import compose_config
+
+    checkpoint = hf_checkpoint(tmp_path / "hf", max_position_embeddings=16)
+    console = Console(file=io.StringIO(), width=400)
+    config = compose_config(*COMMON, f"init.from_hf={checkpoint}", f"run.dir={tmp_path / 'run'}")
+    prepare(config, console).release()
+    assert f"note: train.seq_len=32 is longer than init.from_hf={checkpoint}'s max_position_embeddings=16" in (
+        console.file.getvalue()
+    )
 
 
 def test_a_run_dir_whose_name_is_too_long_is_refused(refused):

@@ -67,9 +67,9 @@ def _train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
     with jax.set_mesh(prepared.mesh), SigtermStop() as sigterm, contextlib.closing(batches):
         step, memory = compile_checked(prepared)  # no state yet
         meter = dataclasses.replace(meter, memory=memory)
+        state, resumed = starting_state(prepared, optimizer, batches)  # a refusal here leaves nothing behind
         prepared.directory.mark_started()  # what is written from here marks the directory as this run's
-        checkpoints = Checkpoints(run_dir / "checkpoints", config.checkpoint)
-        state = starting_state(prepared, optimizer, checkpoints, batches)
+        checkpoints = resumed or Checkpoints(run_dir / "checkpoints", config.checkpoint)
         announce_start(prepared, meter, config_yaml, console)
         loop = TrainingLoop(
             config.train,
@@ -152,15 +152,19 @@ def compile_checked(prepared: PreparedRun) -> tuple[CompiledStep, CompiledMemory
 
 
 def starting_state(
-    prepared: PreparedRun, optimizer: optax.GradientTransformation, checkpoints: Checkpoints, batches: RunBatches
-) -> TrainState:
+    prepared: PreparedRun, optimizer: optax.GradientTransformation, batches: RunBatches
+) -> tuple[TrainState, Checkpoints | None]:
     """The checkpoint's state and data position when resuming (read before anything is written:
-    a bad checkpoint loses nothing), else a new state."""
+    a bad checkpoint loses nothing) and the checkpoints read, else a new state and None: a new
+    run's `checkpoints/` is made by the caller once the state is built, so a refused
+    `init.from_hf` (a weight that is not finite) leaves no directory behind."""
+    config = prepared.config
     if prepared.resume_step is None:
-        return initial_state(prepared.config, optimizer, prepared.mesh, prepared.layout)[0]
+        return initial_state(config, optimizer, prepared.mesh, prepared.layout)[0], None
+    checkpoints = Checkpoints(prepared.run_dir / "checkpoints", config.checkpoint)
     arrays, data_state = checkpoints.restore(prepared.resume_step, prepared.layout.abstract())
     batches.train.set_state(data_state)
-    return prepared.layout.assemble(arrays)
+    return prepared.layout.assemble(arrays), checkpoints
 
 
 def announce_start(prepared: PreparedRun, meter: StepMeter, config_yaml: str, console: Console) -> None:
