@@ -23,18 +23,20 @@ import sys
 from collections.abc import Callable
 
 EARLY_INTERRUPT = "interrupted before the run started; nothing was written"
+EARLY_TERMINATED = "stopped by SIGTERM before the run started; nothing was written"
 
 
-def exit_interrupted(line: str) -> None:
-    """Ctrl-C where no Python code of ferry's can handle it (the imports, the interpreter's exit):
-    one line, exit status 130, at once."""
+def exit_interrupted(line: str, code: int = 130) -> None:
+    """Ctrl-C (or SIGTERM, `code` 0) where no Python code of ferry's can handle it (the imports,
+    the interpreter's exit): one line, that exit status, at once."""
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
-    os._exit(130)
+    os._exit(code)
 
 
-if __name__ == "__main__":  # the imports below take seconds; Ctrl-C during them is one line too
+if __name__ == "__main__":  # the imports below take seconds; Ctrl-C or SIGTERM during them is one line too
     signal.signal(signal.SIGINT, lambda signum, frame: exit_interrupted(EARLY_INTERRUPT))
+    signal.signal(signal.SIGTERM, lambda signum, frame: exit_interrupted(EARLY_TERMINATED, 0))
     from ferry.cpu_only import keep_jax_to_the_cpu
 
     keep_jax_to_the_cpu()  # before JAX starts a backend: no accelerator plugin's traceback on a CPU-only machine
@@ -59,6 +61,7 @@ from ferry.run.default_policy import DefaultChoice, choose_default, names_preset
 from ferry.run.directory import resolve_run_dir  # noqa: E402
 from ferry.run.nonfinite import NonFiniteLossError  # noqa: E402
 from ferry.run.precompile import check_compile_target, precompile  # noqa: E402
+from ferry.run.preemption import Terminated, check_terminated, stop_on_sigterm  # noqa: E402
 from ferry.run.preflight import PreparedRun, prepare  # noqa: E402
 from ferry.run.training import train  # noqa: E402
 from ferry.train.memory import InsufficientMemoryError  # noqa: E402
@@ -136,6 +139,7 @@ def main(argv: list[str]) -> int:
             highlight=False,
         )
         check_platform(config.platform)
+        check_terminated()  # JAX swallows what a plugin's start-up raises, a SIGTERM's Terminated too
         scheduler_target(config.platform, jax.devices()[0].device_kind)  # a device ferry can price, or refused now
         console = make_console(quiet=jax.process_index() != 0)  # process 0 speaks for the run
         train_run(argv, node, config, console, runs)
@@ -147,6 +151,9 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         console.print(interrupted(runs[-1] if runs else None), highlight=False)
         return 130
+    except Terminated:  # SIGTERM outside the step loop, which stops at a step by itself
+        console.print(interrupted(runs[-1] if runs else None, "stopped by SIGTERM"), highlight=False)
+        return 0
     finally:
         for prepared in runs:
             prepared.release()
@@ -305,11 +312,16 @@ def script(argv: list[str]) -> int:
     after it ends (while the interpreter exits), is one line and exit status 130."""
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        stop_on_sigterm()  # until the step loop listens for it itself (`ferry.run.preemption`)
         code = main(argv)
     except KeyboardInterrupt:
         print("interrupted; the same command resumes from the run directory's latest checkpoint, if any")
         code = 130
+    except Terminated:
+        print("stopped by SIGTERM; the same command resumes from the run directory's latest checkpoint, if any")
+        code = 0
     signal.signal(signal.SIGINT, lambda signum, frame: exit_interrupted("interrupted while exiting"))
+    signal.signal(signal.SIGTERM, lambda signum, frame: exit_interrupted("stopped by SIGTERM while exiting", 0))
     return code
 
 

@@ -68,6 +68,7 @@ def _train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
         step, memory = compile_checked(prepared)  # no state yet
         meter = dataclasses.replace(meter, memory=memory)
         state, resumed = starting_state(prepared, optimizer, batches)  # a refusal here leaves nothing behind
+        sigterm.stop_before_start()
         prepared.directory.mark_started()  # what is written from here marks the directory as this run's
         checkpoints = resumed or Checkpoints(run_dir / "checkpoints", config.checkpoint)
         announce_start(prepared, meter, config_yaml, console)
