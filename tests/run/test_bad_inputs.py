@@ -578,6 +578,17 @@ def test_an_evaluation_longer_than_the_held_out_split_is_noted():
     assert "train.eval_batches=3 but the held-out split holds 2 whole batch(es)" in note
 
 
+def test_a_profile_past_the_runs_end_is_noted():
+    from tests.conftest import compose_config
+
+    run = ("train.steps=6", "train.warmup_steps=1")
+    notes = compose_config(*run, "profile.start_step=5", "profile.steps=4").notes
+    assert notes == (
+        "profile.steps=4 from profile.start_step=5 runs past train.steps=6: the trace holds steps 5 to 6 (2 step(s))",
+    )
+    assert compose_config(*run, "profile.start_step=4", "profile.steps=3").notes == ()
+
+
 def test_data_keys_the_source_does_not_read_are_noted():
     from tests.conftest import compose_config
 

@@ -205,6 +205,8 @@ def load_config(node: Mapping) -> FerryConfig:
     notes += data.ignored()
     if train.learning_rate == 0:
         notes.append("train.learning_rate=0: the parameters will not change (the optimizer's steps are all zero)")
+    profile = from_dict(ProfileConfig, node.get("profile", {}), "profile")
+    notes += profile_cut(profile, train.steps)
     return FerryConfig(
         model_name=str(model.get("name", "custom")),
         model=model_settings,
@@ -214,7 +216,7 @@ def load_config(node: Mapping) -> FerryConfig:
         run=from_dict(RunConfig, node.get("run", {}), "run"),
         checkpoint=from_dict(CheckpointConfig, node.get("checkpoint", {}), "checkpoint"),
         log=from_dict(LogConfig, node.get("log", {}), "log"),
-        profile=from_dict(ProfileConfig, node.get("profile", {}), "profile"),
+        profile=profile,
         platform=from_dict(PlatformConfig, node.get("platform", {}), "platform"),
         mesh=from_dict(MeshConfig, node.get("mesh", {}), "mesh"),
         distributed=from_dict(DistributedConfig, node.get("distributed", {}), "distributed"),
@@ -224,6 +226,17 @@ def load_config(node: Mapping) -> FerryConfig:
         init=from_dict(InitConfig, node.get("init", {}), "init"),
         notes=tuple(notes),
     )
+
+
+def profile_cut(profile: ProfileConfig, steps: int) -> list[str]:
+    """A trace that would run past the run's last step ends there: said once, with what it holds."""
+    start = profile.start_step
+    if start is None or start > steps or start + profile.steps - 1 <= steps:
+        return []  # no trace, or one FerryConfig refuses (it starts after the last step), or it fits
+    return [
+        f"profile.steps={profile.steps} from profile.start_step={start} runs past train.steps={steps}: the trace "
+        f"holds steps {start} to {steps} ({steps - start + 1} step(s))"
+    ]
 
 
 def fit_warmup(train: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
