@@ -476,6 +476,21 @@ def test_prepare_data_takes_its_own_keys_only(tmp_path, capsys):
         assert len(out.strip().splitlines()) == 1 and message in out, out
 
 
+def test_a_refused_prepare_leaves_the_users_directory_as_it_was(tmp_path, capsys):
+    """data.prepared at a directory of the user's own files is refused, and the lock file the
+    preparation took there goes with the refusal."""
+    from tests.launcher_cases import load_script
+
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("some text\n" * 20)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine\n")
+    argv = ["data.source=text", f"data.path={tmp_path / 'corpus'}", f"data.prepared={tmp_path / 'mine'}"]
+    assert load_script("prepare_data.py").main(argv) == 2
+    assert "holds files that are not a prepared corpus (notes.txt)" in capsys.readouterr().out
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
+
+
 def test_a_refusal_keeps_its_brackets(capsys):
     from ferry.errors import ConfigError
     from tests.launcher_cases import load_launcher
