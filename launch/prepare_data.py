@@ -35,7 +35,7 @@ from rich.console import Console  # noqa: E402
 from rich.markup import escape  # noqa: E402
 
 from ferry.config.overrides import compose_node  # noqa: E402
-from ferry.config.paths import check_directory_to_write  # noqa: E402
+from ferry.config.paths import check_directory_to_write, nameable_path  # noqa: E402
 from ferry.config_schema import from_dict  # noqa: E402
 from ferry.data.config import DataConfig  # noqa: E402
 from ferry.data.prepare import Prepared, prepare_corpus  # noqa: E402
@@ -64,6 +64,9 @@ def load_data_config(argv: list[str]) -> DataConfig:
     if config.prepared is None:
         raise ConfigError("name the directory to write: data.prepared=DIR (training reads the same key)")
     check_directory_to_write("data.prepared", config.prepared)
+    for key in ("path", "tokenizer", "cache_dir"):  # a name too long for the file system, refused naming the key
+        if getattr(config, key) is not None:
+            nameable_path(f"data.{key}", getattr(config, key))
     return config
 
 
