@@ -69,6 +69,7 @@ def schema_keys(cls: type = FerryConfig, prefix: str = "") -> Iterator[tuple[str
         else:
             yield key, hint
     if not prefix:
+        yield from (("model.name", str), ("model.family", str))  # read by the registry, not fields of the class
         yield from schema_keys(FAMILIES["llama"].config, "model.")
 
 

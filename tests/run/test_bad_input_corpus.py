@@ -139,9 +139,10 @@ def test_export_hf_refuses_the_corpus(finished_run, tmp_path, capsys):
     reads and writes, and a run whose files are malformed."""
     export_hf = load_script("export_hf.py")
     (tmp_path / "a_file").write_text("x")
-    run = tmp_path / "run"
-    shutil.copytree(finished_run, run)
-    (run / "config.yaml").write_text("model: [1, 2\n")
+    runs = {"not YAML": "model: [1, 2\n", "a list for a name": "model: {family: [llama]}\n", "a bare value": "5\n"}
+    for index, text in enumerate(runs.values()):
+        shutil.copytree(finished_run, tmp_path / f"run{index}")
+        (tmp_path / f"run{index}" / "config.yaml").write_text(text)
     out = str(tmp_path / "out")
     argv_cases = {
         "--step abc": [str(finished_run), out, "--step", "abc"],
@@ -153,8 +154,8 @@ def test_export_hf_refuses_the_corpus(finished_run, tmp_path, capsys):
         "run name too long": [str(tmp_path / ("n" * 300)), out],
         "out below a file": [str(finished_run), str(tmp_path / "a_file" / "out")],
         "out name too long": [str(finished_run), str(tmp_path / ("n" * 300))],
-        "config.yaml not YAML": [str(run), out],
     }
+    argv_cases |= {f"config.yaml {name}": [str(tmp_path / f"run{i}"), out] for i, name in enumerate(runs)}
     problems = {}
     for name, argv in argv_cases.items():
         try:

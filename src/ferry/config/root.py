@@ -10,7 +10,7 @@ from typing import Any
 
 from ferry.config.plan import PlanConfig
 from ferry.config.train import OffloadConfig, TrainConfig
-from ferry.config_schema import from_dict
+from ferry.config_schema import checked_value, from_dict
 from ferry.data.config import DataConfig
 from ferry.distributed import DistributedConfig
 from ferry.errors import ConfigError
@@ -208,7 +208,7 @@ def load_config(node: Mapping) -> FerryConfig:
     profile = from_dict(ProfileConfig, node.get("profile", {}), "profile")
     notes += profile_cut(profile, train.steps)
     return FerryConfig(
-        model_name=str(model.get("name", "custom")),
+        model_name=checked_value("model.name", model.get("name", "custom"), str),  # a label: a list is none
         model=model_settings,
         train=train,
         offload=from_dict(OffloadConfig, node.get("offload", {}), "offload"),
