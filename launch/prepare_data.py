@@ -78,7 +78,7 @@ def prepare_or_take_back(config: DataConfig, directory: Path, tokenizer: Tokeniz
     (one that held this process's name: another's it took over since is left) and the directories
     made for it that stayed empty. What it refused, the user's own files, stays as it was."""
     made = [d for d in (directory, *directory.parents) if not d.exists()]  # deepest first
-    lock, ours = directory / LOCK, f"pid {os.getpid()} on {os.uname().nodename}"
+    lock, ours = directory / LOCK, f"pid {os.getpid()} on {os.uname().nodename}"  # as prepare_corpus writes it
     had_lock = lock.exists()
     try:
         return prepare_corpus(config, directory, tokenizer, console)

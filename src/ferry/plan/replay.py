@@ -99,12 +99,12 @@ def kernel_flops(eqn: Any, share: float = 1.0) -> float:
     count the compiled program's custom call is priced with too (`ferry.xla.hlo_flops`), or,
     declaring none, as its static dimensions alone (a lower bound). The body's matmuls are not
     counted as matmul ops: the compiled program runs one custom call for them."""
-    grid = eqn.params["grid_mapping"].grid
-    static = math.prod(d for d in grid if isinstance(d, int))
+    static = [d for d in eqn.params["grid_mapping"].grid if isinstance(d, int)]  # a dynamic one is no int
+    dynamic = len(static) < len(eqn.params["grid_mapping"].grid)
     estimate = getattr(eqn.params.get("cost_estimate"), "flops", None)
-    if len(grid) > sum(isinstance(d, int) for d in grid) and estimate:
+    if dynamic and estimate:
         return share * float(estimate)
-    return sum(total_dot_flops(inner, share * static) for inner in _inner_jaxprs(eqn))
+    return sum(total_dot_flops(inner, share * math.prod(static)) for inner in _inner_jaxprs(eqn))
 
 
 def total_dot_flops(jaxpr: Any, share: float = 1.0) -> float:
