@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from ferry.run.lock import acquire
-from tests.conftest import ROOT, SMALL_RUN, run_launcher, start_launcher
+from tests.conftest import ROOT, SMALL_RUN, run_launcher
 
 COMMON = SMALL_RUN
 
@@ -191,49 +191,12 @@ def run_dir_cases(root):
         "garbage jsonl": ["data.source=jsonl", f"data.path={root / 'garbage.jsonl'}", f"run.dir={root / 'jsonl'}"],
     }
     cases["name too long"] = [f"run.dir={root / ('a' * 300) / 'run'}"]
-    cases |= from_hf_cases(root)
     if Path("/proc/self").is_dir():
         cases["under /proc"] = [f"run.dir=/proc/ferry-{os.getpid()}/run"]
     if os.geteuid() != 0:  # root writes through permission bits
         (root / "unwritable").mkdir(mode=0o500)
         cases["unwritable"] = [f"run.dir={root / 'unwritable' / 'run'}"]
     return cases
-
-
-def hf_checkpoint(directory: Path, **changes) -> Path:
-    """llama_tiny as a Hugging Face checkpoint in `directory`, its config.json's keys changed
-    (`config_json` replaces the whole file)."""
-    import jax
-
-    from ferry.hf import save_pretrained
-    from ferry.models.registry import build_model
-    from tests.conftest import load_model_config
-
-    save_pretrained(build_model(load_model_config("llama_tiny"), jax.random.key(0)), directory)
-    config = json.loads((directory / "config.json").read_text())
-    whole = changes.pop("config_json", None)
-    (directory / "config.json").write_text(json.dumps(whole if whole is not None else config | changes))
-    return directory
-
-
-def from_hf_cases(root: Path) -> dict[str, list[str]]:
-    """init.from_hf at malformed checkpoints (a config.json that is a list, a rope_scaling that
-    is, a weight that is not finite), each run.dir new and two levels below `root`."""
-    from safetensors.numpy import load_file, save_file
-
-    inf = hf_checkpoint(root / "hf_inf")
-    tensors = load_file(inf / "model.safetensors")
-    tensors["lm_head.weight"][0, 0] = float("inf")
-    save_file(tensors, str(inf / "model.safetensors"))
-    checkpoints = {
-        "from_hf a list": hf_checkpoint(root / "hf_list", config_json=[1, 2]),
-        "from_hf rope a list": hf_checkpoint(root / "hf_rope", rope_scaling=[1, 2]),
-        "from_hf inf": inf,
-    }
-    return {
-        name: [f"init.from_hf={path}", f"run.dir={root / path.name / 'new' / 'run'}"]
-        for name, path in checkpoints.items()
-    }
 
 
 @pytest.fixture(scope="module")
@@ -323,35 +286,6 @@ def test_a_file_where_a_directory_belongs_is_refused_naming_the_key(refused):
     for name in ("cache", "prepared", "from_hf"):
         assert not (root / name).exists()
     assert (root / "a_file").read_text() == "precious\n"
-
-
-def test_a_malformed_hugging_face_checkpoint_is_refused_leaving_nothing_behind(refused):
-    """A config.json that is no object, a value of the wrong kind in it, a weight that is not
-    finite (found once the run directory was claimed and the step compiled): one line each, and
-    neither the run directory nor the parent made for it stays behind."""
-    _, _, by_dir, root = refused
-    assert_refused(by_dir["from_hf a list"], f"{root / 'hf_list' / 'config.json'} holds a JSON array, not an object")
-    assert_refused(by_dir["from_hf rope a list"], "has a value ferry cannot read as a Llama config")
-    assert_refused(by_dir["from_hf inf"], "tensor lm_head.weight holds 1 non-finite value")
-    for name in ("hf_list", "hf_rope", "hf_inf"):
-        assert sorted(p.name for p in (root / name).iterdir()) == ["config.json", "model.safetensors"], name
-
-
-def test_a_sequence_longer_than_the_checkpoints_positions_is_noted(tmp_path):
-    import io
-
-    from rich.console import Console
-
-    from ferry.run.preflight import prepare
-    from tests.conftest import compose_config
-
-    checkpoint = hf_checkpoint(tmp_path / "hf", max_position_embeddings=16)
-    console = Console(file=io.StringIO(), width=400)
-    config = compose_config(*COMMON, f"init.from_hf={checkpoint}", f"run.dir={tmp_path / 'run'}")
-    prepare(config, console).release()
-    assert f"note: train.seq_len=32 is longer than init.from_hf={checkpoint}'s max_position_embeddings=16" in (
-        console.file.getvalue()
-    )
 
 
 def test_a_run_dir_whose_name_is_too_long_is_refused(refused):
@@ -476,21 +410,6 @@ def test_prepare_data_takes_its_own_keys_only(tmp_path, capsys):
         assert len(out.strip().splitlines()) == 1 and message in out, out
 
 
-def test_a_refused_prepare_leaves_the_users_directory_as_it_was(tmp_path, capsys):
-    """data.prepared at a directory of the user's own files is refused, and the lock file the
-    preparation took there goes with the refusal."""
-    from tests.launcher_cases import load_script
-
-    (tmp_path / "corpus").mkdir()
-    (tmp_path / "corpus" / "a.txt").write_text("some text\n" * 20)
-    (tmp_path / "mine").mkdir()
-    (tmp_path / "mine" / "notes.txt").write_text("mine\n")
-    argv = ["data.source=text", f"data.path={tmp_path / 'corpus'}", f"data.prepared={tmp_path / 'mine'}"]
-    assert load_script("prepare_data.py").main(argv) == 2
-    assert "holds files that are not a prepared corpus (notes.txt)" in capsys.readouterr().out
-    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
-
-
 def test_a_refusal_keeps_its_brackets(capsys):
     from ferry.errors import ConfigError
     from tests.launcher_cases import load_launcher
@@ -514,36 +433,6 @@ def test_ctrl_c_during_the_imports_is_one_line_and_130(tmp_path):
     assert process.returncode == 130, stdout + stderr
     assert "Traceback" not in stderr and len(stdout.strip().splitlines()) == 1, stdout + stderr
     assert "interrupted" in stdout and not (tmp_path / "run").exists()
-
-
-def sigterm_launcher(tmp_path, after: str | None, delay: float = 0.0) -> tuple[int, str, str]:
-    """`launch/run.py` sent SIGTERM `delay` seconds after its stdout shows `after` (after its
-    start where None); its exit status and output."""
-    log = tmp_path / "log"
-    process = start_launcher(*COMMON, f"run.dir={tmp_path / 'run'}", log_dir=log)
-    deadline = time.monotonic() + 120
-    while after is not None and after not in process.stdout_path.read_text() and time.monotonic() < deadline:
-        assert process.process.poll() is None, process.stdout_path.read_text() + process.stderr_path.read_text()
-        time.sleep(0.02)
-    time.sleep(delay)
-    process.process.send_signal(signal.SIGTERM)
-    return process.wait(timeout=120)
-
-
-@pytest.mark.parametrize(
-    "after, delay",
-    [(None, 0.6), ("platform cpu", 0.0), ("loss head:", 0.0)],
-    ids=["imports", "backend start", "before the compile"],
-)
-def test_sigterm_before_the_first_step_is_one_line_and_a_clean_stop(tmp_path, after, delay):
-    """SIGTERM (a preemption, a scheduler's time limit) before the step loop listens for it: one
-    line, exit status 0, and the run directory it had claimed taken away again. JAX swallows what
-    a backend plugin's start-up raises, the stop too: the launcher asks again once the backend is up."""
-    code, stdout, stderr = sigterm_launcher(tmp_path, after, delay)
-    assert code == 0 and "Traceback" not in stderr, stdout + stderr
-    assert stdout.strip().splitlines()[-1].startswith("stopped by SIGTERM before the run"), stdout
-    assert "nothing was written" in stdout and "step 1" not in stdout
-    assert not (tmp_path / "run").exists()
 
 
 # --- the likely causes of a non-finite loss, non-finite weights, a cycling evaluation ----------
