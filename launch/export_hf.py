@@ -19,8 +19,11 @@ import sys
 from pathlib import Path
 
 import jax
+import yaml
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
+from ferry.config.paths import check_directory_to_write, nameable_path
 from ferry.config.root import FerryConfig, load_config
 from ferry.errors import FerryError
 from ferry.hf import save_pretrained
@@ -41,10 +44,27 @@ def run_config(run_dir: Path) -> FerryConfig:
     config_file = run_dir / "config.yaml"
     if not config_file.is_file():
         raise ExportError(f"{run_dir} has no config.yaml; pass a run directory launch/run.py wrote")
-    node = OmegaConf.to_container(OmegaConf.load(config_file), resolve=True)
+    node = read_yaml(config_file)
     if not isinstance(node, dict) or "model" not in node:
         raise ExportError(f"{config_file} holds no run config (no model key); pass a run directory launch/run.py wrote")
     return load_config(node)
+
+
+def read_yaml(config_file: Path) -> object:
+    """The YAML in `config_file`, resolved; a file that does not parse (or holds one bare value, which
+    OmegaConf refuses) is refused naming it and where, in one line."""
+    try:
+        return OmegaConf.to_container(OmegaConf.load(config_file), resolve=True)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(error, "problem", None) or type(error).__name__
+        raise ExportError(f"{config_file} is not valid YAML ({problem}{where}); fix it, or pass another run") from error
+    except (OmegaConfBaseException, OSError, UnicodeDecodeError) as error:
+        raise ExportError(
+            f"{config_file} holds no run config ({' '.join(str(error).split()[:12])}); "
+            "pass a run directory launch/run.py wrote"
+        ) from error
 
 
 def chosen_step(run_dir: Path, step: int | None) -> int:
@@ -60,7 +80,9 @@ def chosen_step(run_dir: Path, step: int | None) -> int:
 
 
 def check_output(out_dir: Path) -> None:
-    """The output is a new or empty directory (an export never mixes with other files)."""
+    """The output is a new or empty directory (an export never mixes with other files) that this
+    user can make and write (`ferry.config.paths`: not below a file, nor on /proc, nor too long)."""
+    check_directory_to_write("OUT_DIR", str(out_dir))
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ExportError(f"{out_dir} exists and is not an empty directory; export into a new directory")
 
@@ -81,11 +103,17 @@ def export(run_dir: Path, out_dir: Path, step: int | None = None, dtype: str = "
     """Write checkpoint `step` (default: the latest) of `run_dir` into `out_dir`; the files written."""
     if dtype not in EXPORT_DTYPES:
         raise ExportError(f"--dtype {dtype}: export as one of {sorted(EXPORT_DTYPES)}")
+    nameable_path("RUN_DIR", str(run_dir))
     config = run_config(run_dir)
     step = chosen_step(run_dir, step)
     check_output(out_dir)
     model = restored_model(config, run_dir, step)
-    return save_pretrained(model, out_dir, dtype=dtype)
+    try:
+        return save_pretrained(model, out_dir, dtype=dtype)
+    except OSError as error:  # a disk filled, or a directory taken away, since the checks
+        raise ExportError(
+            f"{out_dir} cannot be written ({error.strerror or error}); free space there or export elsewhere"
+        ) from error
 
 
 def main(argv: list[str]) -> int:

@@ -35,13 +35,13 @@ from rich.console import Console  # noqa: E402
 from rich.markup import escape  # noqa: E402
 
 from ferry.config.overrides import compose_node  # noqa: E402
-from ferry.config.paths import check_directory_to_write  # noqa: E402
+from ferry.config.paths import check_directory_to_write, nameable_path  # noqa: E402
 from ferry.config_schema import from_dict  # noqa: E402
 from ferry.data.config import DataConfig  # noqa: E402
 from ferry.data.corpus import skipped_note  # noqa: E402
-from ferry.data.prepare import prepare_corpus  # noqa: E402
+from ferry.data.prepare import Prepared, prepare_corpus  # noqa: E402
 from ferry.data.shards import SPLITS  # noqa: E402
-from ferry.data.tokenizer import load_tokenizer  # noqa: E402
+from ferry.data.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
 from ferry.errors import ConfigError, FerryError  # noqa: E402
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -65,20 +65,45 @@ def load_data_config(argv: list[str]) -> DataConfig:
     if config.prepared is None:
         raise ConfigError("name the directory to write: data.prepared=DIR (training reads the same key)")
     check_directory_to_write("data.prepared", config.prepared)
+    for key in ("path", "tokenizer", "cache_dir"):  # a name too long for the file system, refused naming the key
+        if getattr(config, key) is not None:
+            nameable_path(f"data.{key}", getattr(config, key))
     return config
 
 
+LOCK = ".lock"  # the lock file prepare_corpus holds in the directory it writes
+
+
+def prepare_or_take_back(config: DataConfig, directory: Path, tokenizer: Tokenizer, console: Console) -> Prepared:
+    """`prepare_corpus`, and on a refusal nothing of this command's left behind: its lock file
+    (one that held this process's name: another's it took over since is left) and the directories
+    made for it that stayed empty. What it refused, the user's own files, stays as it was."""
+    made = [d for d in (directory, *directory.parents) if not d.exists()]  # deepest first
+    lock, ours = directory / LOCK, f"pid {os.getpid()} on {os.uname().nodename}"  # as prepare_corpus writes it
+    had_lock = lock.exists()
+    try:
+        return prepare_corpus(config, directory, tokenizer, console)
+    except (FerryError, ValueError, FileNotFoundError):
+        if not had_lock and lock.is_file() and lock.read_text() == ours:
+            lock.unlink()
+        for made_dir in made:
+            if not made_dir.is_dir() or any(made_dir.iterdir()):
+                break
+            made_dir.rmdir()
+        raise
+
+
 def main(argv: list[str]) -> int:
-    console = Console()
+    console = Console(markup=False, emoji=False)  # a path's brackets or colons are text
     config: DataConfig | None = None
     try:
         config = load_data_config(argv)
         tokenizer = load_tokenizer(config.tokenizer, config.eos_token)
         directory = Path(config.prepared).expanduser()
-        prepared = prepare_corpus(config, directory, tokenizer, console)
+        prepared = prepare_or_take_back(config, directory, tokenizer, console)
     except (FerryError, ValueError, FileNotFoundError) as error:  # ConfigError, PreparedDataError, DataSourceError
         line = escape(" ".join(str(error).split()))  # one line whatever the width, its brackets not markup
-        console.print(f"[bold red]error:[/] {line}", highlight=False, soft_wrap=True)
+        console.print(f"[bold red]error:[/] {line}", highlight=False, soft_wrap=True, markup=True)
         return 2
     except KeyboardInterrupt:
         if config is None:

@@ -23,18 +23,20 @@ import sys
 from collections.abc import Callable
 
 EARLY_INTERRUPT = "interrupted before the run started; nothing was written"
+EARLY_TERMINATED = "stopped by SIGTERM before the run started; nothing was written"
 
 
-def exit_interrupted(line: str) -> None:
-    """Ctrl-C where no Python code of ferry's can handle it (the imports, the interpreter's exit):
-    one line, exit status 130, at once."""
+def exit_interrupted(line: str, code: int = 130) -> None:
+    """Ctrl-C (or SIGTERM, `code` 0) where no Python code of ferry's can handle it (the imports,
+    the interpreter's exit): one line, that exit status, at once."""
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
-    os._exit(130)
+    os._exit(code)
 
 
-if __name__ == "__main__":  # the imports below take seconds; Ctrl-C during them is one line too
+if __name__ == "__main__":  # the imports below take seconds; Ctrl-C or SIGTERM during them is one line too
     signal.signal(signal.SIGINT, lambda signum, frame: exit_interrupted(EARLY_INTERRUPT))
+    signal.signal(signal.SIGTERM, lambda signum, frame: exit_interrupted(EARLY_TERMINATED, 0))
     from ferry.cpu_only import keep_jax_to_the_cpu
 
     keep_jax_to_the_cpu()  # before JAX starts a backend: no accelerator plugin's traceback on a CPU-only machine
@@ -59,6 +61,7 @@ from ferry.run.default_policy import DefaultChoice, choose_default, names_preset
 from ferry.run.directory import resolve_run_dir  # noqa: E402
 from ferry.run.nonfinite import NonFiniteLossError  # noqa: E402
 from ferry.run.precompile import check_compile_target, precompile  # noqa: E402
+from ferry.run.preemption import Terminated, check_terminated, stop_on_sigterm  # noqa: E402
 from ferry.run.preflight import PreparedRun, prepare  # noqa: E402
 from ferry.run.training import train  # noqa: E402
 from ferry.train.memory import InsufficientMemoryError  # noqa: E402
@@ -77,8 +80,11 @@ def make_console(quiet: bool = False) -> Console:
     """The console: the terminal's width on a terminal, otherwise wide enough for every table
     (a log file has no width, and rich would cut columns at 80)."""
     terminal = sys.stdout.isatty()
-    # markup off: a printed line's own brackets (an install hint's ".[gpu]") are text
-    return Console(quiet=quiet, width=None if terminal else FILE_WIDTH, soft_wrap=not terminal, markup=False)
+    # markup and emoji codes off: a printed line's own brackets (an install hint's ".[gpu]") and a
+    # user's value (`localhost:abc:` would become an emoji) are text
+    return Console(
+        quiet=quiet, width=None if terminal else FILE_WIDTH, soft_wrap=not terminal, markup=False, emoji=False
+    )
 
 
 def compose_overrides(argv: list[str]) -> dict:
@@ -133,6 +139,7 @@ def main(argv: list[str]) -> int:
             highlight=False,
         )
         check_platform(config.platform)
+        check_terminated()  # JAX swallows what a plugin's start-up raises, a SIGTERM's Terminated too
         scheduler_target(config.platform, jax.devices()[0].device_kind)  # a device ferry can price, or refused now
         console = make_console(quiet=jax.process_index() != 0)  # process 0 speaks for the run
         train_run(argv, node, config, console, runs)
@@ -144,6 +151,9 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         console.print(interrupted(runs[-1] if runs else None), highlight=False)
         return 130
+    except Terminated:  # SIGTERM outside the step loop, which stops at a step by itself
+        console.print(interrupted(runs[-1] if runs else None, "stopped by SIGTERM"), highlight=False)
+        return 0
     finally:
         for prepared in runs:
             prepared.release()
@@ -211,18 +221,20 @@ def with_choice(choice: DefaultChoice, argv: list[str], node: dict) -> tuple[dic
 def refuse(error: Exception, code: int = 2) -> int:
     """One line (any newlines in the message folded), exit status `code`."""
     line = escape(" ".join(str(error).split()))  # a message's own brackets (".[plan]") are not markup
-    Console(width=FILE_WIDTH, soft_wrap=True).print(f"[bold red]error:[/] {line}", highlight=False)
+    Console(width=FILE_WIDTH, soft_wrap=True, emoji=False).print(f"[bold red]error:[/] {line}", highlight=False)
     return code
 
 
-def interrupted(prepared: PreparedRun | None) -> str:
-    """Ctrl-C's one line: where the run can continue from, if anywhere."""
+def interrupted(prepared: PreparedRun | None, what: str = "interrupted") -> str:
+    """Ctrl-C's (or SIGTERM's) one line: where the run can continue from, if anywhere."""
     if prepared is None:
-        return EARLY_INTERRUPT
+        return f"{what} before the run started; nothing was written"
     steps = checkpoint_steps(prepared.run_dir / "checkpoints")
     if steps:
-        return f"interrupted: {prepared.run_dir} holds checkpoints up to step {steps[-1]}; the same command resumes"
-    return f"interrupted before the first checkpoint of {prepared.run_dir}; the same command starts the run over"
+        return f"{what}: {prepared.run_dir} holds checkpoints up to step {steps[-1]}; the same command resumes"
+    if not wrote(prepared):
+        return f"{what} before the run wrote anything in {prepared.run_dir}; nothing was written"
+    return f"{what} before the first checkpoint of {prepared.run_dir}; the same command starts the run over"
 
 
 def check_plan_extra(target: str, find_spec: Callable[[str], object] | None = None, mode: str = "plan") -> None:
@@ -250,7 +262,9 @@ def plan(config: FerryConfig, console: Console, node: dict) -> int:
     # libtpu's lockfile keeps a second process off a TPU VM's chips; a plan only compiles, so it may
     # run beside a training run (or another plan) there
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    console = Console(width=max(console.width, 150), soft_wrap=console.soft_wrap)  # the tables are wide
+    console = Console(  # the tables are wide; their cells hold user values (no markup, no emoji codes)
+        width=max(console.width, 150), soft_wrap=console.soft_wrap, markup=False, emoji=False
+    )
     from ferry.plan.auto_measure import candidate_run, resolve_measure, subprocess_measurer
     from ferry.plan.measure import accelerator_present
     from ferry.plan.report import plan_presets, run_plan, target_platform, write_plan
@@ -298,11 +312,16 @@ def script(argv: list[str]) -> int:
     after it ends (while the interpreter exits), is one line and exit status 130."""
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        stop_on_sigterm()  # until the step loop listens for it itself (`ferry.run.preemption`)
         code = main(argv)
     except KeyboardInterrupt:
         print("interrupted; the same command resumes from the run directory's latest checkpoint, if any")
         code = 130
+    except Terminated:
+        print("stopped by SIGTERM; the same command resumes from the run directory's latest checkpoint, if any")
+        code = 0
     signal.signal(signal.SIGINT, lambda signum, frame: exit_interrupted("interrupted while exiting"))
+    signal.signal(signal.SIGTERM, lambda signum, frame: exit_interrupted("stopped by SIGTERM while exiting", 0))
     return code
 
 

@@ -126,6 +126,7 @@ def apply_platform(config: PlatformConfig) -> dict[str, str]:
     platform is accepted as it is (nothing would change) and any other refused."""
     import jax
 
+    check_jax_platforms(config, os.environ)
     variables = config.environment(os.environ)
     variable = config.flag_variable
     check_xla_flags(variable, variables.get(variable, ""))  # XLA would abort the process on a name it does not know
@@ -141,6 +142,33 @@ def apply_platform(config: PlatformConfig) -> dict[str, str]:
     if CACHE_VARIABLE in variables:  # JAX read its variables at import; children inherit the export
         jax.config.update("jax_compilation_cache_dir", variables[CACHE_VARIABLE])
     return variables
+
+
+# JAX_PLATFORMS names that start each platform's backend
+_JAX_NAMES = {"cpu": {"cpu"}, "gpu": {"cuda", "gpu"}, "tpu": {"tpu"}}
+
+
+def check_jax_platforms(config: PlatformConfig, environ: Mapping[str, str]) -> None:
+    """`JAX_PLATFORMS`, exported or in `platform.env`, must not name another backend than
+    `platform=`'s: ferry starts that one alone, so `JAX_PLATFORMS=tpu` with platform=cpu would train
+    on the CPU behind a start-up line that shows it applied. An exported `cpu` alone is let be: it
+    is what ferry itself exports on a machine without an accelerator (`ferry.cpu_only`), where a
+    platform=gpu or tpu is refused when its backend cannot start."""
+    sources = (
+        ("platform.env.JAX_PLATFORMS", config.env.get("JAX_PLATFORMS"), "drop platform.env.JAX_PLATFORMS"),
+        ("JAX_PLATFORMS", environ.get("JAX_PLATFORMS"), "unset JAX_PLATFORMS"),
+    )
+    for where, value, fix in sources:
+        names = {n.strip().lower() for n in str(value or "").split(",") if n.strip()}
+        if not names or names & _JAX_NAMES[config.name] or (where == "JAX_PLATFORMS" and names == {"cpu"}):
+            continue
+        asked = sorted(p for p, jax_names in _JAX_NAMES.items() if names & jax_names)
+        choose = " or ".join(f"platform={p}" for p in asked) or "platform=cpu|gpu|tpu"
+        raise PlatformError(
+            f"{where}={value} asks JAX for another backend than platform={config.name}'s, and ferry starts "
+            f"platform={config.name}'s alone, so the run would not use it: choose the hardware with {choose} "
+            f"and {fix}"
+        )
 
 
 def _already_applied(config: PlatformConfig) -> bool:

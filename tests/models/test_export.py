@@ -3,9 +3,11 @@ parameters ferry's own reader (what `init.from_hf` uses) loads bit for bit; bad 
 exit status 2, and nothing written."""
 
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -78,13 +80,26 @@ def test_export_a_given_step(trained_run, tmp_path):
 
 
 def bad_inputs(trained_run, tmp_path):
+    (tmp_path / "a_file").write_text("x")
     occupied = tmp_path / "occupied"
     occupied.mkdir()
     (occupied / "notes.txt").write_text("mine\n")
     empty_run = tmp_path / "empty_run"
     empty_run.mkdir()
     shutil.copy(trained_run / "config.yaml", empty_run / "config.yaml")
+    broken = {}
+    for name, text in {"unparsed": "model: [1, 2\n", "a_number": "5\n", "unresolved": "a: ${nope}\n"}.items():
+        broken[name] = tmp_path / f"run_{name}"
+        shutil.copytree(trained_run, broken[name])
+        (broken[name] / "config.yaml").write_text(text)
+    unwritable = [([str(trained_run), f"/proc/ferry-{os.getpid()}/out"], "cannot be made")]
     return [
+        *(unwritable if Path("/proc/self").is_dir() else []),
+        ([str(trained_run), str(tmp_path / ("o" * 300))], "is longer than the file system allows"),
+        ([str(trained_run), str(tmp_path / "a_file" / "out")], "a part of its path is a file"),
+        ([str(broken["unparsed"]), str(tmp_path / "out6")], "config.yaml is not valid YAML (expected ',' or ']'"),
+        ([str(broken["a_number"]), str(tmp_path / "out7")], "config.yaml holds no run config"),
+        ([str(broken["unresolved"]), str(tmp_path / "out8")], "config.yaml holds no run config (Interpolation key"),
         ([str(tmp_path / "missing"), str(tmp_path / "out1")], "is not a directory"),
         ([str(tmp_path), str(tmp_path / "out2")], "has no config.yaml"),
         ([str(empty_run), str(tmp_path / "out3")], "holds no checkpoint"),

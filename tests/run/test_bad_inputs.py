@@ -37,7 +37,7 @@ BAD_INPUTS = [
     (["train.learning_rate=nan"], "train.learning_rate"),
     (["train.learning_rate=inf"], "train.learning_rate"),
     (["train.global_batch_size=0"], "train.global_batch_size"),
-    (["train.global_batch_size=6", "train.micro_batch_size=4"], "train.global_batch_size"),
+    (["train.global_batch_size=6", "train.micro_batch_size=4"], "choose a global batch that is a multiple of 4"),
     (["train.seq_len=0"], "train.seq_len"),
     (["train.seq_len=1.5"], "train.seq_len"),
     (["train.micro_batch_size=0"], "train.micro_batch_size"),
@@ -143,6 +143,14 @@ BAD_INPUTS = [
         ["distributed.coordinator_address=localhost", "distributed.num_processes=1", "distributed.process_id=0"],
         "distributed.coordinator_address=localhost has no port",
     ),
+    # a user's value printed as it is (rich read `:abc:` as an emoji code), no traceback on an empty list
+    (
+        ["distributed.coordinator_address=localhost:abc", "distributed.num_processes=1", "distributed.process_id=0"],
+        "distributed.coordinator_address=localhost:abc: the port 'abc'",
+    ),
+    (["mode=plan", "target=v5e", "plan.presets=[]"], "plan.presets=[] names no preset"),
+    # a setting that would do nothing, or run elsewhere than asked
+    (["platform.env.JAX_PLATFORMS=tpu"], "platform.env.JAX_PLATFORMS=tpu asks JAX for another backend"),
 ]
 
 
@@ -187,6 +195,7 @@ def run_dir_cases(root):
         "binary text": ["data.source=text", f"data.path={root / 'garbage.jsonl'}", f"run.dir={root / 'binary'}"],
     }
     cases |= prepared_cases(root)
+    cases["name too long"] = [f"run.dir={root / ('a' * 300) / 'run'}"]
     if Path("/proc/self").is_dir():
         cases["under /proc"] = [f"run.dir=/proc/ferry-{os.getpid()}/run"]
     if os.geteuid() != 0:  # root writes through permission bits
@@ -325,6 +334,12 @@ def test_a_file_where_a_directory_belongs_is_refused_naming_the_key(refused):
     for name in ("cache", "prepared", "from_hf"):
         assert not (root / name).exists()
     assert (root / "a_file").read_text() == "precious\n"
+
+
+def test_a_run_dir_whose_name_is_too_long_is_refused(refused):
+    """`Path.exists` raises for a name over the file system's limit (255 bytes on most)."""
+    assert_refused(refused[2]["name too long"], "is longer than the file system allows")
+    assert "300 bytes" in refused[2]["name too long"]["stdout"]
 
 
 def test_a_run_dir_on_a_kernel_filesystem_is_refused(refused):
@@ -540,6 +555,17 @@ def test_an_evaluation_longer_than_the_held_out_split_is_noted():
     assert held_out_note(train, held_out_windows=12) is None
     note = held_out_note(train, held_out_windows=9)
     assert "train.eval_batches=3 but the held-out split holds 2 whole batch(es)" in note
+
+
+def test_a_profile_past_the_runs_end_is_noted():
+    from tests.conftest import compose_config
+
+    run = ("train.steps=6", "train.warmup_steps=1")
+    notes = compose_config(*run, "profile.start_step=5", "profile.steps=4").notes
+    assert notes == (
+        "profile.steps=4 from profile.start_step=5 runs past train.steps=6: the trace holds steps 5 to 6 (2 step(s))",
+    )
+    assert compose_config(*run, "profile.start_step=4", "profile.steps=3").notes == ()
 
 
 def test_data_keys_the_source_does_not_read_are_noted():

@@ -96,3 +96,79 @@ def test_gpu_needs_jax_0_12_and_says_why(monkeypatch):
     assert "\n" not in line and "platform=gpu needs jax >= 0.12, and this is jax 0.10.2" in line
     assert "openxla/xla #46231" in line and 'pip install -U "jax[cuda12]>=0.12"' in line
     assert "platform gpu:" not in line  # refused before the platform's flags were applied
+
+
+def test_every_platform_preset_lists_every_platform_key():
+    """Each configs/platform/ file holds every PlatformConfig key, so any of them is set as
+    `platform.KEY=VALUE` on any platform (`platform.compilation_cache` needed `+` on platform=cpu)."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from ferry.platform import PlatformConfig
+    from tests.conftest import CONFIGS, compose_config
+
+    keys = {f.name for f in dataclasses.fields(PlatformConfig)}
+    for path in sorted((CONFIGS / "platform").glob("*.yaml")):
+        assert set(OmegaConf.load(path)) == keys, path.name
+    assert compose_config("platform.compilation_cache=/tmp/cache").platform.compilation_cache == "/tmp/cache"
+
+
+def test_an_unwritable_compilation_cache_is_refused_naming_where_it_was_set(monkeypatch, tmp_path):
+    """JAX turns a cache it cannot write off with a warning (and compiles every time): refused
+    before anything starts, naming the key, or the exported variable that wins over it."""
+    from ferry.errors import ConfigError
+    from ferry.run.config_paths import check_config_paths
+    from tests.conftest import compose_config
+
+    (tmp_path / "a_file").write_text("x")
+    below_a_file = str(tmp_path / "a_file" / "cache")
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+    config = compose_config(f"platform.compilation_cache={below_a_file}")
+    with pytest.raises(ConfigError, match=f"platform.compilation_cache={below_a_file} cannot be made"):
+        check_config_paths(config)
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", below_a_file)
+    with pytest.raises(ConfigError, match=f"JAX_COMPILATION_CACHE_DIR={below_a_file} cannot be made"):
+        check_config_paths(compose_config())
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "cache"))
+    check_config_paths(config)  # the exported directory wins, and is writable
+
+
+def test_jax_platforms_naming_another_backend_is_refused():
+    """`JAX_PLATFORMS=tpu` (exported, or in platform.env) with platform=cpu would train on the CPU
+    behind a start-up line showing it applied. An exported `cpu` alone is what ferry exports on a
+    machine without an accelerator, and is let be."""
+    from ferry.platform import PlatformConfig, PlatformError, check_jax_platforms
+
+    cpu, tpu = PlatformConfig("cpu"), PlatformConfig("tpu")
+    for environ in ({}, {"JAX_PLATFORMS": "cpu"}, {"JAX_PLATFORMS": "cpu,tpu"}, {"JAX_PLATFORMS": ""}):
+        check_jax_platforms(cpu, environ)
+    check_jax_platforms(tpu, {"JAX_PLATFORMS": "cpu"})  # ferry's own; a TPU's absence is refused at its start
+    check_jax_platforms(PlatformConfig("gpu"), {"JAX_PLATFORMS": "cuda"})
+    with pytest.raises(PlatformError, match="^JAX_PLATFORMS=tpu asks JAX .* platform=tpu and unset JAX_PLATFORMS"):
+        check_jax_platforms(cpu, {"JAX_PLATFORMS": "tpu"})
+    with pytest.raises(PlatformError, match="^JAX_PLATFORMS=cuda asks .* platform=gpu"):
+        check_jax_platforms(tpu, {"JAX_PLATFORMS": "cuda"})
+    with pytest.raises(PlatformError, match="^platform.env.JAX_PLATFORMS=tpu .* drop platform.env.JAX_PLATFORMS"):
+        check_jax_platforms(PlatformConfig("cpu", env={"JAX_PLATFORMS": "tpu"}), {})
+
+
+def test_an_exported_jax_platforms_the_run_would_not_use_is_one_line_exit_2(tmp_path):
+    """The probe's command: `JAX_PLATFORMS=tpu python launch/run.py` on a machine without a TPU."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, SMALL_RUN
+
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "run.py"), *SMALL_RUN, f"run.dir={tmp_path / 'run'}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "JAX_PLATFORMS": "tpu"},
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stdout + result.stderr
+    (error,) = [line for line in result.stdout.splitlines() if line.startswith("error:")]
+    assert error.startswith("error: JAX_PLATFORMS=tpu asks JAX for another backend than platform=cpu's")
+    assert not (tmp_path / "run").exists()

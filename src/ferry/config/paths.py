@@ -12,6 +12,23 @@ from pathlib import Path
 from ferry.errors import ConfigError
 
 
+def nameable_path(key: str, value: str) -> Path:
+    """`value` as a path (`~` expanded), refused naming the key where the file system cannot name
+    it: a part longer than its limit (often 255 bytes), or the whole longer than the system's.
+    `Path.exists` raises `OSError: File name too long` for such a path instead of answering."""
+    path = Path(value).expanduser()
+    try:
+        os.stat(path)
+    except OSError as error:
+        if error.errno == errno.ENAMETOOLONG:
+            longest = max(len(os.fsencode(part)) for part in path.parts)
+            raise ConfigError(
+                f"{key}={value} is longer than the file system allows (its longest name is {longest} bytes, the "
+                f"whole path {len(os.fsencode(str(path)))}); choose a shorter path"
+            ) from error
+    return path
+
+
 def _deepest_existing(path: Path) -> Path:
     for candidate in (path, *path.parents):
         if os.path.lexists(candidate):
@@ -23,7 +40,7 @@ def check_directory_to_write(key: str, value: str) -> None:
     """`value` is a directory ferry may create and writes into: an existing directory that this
     user may write, or a path whose deepest existing part is a directory a directory can be made
     in (tried by making and removing an empty one there)."""
-    path = Path(value).expanduser()
+    path = nameable_path(key, value)
     if path.exists():
         if not path.is_dir():
             raise ConfigError(f"{key}={value} is a file, not a directory; point {key} at a directory")
@@ -48,13 +65,13 @@ def check_directory_to_write(key: str, value: str) -> None:
 def check_existing_directory(key: str, value: str, what: str) -> None:
     """`value` must be a directory when it exists (its absence is left to the reader, which says
     how to make it)."""
-    path = Path(value).expanduser()
+    path = nameable_path(key, value)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"{key}={value} is a file, not a directory; point {key} at {what}")
 
 
 def check_existing_file(key: str, value: str, what: str) -> None:
     """`value` must be a file when it exists."""
-    path = Path(value).expanduser()
+    path = nameable_path(key, value)
     if path.exists() and path.is_dir():
         raise ConfigError(f"{key}={value} is a directory, not a file; point {key} at {what}")

@@ -22,5 +22,10 @@ class PlanConfig:
     def __post_init__(self) -> None:
         if self.presets is not None:
             object.__setattr__(self, "presets", tuple(str(p) for p in self.presets))
+            if not self.presets:
+                raise ConfigError(
+                    "plan.presets=[] names no preset to plan; list one or more (plan.presets=[save_all,full_remat]) "
+                    "or drop the key for save_all, full_remat and offload="
+                )
         if self.capacity_gib is not None and not (math.isfinite(self.capacity_gib) and self.capacity_gib > 0):
             raise ConfigError(f"plan.capacity_gib must be positive, got {self.capacity_gib}")

@@ -10,7 +10,7 @@ from typing import Any
 
 from ferry.config.plan import PlanConfig
 from ferry.config.train import UPDATE_SETTINGS, OffloadConfig, TrainConfig
-from ferry.config_schema import from_dict
+from ferry.config_schema import checked_value, from_dict
 from ferry.data.config import DataConfig
 from ferry.distributed import DistributedConfig
 from ferry.errors import ConfigError
@@ -219,8 +219,10 @@ def load_config(node: Mapping) -> FerryConfig:
     notes += data.ignored()
     if train.learning_rate == 0:
         notes.append("train.learning_rate=0: the parameters will not change (the optimizer's steps are all zero)")
+    profile = from_dict(ProfileConfig, node.get("profile", {}), "profile")
+    notes += profile_cut(profile, train.steps)
     return FerryConfig(
-        model_name=str(model.get("name", "custom")),
+        model_name=checked_value("model.name", model.get("name", "custom"), str),  # a label: a list is none
         model=model_settings,
         train=train,
         offload=from_dict(OffloadConfig, node.get("offload", {}), "offload"),
@@ -228,7 +230,7 @@ def load_config(node: Mapping) -> FerryConfig:
         run=from_dict(RunConfig, node.get("run", {}), "run"),
         checkpoint=from_dict(CheckpointConfig, node.get("checkpoint", {}), "checkpoint"),
         log=from_dict(LogConfig, node.get("log", {}), "log"),
-        profile=from_dict(ProfileConfig, node.get("profile", {}), "profile"),
+        profile=profile,
         platform=from_dict(PlatformConfig, node.get("platform", {}), "platform"),
         mesh=from_dict(MeshConfig, node.get("mesh", {}), "mesh"),
         distributed=from_dict(DistributedConfig, node.get("distributed", {}), "distributed"),
@@ -238,6 +240,17 @@ def load_config(node: Mapping) -> FerryConfig:
         init=from_dict(InitConfig, node.get("init", {}), "init"),
         notes=tuple(notes),
     )
+
+
+def profile_cut(profile: ProfileConfig, steps: int) -> list[str]:
+    """A trace that would run past the run's last step ends there: said once, with what it holds."""
+    start = profile.start_step
+    if start is None or start > steps or start + profile.steps - 1 <= steps:
+        return []  # no trace, or one FerryConfig refuses (it starts after the last step), or it fits
+    return [
+        f"profile.steps={profile.steps} from profile.start_step={start} runs past train.steps={steps}: the trace "
+        f"holds steps {start} to {steps} ({steps - start + 1} step(s))"
+    ]
 
 
 def fit_warmup(train: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:

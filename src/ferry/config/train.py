@@ -3,6 +3,7 @@
 weights live). The run's root config, composing every group, is `ferry.config.root.FerryConfig`."""
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,7 +39,7 @@ class StatePlacement:
         for key in ("optimizer", "params"):
             if getattr(self, key) not in PLACES:
                 raise ConfigError(f"offload.{key} is {getattr(self, key)!r}; use device or host")
-        if not self.stream_mib > 0:
+        if not 0 < self.stream_mib < math.inf:
             raise ConfigError(
                 f"offload.stream_mib={self.stream_mib:g}: it is the HBM (MiB per device) the update of a state on "
                 "host streams through at once; use a positive number (1024 by default)"
@@ -140,7 +141,8 @@ class TrainConfig:
             )
             raise ConfigError(
                 f"train.global_batch_size {self.global_batch_size} is not a multiple of {what} "
-                f"(data x fsdp x expert of mesh {mesh_description}); choose a global batch that is"
+                f"(data x fsdp x expert of mesh {mesh_description}); choose a global batch that is a multiple "
+                f"of {per_step}"
             )
 
     def __post_init__(self) -> None:

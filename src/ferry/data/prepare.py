@@ -370,7 +370,7 @@ class _UnitRecorder:
         self.journal = (directory / PROGRESS / "units.jsonl").open("a")
         self.status = Progress(
             SpinnerColumn(),
-            TextColumn("tokenizing {task.description}"),
+            TextColumn("tokenizing {task.description}", markup=False),  # a path is text, not markup
             TextColumn(
                 "{task.fields[units]} units, {task.fields[documents]:,} documents, {task.fields[tokens]:,} tokens"
             ),

@@ -3,6 +3,7 @@
 never makes the batch's logits whole (`ferry.head.chunked`)."""
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -68,8 +69,10 @@ class LossHead:
     def __post_init__(self) -> None:
         if self.kind not in LOSS_HEADS:
             raise ConfigError(f"train.loss_head is {self.kind!r}; use one of {', '.join(LOSS_HEADS)}")
-        if not self.chunk_mib > 0:
-            raise ConfigError(f"train.loss_chunk_mib={self.chunk_mib} must be positive (MiB of logits per chunk)")
+        if not 0 < self.chunk_mib < math.inf:  # inf: int(inf) would fail deep in the step's trace
+            raise ConfigError(
+                f"train.loss_chunk_mib={self.chunk_mib} must be a positive number (MiB of logits per chunk)"
+            )
         if self.weight_grad not in WEIGHT_GRADS:
             raise ConfigError(f"train.loss_weight_grad is {self.weight_grad!r}; use one of {', '.join(WEIGHT_GRADS)}")
         if self.kernel not in LOSS_KERNELS:

@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from ferry.errors import read_json
+from ferry.errors import FerryError, read_json
 from ferry.hf.config_json import check_matches
 from ferry.hf.layout import TensorMap, check_tensors, host_tensors, load_array
 from ferry.hf.mapping import MAPPINGS, family_of_model_type, mapping_of
@@ -22,6 +22,7 @@ from ferry.models.base import AbstractLanguageModel, AbstractModelConfig
 from ferry.models.family import Family
 from ferry.sharding import tree_shardings
 
+JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
 EXPORT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
 
@@ -47,6 +48,12 @@ def open_checkpoint(directory: str | Path) -> Checkpoint:
             "(config.json, *.safetensors and, when sharded, model.safetensors.index.json)"
         )
     hf = read_json(config_file, "the checkpoint's config")
+    if not isinstance(hf, dict):
+        kind = JSON_KINDS.get(type(hf), "value")
+        raise CheckpointError(
+            f"{config_file} holds a JSON {kind}, not an object of settings (model_type, hidden_size, ...); pass a "
+            "Hugging Face checkpoint directory"
+        )
     family = family_of_model_type(hf.get("model_type"))
     if family is None:
         known = sorted(m.MODEL_TYPE for m in MAPPINGS.values())
@@ -54,8 +61,16 @@ def open_checkpoint(directory: str | Path) -> Checkpoint:
         raise CheckpointError(
             f"{config_file} has model_type {hf.get('model_type')!r}; ferry imports {known} ({architectures})"
         )
-    reader = CheckpointReader(directory, _fp8_block(hf))
-    config = mapping_of(family).config_from_hf(hf, mapping_of(family).mtp_layers(reader.names(), hf))
+    try:  # the file's values as the family reads them: a wrong kind of value is the file's fault
+        reader = CheckpointReader(directory, _fp8_block(hf))
+        config = mapping_of(family).config_from_hf(hf, mapping_of(family).mtp_layers(reader.names(), hf))
+    except FerryError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, ZeroDivisionError) as error:
+        raise CheckpointError(
+            f"{config_file} has a value ferry cannot read as a {mapping_of(family).FAMILY} config "
+            f"({type(error).__name__}: {error}); compare it with the published config.json of the model"
+        ) from error
     return Checkpoint(directory, hf, family, config, reader)
 
 

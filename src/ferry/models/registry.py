@@ -42,7 +42,7 @@ def model_config(node: Mapping[str, Any]) -> AbstractModelConfig:
     fields = dict(node)
     fields.pop("name", None)
     family = fields.pop("family", None)
-    if family not in FAMILIES:
+    if not isinstance(family, str) or family not in FAMILIES:  # a list or mapping is no name (nor hashable)
         raise ConfigError(f"model.family is {family!r}; known families: {sorted(FAMILIES)}")
     check_model_sizes(fields, FAMILIES[family].config)
     return from_dict(FAMILIES[family].config, fields, "model")

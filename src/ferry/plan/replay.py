@@ -91,12 +91,20 @@ def _loop_trips(eqn: Any) -> int:
     return eqn.params["length"] if eqn.primitive.name == "scan" else 1
 
 
-def _kernel_trips(eqn: Any) -> int:
-    """How often a Pallas kernel's body, one block's work, runs: its grid (counted once, splash
-    attention's forward was priced at a sliver of its work: docs/results/deviceless.md). It multiplies the work
-    only: the body's matmuls are not counted as matmul ops, the compiled program runs one custom
-    call for them."""
-    return math.prod(eqn.params["grid_mapping"].grid) if eqn.primitive.name == "pallas_call" else 1
+def kernel_flops(eqn: Any, share: float = 1.0) -> float:
+    """Matmul FLOPs of a Pallas kernel: its body's (one block's work) times its grid (counted
+    once, splash attention's forward was priced at a sliver of its work: docs/results/deviceless.md).
+    A grid dimension can be dynamic, its size an operand known only when the kernel runs (megablox's
+    row tiles, as many as the routing visits): such a kernel counts as its own cost estimate, the
+    count the compiled program's custom call is priced with too (`ferry.xla.hlo_flops`), or,
+    declaring none, as its static dimensions alone (a lower bound). The body's matmuls are not
+    counted as matmul ops: the compiled program runs one custom call for them."""
+    static = [d for d in eqn.params["grid_mapping"].grid if isinstance(d, int)]  # a dynamic one is no int
+    dynamic = len(static) < len(eqn.params["grid_mapping"].grid)
+    estimate = getattr(eqn.params.get("cost_estimate"), "flops", None)
+    if dynamic and estimate:
+        return share * float(estimate)
+    return sum(total_dot_flops(inner, share * math.prod(static)) for inner in _inner_jaxprs(eqn))
 
 
 def total_dot_flops(jaxpr: Any, share: float = 1.0) -> float:
@@ -108,8 +116,10 @@ def total_dot_flops(jaxpr: Any, share: float = 1.0) -> float:
         runs = share * _share(eqn)
         if eqn.primitive.name in _MATMULS:
             total += runs * dot_flops(eqn)
-        trips = _loop_trips(eqn) * _kernel_trips(eqn)
-        total += sum(total_dot_flops(inner, trips * runs) for inner in _inner_jaxprs(eqn))
+        elif eqn.primitive.name == "pallas_call":
+            total += kernel_flops(eqn, runs)
+        else:
+            total += sum(total_dot_flops(inner, _loop_trips(eqn) * runs) for inner in _inner_jaxprs(eqn))
     return total
 
 
@@ -141,7 +151,9 @@ def _walk(
             found.matmuls += times
             found.matmul_flops += times * runs * dot_flops(eqn)
         elif name == "pallas_call":  # its body writes the outputs through refs: any one needs all its work
-            found.matmul_flops += times * total_dot_flops(inner[0], runs * _kernel_trips(eqn))
+            flops = kernel_flops(eqn, runs)
+            found.matmuls += times if flops > 0 else 0  # one custom call, as `hlo_flops.matmul_count` counts it
+            found.matmul_flops += times * flops
         elif (
             name not in _LOOPS
             and len(inner) == 1

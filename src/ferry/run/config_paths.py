@@ -2,11 +2,14 @@
 run directory (or the root a new one goes under), the token cache, a prepared directory, a
 Hugging Face checkpoint and a saved dataset."""
 
+import os
+from collections.abc import Mapping
 from pathlib import Path
 
-from ferry.config.paths import check_directory_to_write, check_existing_directory
+from ferry.config.paths import check_directory_to_write, check_existing_directory, nameable_path
 from ferry.config.root import FerryConfig
 from ferry.errors import ConfigError
+from ferry.platform import CACHE_VARIABLE, PlatformConfig
 
 
 def check_config_paths(config: FerryConfig) -> None:
@@ -28,6 +31,8 @@ def check_config_paths(config: FerryConfig) -> None:
             raise ConfigError(
                 f"{key} is empty, which would mean the current directory; give a path, or null where the key takes one"
             )
+        if value is not None and key != "data.pattern":  # a pattern is matched, never opened
+            nameable_path(key, value)
     if run.dir is not None:
         if not Path(run.dir).expanduser().exists():
             check_directory_to_write("run.dir", run.dir)
@@ -41,3 +46,16 @@ def check_config_paths(config: FerryConfig) -> None:
         check_existing_directory("data.path", data.path, "a directory written by datasets' save_to_disk")
     if config.init.from_hf is not None:
         check_existing_directory("init.from_hf", config.init.from_hf, "a Hugging Face checkpoint directory")
+    cache = compilation_cache(config.platform, os.environ)
+    if cache is not None:  # JAX would turn an unwritable cache off with a warning, and compile every time
+        check_directory_to_write(*cache)
+
+
+def compilation_cache(platform: PlatformConfig, environ: Mapping[str, str]) -> tuple[str, str] | None:
+    """The JAX compilation cache a run uses, as (where it is set, the directory): an exported
+    `JAX_COMPILATION_CACHE_DIR`, which wins, else `platform.compilation_cache` ($VARS expanded)."""
+    if environ.get(CACHE_VARIABLE):
+        return CACHE_VARIABLE, environ[CACHE_VARIABLE]
+    if platform.compilation_cache is None:
+        return None
+    return "platform.compilation_cache", os.path.expandvars(platform.compilation_cache)

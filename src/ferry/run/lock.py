@@ -34,7 +34,7 @@ class RunLock:
 
     directory: Path
     fd: int
-    created_directory: bool  # this lock made the directory
+    created_from: Path | None  # the outermost directory this lock made (the run directory or a parent of it)
     created_file: bool  # the lock file did not exist before
     stale_holder: str | None
     started: bool = False  # the run has written into the directory: keep the lock file as its mark
@@ -49,8 +49,7 @@ class RunLock:
         try:
             if not self.started and self.created_file:
                 path.unlink(missing_ok=True)  # while still held: no one can take the unlinked file
-                if self.created_directory and not any(self.directory.iterdir()):
-                    self.directory.rmdir()
+                _remove_made(self.directory, self.created_from)
             elif not self.started:
                 _overwrite(self.fd, self.previous)
             else:
@@ -71,11 +70,11 @@ def describe_holder(text: str) -> str:
 
 def acquire(directory: Path) -> RunLock:
     """Lock `directory` (made if missing) for this process, or refuse naming the holder."""
-    created_directory = _make_directory(directory)
+    created_from = _make_directory(directory)
     path = directory / LOCK_FILE
     while True:
         created_file = not path.exists()
-        fd = _open_lock_file(directory, path, created_directory, created_file)
+        fd = _open_lock_file(directory, path, created_from, created_file)
         _lock_or_refuse(directory, fd)
         try:
             same_file = os.fstat(fd).st_ino == os.stat(path).st_ino
@@ -85,14 +84,15 @@ def acquire(directory: Path) -> RunLock:
             os.close(fd)
             continue
         previous = _read(fd)
-        _claim(directory, path, RunLock(directory, fd, created_directory, created_file, None, previous=previous))
+        _claim(directory, path, RunLock(directory, fd, created_from, created_file, None, previous=previous))
         stale = describe_holder(previous) if previous.strip() else None
-        return RunLock(directory, fd, created_directory, created_file, stale, previous=previous)
+        return RunLock(directory, fd, created_from, created_file, stale, previous=previous)
 
 
-def _make_directory(directory: Path) -> bool:
-    """Make the run directory (and its parents) if missing; whether it was made."""
-    created_directory = not directory.exists()
+def _make_directory(directory: Path) -> Path | None:
+    """Make the run directory (and its parents) if missing; the outermost one made (None: none)."""
+    missing = [d for d in (directory, *directory.parents) if not d.exists()]
+    created_from = missing[-1] if missing else None
     if directory.exists() and not directory.is_dir():
         raise RunDirectoryError(f"run.dir={directory} is a file, not a directory; pass a directory for the run")
     try:
@@ -109,20 +109,20 @@ def _make_directory(directory: Path) -> bool:
         raise RunDirectoryError(
             f"run.dir={directory} cannot be made ({error.strerror or error}); pass a run.dir where you can write"
         ) from error
-    return created_directory
+    return created_from
 
 
-def _open_lock_file(directory: Path, path: Path, created_directory: bool, created_file: bool) -> int:
+def _open_lock_file(directory: Path, path: Path, created_from: Path | None, created_file: bool) -> int:
     """Open (creating) the lock file; refused, take back what `acquire` made."""
     try:
         return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except PermissionError as error:
-        _undo(directory, created_directory, created_file)
+        _undo(directory, created_from, created_file)
         raise RunDirectoryError(
             f"run.dir={directory} is not writable (permission denied on {path}); pass a run.dir where you can write"
         ) from error
     except OSError as error:  # a directory named ferry.lock, a read-only or full file system
-        _undo(directory, created_directory, created_file)
+        _undo(directory, created_from, created_file)
         raise RunDirectoryError(
             f"run.dir={directory}: its lock file {path} cannot be opened ({error.strerror or error}); "
             "pass a run.dir where you can write"
@@ -157,12 +157,24 @@ def _claim(directory: Path, path: Path, lock: RunLock) -> None:
         ) from error
 
 
-def _undo(directory: Path, created_directory: bool, created_file: bool) -> None:
+def _undo(directory: Path, created_from: Path | None, created_file: bool) -> None:
     """Take back what `acquire` made before it was refused."""
     if created_file:
         (directory / LOCK_FILE).unlink(missing_ok=True)
-    if created_directory and directory.is_dir() and not any(directory.iterdir()):
-        directory.rmdir()
+    _remove_made(directory, created_from)
+
+
+def _remove_made(directory: Path, created_from: Path | None) -> None:
+    """Remove the directories a lock made, `directory` up to `created_from`, while they are empty:
+    a run refused before it wrote leaves no directory behind, its parents included."""
+    if created_from is None:
+        return
+    for made in (directory, *directory.parents):
+        if not made.is_dir() or any(made.iterdir()):
+            return
+        made.rmdir()
+        if made == created_from:
+            return
 
 
 def _read(fd: int) -> str:

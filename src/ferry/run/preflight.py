@@ -87,7 +87,7 @@ def prepare(config: FerryConfig, console: Console) -> PreparedRun:
     model = abstract_model(config.model)  # traced once, shapes only
     num_parameters = count_parameters(model)
     attention = describe_run_attention(config)  # refuses a kernel this backend cannot run
-    check_pretrained(config)
+    check_pretrained(config, console)
     check_mesh_shape(config)
     mesh = make_mesh(config.mesh)  # the devices
     check_model_fits(config, model, num_parameters, mesh)
@@ -128,14 +128,24 @@ def describe_run_attention(config: FerryConfig) -> str:
     )
 
 
-def check_pretrained(config: FerryConfig) -> None:
-    """init.from_hf's config.json and the tensors' headers match the model: nothing is read yet."""
+def check_pretrained(config: FerryConfig, console: Console) -> None:
+    """init.from_hf's config.json and the tensors' headers match the model: nothing is read yet.
+    A sequence longer than the checkpoint's positions is said in one line (context extension is
+    a choice, but not one to make unknowingly)."""
     if config.init.from_hf is None:
         return
     try:
-        check_checkpoint(config.init.from_hf, config.model)
+        checked = check_checkpoint(config.init.from_hf, config.model)
     except (HFCheckpointError, JsonFileError) as error:
         raise HFCheckpointError(f"init.from_hf={config.init.from_hf}: {error}") from error
+    positions = checked.checkpoint.hf_config.get("max_position_embeddings")
+    if isinstance(positions, int) and not isinstance(positions, bool) and config.train.seq_len > positions:
+        console.print(
+            f"note: train.seq_len={config.train.seq_len} is longer than init.from_hf={config.init.from_hf}'s "
+            f"max_position_embeddings={positions}: the checkpoint was not trained on positions past {positions} "
+            "(extending its context is then this run's work); set train.seq_len at most that to stay within it",
+            highlight=False,
+        )
 
 
 def check_model_fits(config: FerryConfig, model: eqx.Module, num_parameters: int, mesh: Mesh) -> None:

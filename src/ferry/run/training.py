@@ -70,14 +70,10 @@ def _train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
     with jax.set_mesh(prepared.mesh), SigtermStop() as sigterm, contextlib.closing(batches):
         step, memory = compile_checked(prepared)  # no state yet
         meter = dataclasses.replace(meter, memory=memory)
+        state, resumed = starting_state(prepared, optimizer, batches, console)  # a refusal leaves nothing
+        sigterm.stop_before_start()
         prepared.directory.mark_started()  # what is written from here marks the directory as this run's
-        checkpoints = Checkpoints(
-            run_dir / "checkpoints",
-            config.checkpoint,
-            run_id=prepared.directory.run_id,
-            say=lambda line: console.print(f"warning: {line}", highlight=False),
-        )
-        state = starting_state(prepared, optimizer, checkpoints, batches)
+        checkpoints = resumed or open_checkpoints(prepared, console)
         announce_start(prepared, meter, config_yaml, console)
         loop = TrainingLoop(
             config.train,
@@ -177,16 +173,30 @@ def compile_checked(prepared: PreparedRun) -> tuple[CompiledStep, CompiledMemory
     return step, memory
 
 
+def open_checkpoints(prepared: PreparedRun, console: Console) -> Checkpoints:
+    """The run's checkpoints, each save recording the run's id; their warnings on `console`."""
+    return Checkpoints(
+        prepared.run_dir / "checkpoints",
+        prepared.config.checkpoint,
+        run_id=prepared.directory.run_id,
+        say=lambda line: console.print(f"warning: {line}", highlight=False, markup=False),
+    )
+
+
 def starting_state(
-    prepared: PreparedRun, optimizer: optax.GradientTransformation, checkpoints: Checkpoints, batches: RunBatches
-) -> TrainState:
+    prepared: PreparedRun, optimizer: optax.GradientTransformation, batches: RunBatches, console: Console
+) -> tuple[TrainState, Checkpoints | None]:
     """The checkpoint's state and data position when resuming (read before anything is written:
-    a bad checkpoint loses nothing), else a new state."""
+    a bad checkpoint loses nothing) and the checkpoints read, else a new state and None: a new
+    run's `checkpoints/` is made by the caller once the state is built, so a refused
+    `init.from_hf` (a weight that is not finite) leaves no directory behind."""
+    config = prepared.config
     if prepared.resume_step is None:
-        return initial_state(prepared.config, optimizer, prepared.mesh, prepared.layout)[0]
+        return initial_state(config, optimizer, prepared.mesh, prepared.layout)[0], None
+    checkpoints = open_checkpoints(prepared, console)
     arrays, data_state = checkpoints.restore(prepared.resume_step, prepared.layout.abstract())
     batches.train.set_state(data_state)
-    return prepared.layout.assemble(arrays)
+    return prepared.layout.assemble(arrays), checkpoints
 
 
 def announce_start(prepared: PreparedRun, meter: StepMeter, config_yaml: str, console: Console) -> None:
