@@ -42,7 +42,15 @@ COMMON = (
     "log.tensorboard=false",
 )
 STATE_ON_HOST = ("offload.optimizer=host", "offload.params=host")
-PARAMETERS = {"qwen3_1_7b": 1_720_574_976, "qwen3_1_7b_b4": 1_720_574_976}  # configs/model/<case's model>.yaml
+PARAMETERS = {  # configs/model/<case's model>.yaml
+    "qwen3_1_7b": 1_720_574_976,
+    "qwen3_1_7b_b4": 1_720_574_976,
+    "llama3_2_1b_64k": 1_235_814_400,
+    "llama3_2_1b_64k_attention_offload": 1_235_814_400,
+}
+LONG = ("model=llama3_2_1b", "offload=full_remat", *STATE_ON_HOST, "train.seq_len=65536", "train.global_batch_size=1")
+# the attention's residuals (its output and log-sum-exp) reloaded in the backward pass, not recomputed
+ATTENTION_OFFLOAD = ("offload.tensors.attention_out=offload", "offload.tensors.attention_lse=offload")
 CASES = {
     "qwen3_1_7b": (
         "model=qwen3_1_7b",
@@ -64,6 +72,10 @@ CASES = {
         "train.steps=5",
         "train.warmup_steps=1",
     ),
+    # 64k tokens of context: recomputing causal attention costs about S FLOPs per byte of its output,
+    # so above about 14k tokens reloading it is the cheaper (docs/results/tpu-v5e.md, the chip's figures)
+    "llama3_2_1b_64k": (*LONG, "train.steps=3", "train.warmup_steps=1"),
+    "llama3_2_1b_64k_attention_offload": (*LONG, *ATTENTION_OFFLOAD, "train.steps=3", "train.warmup_steps=1"),
 }
 
 
