@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers", reason="the parity tests need
 from transformers import Qwen3Config as HFQwen3Config  # noqa: E402
 from transformers import Qwen3ForCausalLM  # noqa: E402
 
-from ferry.hf import CheckpointError, load_pretrained, save_pretrained  # noqa: E402
+from ferry.hf import CheckpointError, load_pretrained  # noqa: E402
 from ferry.hf import qwen3 as qwen3_hf  # noqa: E402
 from ferry.hf.config_json import check_matches  # noqa: E402
 from ferry.models.dense import DenseDecoder  # noqa: E402
@@ -26,6 +26,8 @@ from ferry.offload.engine import PolicyError  # noqa: E402
 from ferry.train.step import LossSettings, batch_loss  # noqa: E402
 from ferry.train.step_flops import training_flops  # noqa: E402
 from tests.conftest import MOE_ONLY_PRESETS, PRESETS, load_model_config, preset_policy, run_launcher  # noqa: E402
+from tests.models.hf_round_trip import check_export_round_trip  # noqa: E402
+from tests.models.test_hf import randomise  # noqa: E402
 
 ATOL = 1e-4  # logits
 
@@ -54,11 +56,7 @@ def hf_qwen3(directory, batch, tied: bool):
     a misplaced q_norm or k_norm shows); returns its logits on batch[:, :-1]."""
     config = HFQwen3Config(**QWEN3, tie_word_embeddings=tied, attn_implementation="eager", dtype="float32")
     model = Qwen3ForCausalLM(config).eval()
-    generator = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=generator)
-            p.copy_(1 + 0.1 * noise if "norm" in name else 0.1 * noise)
+    randomise(model, seed=4)
     model.save_pretrained(directory)
     with torch.no_grad():
         return model(torch.tensor(batch[:, :-1])).logits.numpy()
@@ -75,16 +73,7 @@ def test_logits_match_transformers_and_export_round_trips(tied, tmp_path, batch)
     logits = eqx.filter_jit(lambda m, t: m(t))(model, jnp.asarray(batch[:, :-1], jnp.int32))
     np.testing.assert_allclose(np.asarray(logits), reference, rtol=0, atol=ATOL)
 
-    save_pretrained(model, tmp_path / "export", max_shard_bytes=100_000)
-    assert json.loads((tmp_path / "export" / "config.json").read_text())["tie_word_embeddings"] is tied
-    reimported = load_pretrained(tmp_path / "export")
-    assert reimported.config == model.config
-    for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(reimported), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    exported = Qwen3ForCausalLM.from_pretrained(tmp_path / "export", attn_implementation="eager").eval()
-    with torch.no_grad():
-        again = exported(torch.tensor(batch[:, :-1])).logits.numpy()
-    np.testing.assert_allclose(again, reference, rtol=0, atol=ATOL)
+    check_export_round_trip(model, Qwen3ForCausalLM, tmp_path / "export", batch[:, :-1], reference, tied, ATOL)
 
 
 def test_checkpoints_ferrys_qwen3_cannot_represent_are_refused(tmp_path, batch):

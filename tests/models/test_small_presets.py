@@ -5,10 +5,8 @@ same architecture (Llama 3.2's tied head and RoPE scaling of factor 32, Qwen3's 
 q/k norms) computes the logits `transformers` computes, and exports what it loads back."""
 
 import dataclasses
-import json
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,11 +17,13 @@ transformers = pytest.importorskip(
 )
 
 from ferry.hf import llama as hf_llama  # noqa: E402
-from ferry.hf import load_pretrained, save_pretrained  # noqa: E402
+from ferry.hf import load_pretrained  # noqa: E402
 from ferry.hf import qwen3 as hf_qwen3  # noqa: E402
 from ferry.hf.config_json import check_matches  # noqa: E402
 from ferry.models.registry import parameter_count  # noqa: E402
 from tests.conftest import load_model_config  # noqa: E402
+from tests.models.hf_round_trip import check_export_round_trip  # noqa: E402
+from tests.models.test_hf import randomise  # noqa: E402
 
 ATOL = 1e-4  # logits
 
@@ -114,11 +114,7 @@ def tiny_hf_model(name: str) -> torch.nn.Module:
         rope = {"rope_type": "default", "rope_theta": 1000000.0}
         config = transformers.Qwen3Config(**tiny, rms_norm_eps=1e-6, rope_parameters=rope)
         model = transformers.Qwen3ForCausalLM(config)
-    generator = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for parameter_name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=generator)
-            p.copy_(1 + 0.1 * noise if "norm" in parameter_name else 0.1 * noise)
+    randomise(model, seed=5)
     return model.eval()
 
 
@@ -138,15 +134,7 @@ def test_a_tiny_model_of_the_presets_architecture_matches_transformers(family, t
     logits = eqx.filter_jit(lambda m, t: m(t))(ferry_model, jnp.asarray(tokens, jnp.int32))
     np.testing.assert_allclose(np.asarray(logits), reference, rtol=0, atol=ATOL)
 
-    save_pretrained(ferry_model, tmp_path / "export", max_shard_bytes=100_000)
-    assert json.loads((tmp_path / "export" / "config.json").read_text())["tie_word_embeddings"] is True
-    again = load_pretrained(tmp_path / "export")
-    assert again.config == ferry_model.config
-    for a, b in zip(jax.tree.leaves(ferry_model), jax.tree.leaves(again), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    exported = type(model).from_pretrained(tmp_path / "export", attn_implementation="eager").eval()
-    with torch.no_grad():
-        np.testing.assert_allclose(exported(torch.tensor(tokens)).logits.numpy(), reference, rtol=0, atol=ATOL)
+    check_export_round_trip(ferry_model, type(model), tmp_path / "export", tokens, reference, True, ATOL)
 
 
 def test_an_untied_llama_may_still_read_a_tied_checkpoint(tmp_path):

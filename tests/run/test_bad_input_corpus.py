@@ -7,8 +7,6 @@ tests/run/test_bad_inputs.py's table does; the other scripts' take their argumen
 where they have no `main(argv)`, in a process of their own.
 """
 
-import json
-import os
 import shutil
 import subprocess
 import sys
@@ -21,7 +19,7 @@ from ferry.data.config import DataConfig
 from tests.bad_input_corpus import Case, malformed_files, path_cases, schema_keys, value_cases
 from tests.conftest import ROOT, SMALL_RUN
 from tests.launcher_cases import load_script
-from tests.run.test_bad_inputs import tree_digest
+from tests.run.test_bad_inputs import run_cases, tree_digest
 
 RUNS_OWN_DIR = ("run.dir", "run.root")  # the cases of these keys name where the run goes themselves
 
@@ -31,23 +29,6 @@ def launcher_argv(case: Case, run_dir: Path) -> list[str]:
     wrongly accepted resumes it, and says it is complete, exit 0), with the case's overrides."""
     own = case.key in RUNS_OWN_DIR
     return [*SMALL_RUN, *case.overrides, *([] if own else [f"run.dir={run_dir}"])]
-
-
-def run_in_one_launcher(argvs: list[list[str]]) -> list[dict]:
-    """`launch/run.py ARGV` for each, in one process (`tests.launcher_cases`), without the test
-    session's exported JAX compilation cache, which would win over `platform.compilation_cache`."""
-    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.launcher_cases"],
-        input=json.dumps(argvs),
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=900,
-        env=env,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout)
 
 
 def refusal_problem(case: Case, code: int, stdout: str, stderr: str) -> str | None:
@@ -93,7 +74,7 @@ def test_the_launcher_refuses_the_corpus(finished_run, tmp_path):
     launcher process; the finished run it points at unchanged."""
     before = tree_digest(finished_run)
     cases = value_cases(list(schema_keys())) + path_cases(tmp_path) + malformed_files(tmp_path)
-    results = run_in_one_launcher([launcher_argv(case, finished_run) for case in cases])
+    results = run_cases([launcher_argv(case, finished_run) for case in cases], timeout=900, own_compilation_cache=True)
     problems = {}
     for case, result in zip(cases, results, strict=True):
         problem = refusal_problem(case, result["code"], result["stdout"], result["stderr"])

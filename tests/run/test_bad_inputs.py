@@ -160,15 +160,19 @@ def tree_digest(path):
     }
 
 
-def run_cases(cases: list[list[str]]) -> list[dict]:
-    """Each argument list through the launcher, all in one process (tests/launcher_cases.py)."""
+def run_cases(cases: list[list[str]], timeout: float = 600, own_compilation_cache: bool = False) -> list[dict]:
+    """Each argument list through the launcher, all in one process (tests/launcher_cases.py).
+    `own_compilation_cache`: without the test session's exported JAX compilation cache, which would
+    win over `platform.compilation_cache`."""
+    drop = {"JAX_COMPILATION_CACHE_DIR"} if own_compilation_cache else set()
     result = subprocess.run(
         [sys.executable, "-m", "tests.launcher_cases"],
         input=json.dumps(cases),
         capture_output=True,
         text=True,
         cwd=ROOT,
-        timeout=600,
+        timeout=timeout,
+        env={k: v for k, v in os.environ.items() if k not in drop},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout)
