@@ -15,18 +15,18 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from ferry.config.overrides import group_presets, preset_node
-from ferry.config.train import OffloadConfig, TrainConfig
+from ferry.config.overrides import group_presets, hydra_compose, preset_node
+from ferry.config.root import load_config
+from ferry.config.train import OffloadConfig
 from ferry.config_schema import from_dict
-from ferry.models.registry import abstract_model, build_model, model_config
-from ferry.sharding import batch_sharded, make_mesh, replicated
-from ferry.train.compiled_step import batch_spec_of, compile_from_layout, layout_of
-from ferry.train.optimizer import learning_rate_schedule, make_optimizer
-from ferry.train.step import LossSettings, train_step_body
-from ferry.train.train_state import init_state
+from ferry.models.registry import abstract_model, model_config
+from ferry.sharding import batch_sharded, make_mesh
+from ferry.train.recipe import StepRecipe
+from ferry.train.state_layout import initial_state
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -37,21 +37,22 @@ def load(group: str, name: str) -> dict:
 
 def compare_presets(model: str, presets: list[str], steps: int, batch_size: int, seq_len: int, dtype: str) -> Table:
     """Time the real train step of `model` under each preset, round-robin; a table of ratios."""
-    config = model_config(load("model", model))
-    abstract = abstract_model(config)
-    train_config = TrainConfig(steps=steps + 1, warmup_steps=0, global_batch_size=batch_size, seq_len=seq_len)
-    optimizer = make_optimizer(train_config)
+    overrides = [f"model={model}", f"train.steps={steps + 1}", "train.warmup_steps=0"]
+    overrides += [f"train.global_batch_size={batch_size}", f"train.seq_len={seq_len}", f"train.compute_dtype={dtype}"]
     mesh = make_mesh()
-    batch = np.random.default_rng(0).integers(0, config.vocab_size, (batch_size, seq_len + 1), dtype=np.int32)
+    batch = np.random.default_rng(0).integers(0, 256, (batch_size, seq_len + 1), dtype=np.int32)
 
     with jax.set_mesh(mesh):
         states, step_fns, flops = {}, {}, {}
         for name in presets:
-            policy = from_dict(OffloadConfig, load("offload", name)).policy(abstract.tagged_names())
-            body = train_step_body(optimizer, LossSettings(policy, dtype), learning_rate_schedule(train_config))
-            state = jax.device_put(init_state(build_model(config, jax.random.key(0)), optimizer), replicated(mesh))
+            node = OmegaConf.to_container(
+                hydra_compose(CONFIGS, "train", [*overrides, f"offload={name}"]), resolve=True
+            )
+            config = load_config(node)
+            recipe = StepRecipe.of(config, mesh)  # the step a run of this preset trains
+            state = initial_state(config, recipe.optimizer, mesh, recipe.layout)[0]
             device_batch = jax.device_put(batch, batch_sharded(mesh))
-            compiled = compile_from_layout(body, layout_of(state), batch_spec_of(device_batch))
+            compiled = recipe.compile()
             flops[name] = compiled.compiled.cost_analysis()["flops"]
             step = compiled.run
             state, metrics = step(state, device_batch)  # compile and warm up
@@ -86,12 +87,13 @@ def compare_presets(model: str, presets: list[str], steps: int, batch_size: int,
 
 
 def preset_names(model: str) -> list[str]:
-    """save_all first, then every preset whose tensor names this model tags."""
+    """save_all first, then every preset whose tensor names this model tags (not `auto`: the
+    planner's choice, which a run refuses to train as a preset)."""
     tagged = abstract_model(model_config(load("model", model))).tagged_names()
     names = []
     for name in group_presets(CONFIGS / "offload"):
         preset = from_dict(OffloadConfig, load("offload", name))
-        if set(preset.tensors) <= tagged and name != "save_all":
+        if set(preset.tensors) <= tagged and name not in ("save_all", "auto"):
             names.append(name)
     return ["save_all", *names]
 

@@ -40,10 +40,7 @@ class Layout:
         from ferry.config.root import load_config
         from ferry.data.placement import device_batch
         from ferry.run.preflight import prepare
-        from ferry.train.compiled_step import batch_spec_of, compile_from_layout, layout_of
-        from ferry.train.optimizer import learning_rate_schedule, make_optimizer
         from ferry.train.state_layout import initial_state
-        from ferry.train.step import LossSettings, train_step_body
         from ferry.xla.hlo_collectives import collective_bytes
 
         overrides = [f"model={model}", f"train.global_batch_size={batch}", f"train.seq_len={seq_len}"]
@@ -52,15 +49,13 @@ class Layout:
         cfg = hydra_compose(CONFIGS, "train", [*overrides, f"platform.cpu_devices={DEVICES}"])
         prepared = prepare(load_config(OmegaConf.to_container(cfg, resolve=True)), Console(quiet=True))
         config, self.mesh = prepared.config, prepared.mesh
-        optimizer = make_optimizer(config.train)
-        settings = LossSettings(prepared.policy, config.train.compute_dtype)
+        recipe = prepared.recipe  # the step the run of this config trains
         tokens = np.random.default_rng(0).integers(0, 256, (batch, seq_len + 1), dtype=np.int32)  # same for all
         self.batch = lambda: device_batch(lambda rows: tokens[rows], tokens.shape, self.mesh)
         with jax.set_mesh(self.mesh):
-            self.state, sharding = initial_state(config, optimizer, self.mesh)
-            body = train_step_body(optimizer, settings, learning_rate_schedule(config.train), 1, sharding)
-            step = compile_from_layout(body, layout_of(self.state), batch_spec_of(self.batch()))
-            self.step, compiled = step.run, step.compiled
+            self.state = initial_state(config, recipe.optimizer, self.mesh, recipe.layout)[0]
+        step = recipe.compile()
+        self.step, compiled = step.run, step.compiled
         self.collectives = collective_bytes(compiled.as_text())
         self.flops = compiled.cost_analysis()["flops"]
         self.times: list[float] = []
