@@ -3,7 +3,7 @@ candidates with (`ferry.plan.auto_measure`), and what a benchmark can call.
 
 `StepTimer` runs a step a few times untimed, then times each of a few more, waiting for each to
 finish; its clock is injectable (`Clock`), so a test decides what a step "takes".
-`measure_train_step` compiles the step a run of a config trains with (`train_step_body`, compiled
+`measure_train_step` compiles the step a run of a config trains with (its `StepRecipe`, compiled
 as `ferry.train.compiled_step` compiles it) over the devices, drops a candidate that does not fit
 them (out of memory at compile time or while running, or a compiled program over the device's
 memory limit) saying why, and times it on a fresh random state and zero batches of the run's

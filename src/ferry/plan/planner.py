@@ -2,7 +2,7 @@
 the compiler decided: bytes per device in HBM and in pinned host memory, FLOPs, and whether the
 host copies it scheduled are hidden behind compute.
 
-The step is the one training runs (`train_step_body`), lowered with `ShapeDtypeStruct` inputs in
+The step is the one training runs (its `StepRecipe`), lowered with `ShapeDtypeStruct` inputs in
 their real shardings over a mesh of compile-only devices; nothing is allocated.
 """
 
