@@ -3,6 +3,7 @@ start, the data, the compile): one line, exit status 0, and nothing written. In 
 saves a checkpoint after the step in flight (tests/run/test_training_run.py)."""
 
 import signal
+import sys
 import time
 
 import pytest
@@ -38,3 +39,33 @@ def test_sigterm_before_the_first_step_is_one_line_and_a_clean_stop(tmp_path, af
     assert stdout.strip().splitlines()[-1].startswith("stopped by SIGTERM before the run"), stdout
     assert "nothing was written" in stdout and "step 1" not in stdout
     assert not (tmp_path / "run").exists()
+
+
+def test_a_stop_raised_where_it_cannot_unwind_is_kept_and_not_printed(capsys, monkeypatch):
+    """CI caught SIGTERM landing in JAX's garbage-collector callback: Python printed the swallowed
+    `Terminated` with a traceback although the launcher then stopped cleanly. The request is kept
+    for `check_terminated`; the print goes, and any other swallowed exception is still printed."""
+    from ferry.run import preemption
+
+    monkeypatch.setattr(preemption._Request, "made", False)
+    monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        preemption.stop_on_sigterm()
+
+        class StopsInDel:
+            def __del__(self):
+                preemption._raise_terminated(signal.SIGTERM, None)
+
+        class FailsInDel:
+            def __del__(self):
+                raise ValueError("still reported")
+
+        StopsInDel()
+        assert "Traceback" not in capsys.readouterr().err
+        with pytest.raises(preemption.Terminated):
+            preemption.check_terminated()
+        FailsInDel()
+        assert "still reported" in capsys.readouterr().err
+    finally:
+        signal.signal(signal.SIGTERM, previous)

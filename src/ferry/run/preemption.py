@@ -8,6 +8,7 @@ raised where the program is, so the launcher unwinds (its run directory released
 """
 
 import signal
+import sys
 import types
 from typing import Any
 
@@ -32,9 +33,19 @@ def _raise_terminated(signum: int, frame: types.FrameType | None) -> None:
     raise Terminated
 
 
+def _quiet_about_terminated(unraisable: Any) -> None:
+    """A `Terminated` raised inside a garbage-collector callback or a `__del__` cannot unwind: Python
+    prints it as "Exception ignored" with a traceback. The request is kept (`_Request`) and
+    `check_terminated` raises it again where it can unwind, so that print is noise."""
+    if not isinstance(unraisable.exc_value, Terminated):
+        sys.__unraisablehook__(unraisable)
+
+
 def stop_on_sigterm() -> None:
     """From now until a `SigtermStop` takes the signal over (and again once it gives it back),
     SIGTERM raises `Terminated` in the main thread."""
+    if sys.unraisablehook is not _quiet_about_terminated:
+        sys.unraisablehook = _quiet_about_terminated
     signal.signal(signal.SIGTERM, _raise_terminated)
 
 
