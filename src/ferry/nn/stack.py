@@ -23,6 +23,7 @@ class LayerStack(eqx.Module):
     num_layers: int = eqx.field(static=True)
     scan_layers: bool = eqx.field(static=True)
     name: str = eqx.field(static=True)
+    gradient_sink: Any = None  # set by `sinking` inside a micro batch's loss only
 
     def __init__(
         self,
@@ -37,6 +38,15 @@ class LayerStack(eqx.Module):
         self.num_layers = num_layers
         self.scan_layers = scan_layers
         self.name = name
+        self.gradient_sink = None
+
+    def sinking(self, sink: Any) -> "LayerStack":
+        """This stack with its gradient added into `sink` (the gradient of earlier micro batches:
+        float32 arrays shaped like the layers' floating leaves) and returned as the sink's, so one
+        buffer holds the stack's gradient (`ferry.train.gradient_sink`): the layers themselves are
+        not differentiated."""
+        frozen = jax.tree.map(lambda a: jax.lax.stop_gradient(a) if eqx.is_inexact_array(a) else a, self.layers)
+        return eqx.tree_at(lambda s: (s.layers, s.gradient_sink), self, (frozen, sink), is_leaf=lambda x: x is None)
 
     @property
     def pipelined(self) -> bool:
@@ -47,8 +57,7 @@ class LayerStack(eqx.Module):
 
     def layer(self, index: int) -> eqx.Module:
         """One layer, unstacked."""
-        dynamic, static = eqx.partition(self.layers, eqx.is_array)
-        return eqx.combine(jax.tree.map(lambda a: a[index], dynamic), static)
+        return _layer_of(self.layers, index)
 
     def tagged_names(self, x: Any, *extra: Any) -> frozenset[str]:
         """The activation names one layer tags for an input like `x` (found abstractly; the stack
@@ -72,11 +81,13 @@ class LayerStack(eqx.Module):
         names the model's other layers tag): a misspelt name is an error listing the names."""
         if not policy.keep_all and policy.names - tagged_elsewhere:  # tracing the layer only if it decides
             policy.validate(self.tagged_names(x, *extra) | tagged_elsewhere)
-        if self.pipelined and policy.pipelined_by_ferry:
-            return offloaded_scan(_hidden_and_stats, policy, name=self.name)(self.layers, x, *extra)
+        if self.pipelined and policy.pipelined_by_ferry:  # the backward loop adds into the sink in place
+            run_stack = offloaded_scan(_hidden_and_stats, policy, name=self.name)
+            return run_stack(self.layers, x, *extra, sink=self.gradient_sink)
+        layers = self.layers if self.gradient_sink is None else _into_sink(self.layers, self.gradient_sink)
         run = offloaded(_run_layer, policy, check_names=False, name=self.name, in_scan=self.pipelined)
         if self.pipelined:
-            dynamic, static = eqx.partition(self.layers, eqx.is_array)
+            dynamic, static = eqx.partition(layers, eqx.is_array)
 
             def step(h: jax.Array, d: Any) -> tuple[jax.Array, Any]:
                 out = run(eqx.combine(d, static), h, *extra)
@@ -85,10 +96,38 @@ class LayerStack(eqx.Module):
             return jax.lax.scan(step, x, dynamic)
         all_stats = []
         for index in range(self.num_layers):
-            out = run(self.layer(index), x, *extra)
+            out = run(_layer_of(layers, index), x, *extra)
             x = out.hidden
             all_stats.append(out.stats)
         return x, stack_trees(all_stats)
+
+
+def _layer_of(layers: eqx.Module, index: int) -> eqx.Module:
+    dynamic, static = eqx.partition(layers, eqx.is_array)
+    return eqx.combine(jax.tree.map(lambda a: a[index], dynamic), static)
+
+
+def _into_sink(layers: eqx.Module, sink: Any) -> eqx.Module:
+    """`layers` whose gradient is added into `sink` and returned as the sink's: where no loop of
+    ferry's engine does it in place, the same sum taken once the stack's gradient is whole."""
+    diff, rest = eqx.partition(layers, eqx.is_inexact_array)
+    return eqx.combine(_identity_into_sink(diff, eqx.filter(sink, eqx.is_inexact_array)), rest)
+
+
+@jax.custom_vjp
+def _identity_into_sink(diff: Any, sink: Any) -> Any:
+    return diff
+
+
+def _identity_into_sink_fwd(diff: Any, sink: Any) -> tuple[Any, Any]:
+    return diff, sink
+
+
+def _identity_into_sink_bwd(sink: Any, cotangent: Any) -> tuple[None, Any]:
+    return None, jax.tree.map(lambda s, c: s + c.astype(s.dtype), sink, cotangent)
+
+
+_identity_into_sink.defvjp(_identity_into_sink_fwd, _identity_into_sink_bwd)
 
 
 def _run_layer(layer: Callable[..., jax.Array | LayerOutput], h: jax.Array, *extra: Any) -> LayerOutput:

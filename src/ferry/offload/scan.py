@@ -22,6 +22,11 @@ the layer before it, and the backward pass reloads them as that layer's backward
 copies are free to overlap whatever XLA schedules around them (the later layers, the loss head),
 where in a loop an iteration's copies can hide only under that iteration. The layer body is then
 compiled n + 2 times.
+
+With a gradient sink (`sink`: float32 arrays shaped like the stack's differentiated leaves, the
+gradient accumulated over earlier micro batches) the backward pass adds each layer's gradient
+into it in place and returns the sum as the sink's cotangent, the stack's own being zero: a micro
+batch's gradient of the stack never exists whole beside the accumulator (`ferry.train.gradient_sink`).
 """
 
 from __future__ import annotations
@@ -50,27 +55,33 @@ from ferry.sharding import constrain
 
 
 def offloaded_scan(fn: Callable[..., Any], policy: Policy, *, name: str = "layers") -> Callable[..., Any]:
-    """Wrap `fn(layer, x, *extra) -> (x, stats)` into `run(stacked_layers, x, *extra) -> (x,
-    stacked stats)`: a `lax.scan` over the stacked layers (the leading axis of every array leaf
+    """Wrap `fn(layer, x, *extra) -> (x, stats)` into `run(stacked_layers, x, *extra, sink=None) ->
+    (x, stacked stats)`: a `lax.scan` over the stacked layers (the leading axis of every array leaf
     of `stacked_layers`) whose residuals are placed by `policy`, offloaded ones pipelined one
     layer apart (module docstring). Floating-point leaves of `stacked_layers` and `x` are
-    differentiated; integer leaves and `extra` are not. `name` names the copies' scope."""
+    differentiated; integer leaves and `extra` are not. `name` names the copies' scope. With a
+    `sink` the stack's gradient is added into it in place (module docstring)."""
     if policy.keep_all:
         return functools.partial(_plain_scan, fn)
 
-    def call(stacked: Any, x: jax.Array, *extra: Any) -> Any:
+    def call(stacked: Any, x: jax.Array, *extra: Any, sink: Any = None) -> Any:
         diff, fixed, static = split_params(stacked)
         layer_fn = layer_function(fn, static)
         steps = _Steps(layer_fn, _Layout.of(layer_fn, diff, x, fixed, extra, policy), name)
         num_layers = jax.tree.leaves(diff)[0].shape[0]
         tail = policy.peels(num_layers)  # layers after the loop (and layer 0 before it), when peeled
-        run = jax.custom_vjp(functools.partial(_scan, layer_fn))
         if tail:
             peeled = _Peeled(steps, num_layers - tail, num_layers)
-            run.defvjp(peeled.forward, peeled.backward)
+            forward, backward = peeled.forward, peeled.backward
         else:
-            run.defvjp(functools.partial(_pipelined_fwd, steps), functools.partial(_pipelined_bwd, steps))
-        return run(diff, x, fixed, extra)
+            forward, backward = functools.partial(_pipelined_fwd, steps), functools.partial(_pipelined_bwd, steps)
+        if sink is None:
+            run = jax.custom_vjp(functools.partial(_scan, layer_fn))
+            run.defvjp(forward, backward)
+            return run(diff, x, fixed, extra)
+        sinking = jax.custom_vjp(functools.partial(_sinking_scan, layer_fn))
+        sinking.defvjp(functools.partial(_sinking_fwd, forward), functools.partial(_sinking_bwd, backward))
+        return sinking(diff, split_params(sink)[0], x, fixed, extra)
 
     return call
 
@@ -84,6 +95,24 @@ def _plain_scan(fn: Callable[..., Any], stacked: Any, x: jax.Array, *extra: Any)
 def _scan(layer_fn: Callable[..., Any], p: Any, h: jax.Array, f: Any, e: tuple[Any, ...]) -> Any:
     """The stack's primal: a scan of `layer_fn` over the stacked (p, f)."""
     return jax.lax.scan(lambda c, xs: layer_fn(xs[0], c, xs[1], e), h, (p, f))
+
+
+def _sinking_scan(layer_fn: Callable[..., Any], p: Any, sink: Any, h: jax.Array, f: Any, e: tuple[Any, ...]) -> Any:
+    """The primal of a stack with a gradient sink: the sink is not read."""
+    return _scan(layer_fn, p, h, f, e)
+
+
+def _sinking_fwd(forward: Callable[..., Any], p: Any, sink: Any, h: jax.Array, f: Any, e: tuple[Any, ...]) -> Any:
+    out, residuals = forward(p, h, f, e)
+    return out, (residuals, sink)
+
+
+def _sinking_bwd(backward: Callable[..., Any], residuals: Any, cotangent: Any) -> tuple[Any, ...]:
+    """The stack's backward pass with its gradient added into the sink: the sink's cotangent, the
+    stack's own None (zero)."""
+    residuals, sink = residuals
+    summed, dx, _, _ = backward(residuals, cotangent, sink=sink)
+    return None, summed, dx, None, None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,20 +155,25 @@ def _pipelined_fwd(steps: _Steps, p: Any, h: jax.Array, f: Any, e: tuple[Any, ..
     return (out, stats), (p, f, e, kept, stored, last)
 
 
-def _pipelined_bwd(steps: _Steps, residuals: Any, cotangent: Any) -> tuple[Any, Any, None, None]:
-    """The reverse loop: iteration k reloads layer k-1's values while layer k's backward runs."""
+def _pipelined_bwd(steps: _Steps, residuals: Any, cotangent: Any, sink: Any = None) -> tuple[Any, Any, None, None]:
+    """The reverse loop: iteration k reloads layer k-1's values while layer k's backward runs. Its
+    gradients are the loop's outputs, or are added into `sink`, a loop carry updated in place."""
     p, f, e, kept, stored, last = residuals
     ct_out, ct_stats = cotangent
 
     def backward_body(carry: Any, xs: Any) -> tuple[Any, Any]:
-        ct, current = carry  # current: layer k's offloaded values, in HBM
-        p_k, f_k, kept_k, stored_k, ct_stats_k = xs
+        ct, current, summed = carry  # current: layer k's offloaded values, in HBM
+        k, p_k, f_k, kept_k, stored_k, ct_stats_k = xs
         previous = steps.reload(stored_k)  # layer k-1's: all of layer k's backward hides it
         dp, dh = steps.backward(p_k, f_k, e, kept_k, current, ct, ct_stats_k)
-        return (dh, previous), dp
+        if summed is None:
+            return (dh, previous, None), dp
+        return (dh, previous, jax.tree.map(lambda a, d: _add_at(a, d, k), summed, dp)), None
 
-    (dx, _), dp = jax.lax.scan(backward_body, (ct_out, last), (p, f, kept, stored, ct_stats), reverse=True)
-    return dp, dx, None, None
+    layers = None if sink is None else jnp.arange(jax.tree.leaves(p)[0].shape[0])  # where each layer's sum goes
+    xs = (layers, p, f, kept, stored, ct_stats)
+    (dx, _, summed), dp = jax.lax.scan(backward_body, (ct_out, last, sink), xs, reverse=True)
+    return (dp if sink is None else summed), dx, None, None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,30 +214,34 @@ class _Peeled:
         stats = jax.tree.map(lambda *parts: jnp.concatenate(parts), *stats)
         return (h, stats), (p, f, e, (kept_0, kept, kept_tail), (stored, stored_tail), pending)
 
-    def backward_step(self, p: Any, f: Any, e: tuple[Any, ...], carry: Any, xs: Any) -> tuple[Any, None]:
+    def backward_step(
+        self, p: Any, f: Any, e: tuple[Any, ...], write: Callable[..., Any], carry: Any, xs: Any
+    ) -> tuple[Any, None]:
         """Layer k's backward pass, layer k-1's reload issued first (all of it hides the copy), its
-        gradients written into the stack's: a loop body, and the peeled layers'."""
+        gradients written (`_put`) or added (`_add_at`) into the stack's: a loop body, and the
+        peeled layers'."""
         dh, current, dp = carry
         k, kept_k, stored_k, ct_stats_k = xs
         previous = self.steps.reload(stored_k)
         dp_k, dh = self.steps.backward(_at(p, k), _at(f, k), e, kept_k, current, dh, ct_stats_k)
-        return (dh, previous, jax.tree.map(lambda a, d: _put(a, d, k), dp, dp_k)), None
+        return (dh, previous, jax.tree.map(lambda a, d: write(a, d, k), dp, dp_k)), None
 
-    def backward(self, residuals: Any, cotangent: Any) -> tuple[Any, Any, None, None]:
+    def backward(self, residuals: Any, cotangent: Any, sink: Any = None) -> tuple[Any, Any, None, None]:
         """The reverse of `forward`. Outside the loop the layers pass barriers, as the per-layer
         engine's unscanned layers do (`ferry.offload.engine.offloaded`): the host values wait for the
         cotangent (else XLA folds a store read straight back into nothing: the loop's too, which
         XLA unrolls where it runs one layer), each reload of a layer after the loop waits for the
         cotangent of the layer above (so it is issued as that layer's backward starts, not all at
-        once), and no replay may merge with the forward pass."""
+        once), and no replay may merge with the forward pass. With a `sink` the gradients are added into it."""
         p, f, e, (kept_0, kept, kept_tail), (stored, stored_tail), current = residuals
         ct_out, ct_stats = cotangent
         dh, p, f, kept_tail, current, stored, stored_tail = jax.lax.optimization_barrier(
             (ct_out, p, f, kept_tail, current, stored, stored_tail)
         )
-        step = functools.partial(self.backward_step, p, f, e)
+        write = _put if sink is None else _add_at
+        step = functools.partial(self.backward_step, p, f, e, write)
         loop_end, num_layers = self.loop_end, self.num_layers
-        dp = jax.tree.map(jnp.zeros_like, p)
+        dp = jax.tree.map(jnp.zeros_like, p) if sink is None else sink
         for k in reversed(range(loop_end, num_layers)):
             stored_k = stored_tail[k - loop_end]
             if k < num_layers - 1:
@@ -217,7 +255,7 @@ class _Peeled:
         dh, p, f, kept_0, current = jax.lax.optimization_barrier((dh, p, f, kept_0, current))
         ct_stats_0 = jax.tree.map(lambda a: a[0], ct_stats)
         dp_0, dx = self.steps.backward(_at(p, 0), _at(f, 0), e, kept_0, current, dh, ct_stats_0)
-        return jax.tree.map(lambda a, d: _put(a, d, 0), dp, dp_0), dx, None, None
+        return jax.tree.map(lambda a, d: write(a, d, 0), dp, dp_0), dx, None, None
 
 
 def _at(tree: Any, k: int | jax.Array) -> Any:
@@ -233,6 +271,12 @@ def _stack_of_one(tree: Any) -> Any:
 def _put(stacked: jax.Array, value: jax.Array, k: int | jax.Array) -> jax.Array:
     """`stacked` with layer k replaced by `value` (in place where XLA can)."""
     return jax.lax.dynamic_update_index_in_dim(stacked, value.astype(stacked.dtype), k, 0)
+
+
+def _add_at(stacked: jax.Array, value: jax.Array, k: int | jax.Array) -> jax.Array:
+    """`stacked` with `value` added to layer k (in `stacked`'s dtype, in place where XLA can)."""
+    total = jax.lax.dynamic_index_in_dim(stacked, k, keepdims=False) + value.astype(stacked.dtype)
+    return jax.lax.dynamic_update_index_in_dim(stacked, total, k, 0)
 
 
 class _Layout:

@@ -16,6 +16,7 @@ from ferry.head.loss import DEFAULT_HEAD, LossHead
 from ferry.models.base import AbstractLanguageModel
 from ferry.offload.engine import SAVE_ALL, Policy
 from ferry.precision import cast_floating
+from ferry.train.gradient_sink import sinking, stack_gradients, with_stack_gradients
 from ferry.train.state_memory import float_params, on_host
 from ferry.train.streamed_update import StreamedUpdate
 from ferry.train.train_state import TrainState
@@ -50,11 +51,17 @@ def compute_copy(model: AbstractLanguageModel, dtype: Any, head: LossHead) -> Ab
 
 
 def batch_loss(
-    model: AbstractLanguageModel, batch: Int[Array, "batch seq_plus_one"], settings: LossSettings
+    model: AbstractLanguageModel,
+    batch: Int[Array, "batch seq_plus_one"],
+    settings: LossSettings,
+    sinks: list[Any] | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """The loss to differentiate, and the model's statistics (`loss` is the main next-token
-    cross-entropy), computed in the compute dtype."""
+    cross-entropy), computed in the compute dtype. With `sinks` the layer stacks' gradients are
+    added into them (`ferry.train.gradient_sink`)."""
     compute_model = compute_copy(model, jnp.dtype(settings.compute_dtype), settings.head)
+    if sinks is not None:
+        compute_model = sinking(compute_model, sinks)
     return compute_model.training_loss(
         batch, settings.policy, settings.z_loss_weight, documents=settings.documents, head=settings.head
     )
@@ -65,20 +72,38 @@ def accumulated_loss_and_grad(
 ) -> tuple[tuple[Float[Array, ""], dict[str, Array]], Any]:
     """Loss, statistics and gradients of the whole batch, computed `micro_steps` rows-slices at a
     time with `lax.scan` (gradient accumulation); all are means over the micro batches, which equal
-    the whole batch's means because the slices are equal."""
+    the whole batch's means because the slices are equal. The layer stacks' gradients are added
+    into the running sum inside their backward loops (`ferry.train.gradient_sink`)."""
     value_and_grad = _float32_gradients(eqx.filter_value_and_grad(batch_loss, has_aux=True))
     if micro_steps == 1:
         return value_and_grad(model, batch, settings)
     micro_batches = batch.reshape(micro_steps, batch.shape[0] // micro_steps, batch.shape[1])
     out_shapes = eqx.filter_eval_shape(value_and_grad, model, micro_batches[0], settings)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shapes)
+    sinking_value_and_grad = _float32_gradients(eqx.filter_value_and_grad(_sinking_loss, has_aux=True))
 
     def accumulate(total: Any, micro_batch: jax.Array) -> tuple[Any, None]:
-        out = value_and_grad(model, micro_batch, settings)
-        return jax.tree.map(jnp.add, total, out), None
+        values, grads = total
+        sinks = stack_gradients(grads)
+        out_values, (out_grads, sums) = sinking_value_and_grad((model, sinks), micro_batch, settings)
+        no_stacks = [None] * len(sinks)  # the stacks' own gradients are zero: their sums are `sums`
+        others = jax.tree.map(
+            jnp.add, with_stack_gradients(grads, no_stacks), with_stack_gradients(out_grads, no_stacks)
+        )
+        return (jax.tree.map(jnp.add, values, out_values), with_stack_gradients(others, sums)), None
 
     total, _ = jax.lax.scan(accumulate, zeros, micro_batches)
     return jax.tree.map(lambda x: x / micro_steps, total)
+
+
+def _sinking_loss(
+    model_and_sinks: tuple[AbstractLanguageModel, list[Any]],
+    batch: Int[Array, "batch seq_plus_one"],
+    settings: LossSettings,
+) -> tuple[Float[Array, ""], dict[str, Array]]:
+    """`batch_loss` differentiated by the model and the stacks' sinks together."""
+    model, sinks = model_and_sinks
+    return batch_loss(model, batch, settings, sinks)
 
 
 def _float32_gradients(value_and_grad: Callable[..., Any]) -> Callable[..., Any]:
