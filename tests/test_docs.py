@@ -54,6 +54,15 @@ def test_the_config_reference_walks_the_nested_configs():
         assert f"`model.family: {family}`" in text
 
 
+def test_every_key_of_the_config_reference_says_what_it_does():
+    """Each row's last cell, the comment beside the field in its dataclass (or above it), is not
+    empty: a key added without one fails here, naming the key."""
+    rows = re.findall(r"^\| `([\w.]+)` \|.*\|(.*)\|$", config_reference().reference(), re.M)
+    assert len(rows) > 150
+    undescribed = [key for key, description in rows if not description.strip()]
+    assert not undescribed, f"comment these fields, then run python scripts/config_reference.py: {undescribed}"
+
+
 def page_commands() -> list[tuple[str, list[str]]]:
     return [(str(p.relative_to(DOCS)), o) for p in pages() for o in launcher_overrides(p.read_text())]
 
