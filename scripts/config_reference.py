@@ -34,8 +34,8 @@ FIELD = re.compile(r"^    (\w+)\s*:")
 
 
 def field_comments(cls: type) -> dict[str, str]:
-    """Each field's comment in `cls`'s source: the full-line comments just above it and the one
-    at its line's end, joined."""
+    """Each commented field's comment in `cls`'s source: the full-line comments just above it and
+    the one at its line's end, joined (a field declared again without one keeps its base's)."""
     try:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):
@@ -47,8 +47,9 @@ def field_comments(cls: type) -> dict[str, str]:
             above.append(line.strip().lstrip("#").strip())
             continue
         match = FIELD.match(line)
-        if match:
-            comments.setdefault(match.group(1), " ".join([*above, _line_comment(line)]).strip())
+        text = " ".join([*above, _line_comment(line)]).strip() if match else ""
+        if match and text:
+            comments.setdefault(match.group(1), text)
         above = []  # a comment block belongs to the line right below it
     return comments
 

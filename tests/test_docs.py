@@ -1,20 +1,22 @@
 """The documentation site cannot go stale silently: the config reference equals a fresh generation
 from the config dataclasses, every page is in the site's navigation, every file a page names is in
 the repository, no page speaks of issue numbers, and (where mkdocs is installed: the `docs` extra)
-the site builds with `mkdocs build --strict`; every launcher command a page shows is accepted."""
+the site builds with `mkdocs build --strict`; every launcher command a page shows is accepted, and
+every command runs a program of the environment setup.sh makes, installing only pyproject's extras."""
 
 import importlib.util
 import os
 import re
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
 from ferry.config.overrides import compose_node
 from ferry.config.root import load_config
 from tests.conftest import CONFIGS, ROOT
-from tests.test_readme import launcher_overrides
+from tests.test_readme import installed_extras, launcher_overrides, missing_executables
 
 DOCS = ROOT / "docs"
 GENERATED = DOCS / "reference" / "config.md"
@@ -52,6 +54,15 @@ def test_the_config_reference_walks_the_nested_configs():
         assert f"`model.family: {family}`" in text
 
 
+def test_every_key_of_the_config_reference_says_what_it_does():
+    """Each row's last cell, the comment beside the field in its dataclass (or above it), is not
+    empty: a key added without one fails here, naming the key."""
+    rows = re.findall(r"^\| `([\w.]+)` \|.*\|(.*)\|$", config_reference().reference(), re.M)
+    assert len(rows) > 150
+    undescribed = [key for key, description in rows if not description.strip()]
+    assert not undescribed, f"comment these fields, then run python scripts/config_reference.py: {undescribed}"
+
+
 def page_commands() -> list[tuple[str, list[str]]]:
     return [(str(p.relative_to(DOCS)), o) for p in pages() for o in launcher_overrides(p.read_text())]
 
@@ -63,6 +74,20 @@ def test_every_launcher_command_of_the_docs_is_accepted(page, overrides):
     """A page's `python launch/run.py ...` composes into a valid config (nothing is run): a
     renamed key, group or preset fails here, naming the page."""
     load_config(compose_node("train", overrides, CONFIGS))
+
+
+def test_every_command_of_the_docs_runs_a_program_of_the_venv():
+    """A page's commands run after `source .venv/bin/activate` in the environment setup.sh makes:
+    a program that is not there (nor a named system tool) fails here, naming the page."""
+    missing = [f"{p.relative_to(DOCS)}: {m}" for p in pages() for m in missing_executables(p.read_text())]
+    assert not missing, f"not in {os.path.dirname(sys.executable)} (bash setup.sh installs it?): {missing}"
+
+
+def test_every_extra_the_docs_install_is_one_of_pyprojects():
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    for page in pages():
+        named = installed_extras(page.read_text())
+        assert named <= extras, f"{page.relative_to(DOCS)}: {sorted(named - extras)}"
 
 
 def test_the_docs_show_launcher_commands():

@@ -1,11 +1,16 @@
 """What the README and the "your own layer" guide show holds: the layer example runs, holds what it
 asserts, and compiles to no more matrix products than keeping everything (its tags sit on matmul
-outputs); the README keeps the setup and test commands CI runs; every launcher command it shows is
-accepted by the launcher's config checks, every script it runs exists, every config key it names
-is a key of the config reference; it stays a README (at most 250 lines) whose links reach files."""
+outputs); the README keeps the setup and test commands CI runs; every command it shows runs an
+executable of the environment setup.sh makes (or a named system tool), every launcher command is
+accepted by the launcher's config checks, every script it runs exists, every extra it installs is
+one of pyproject.toml's, every config key it names is a key of the config reference; it stays a
+README (at most 250 lines) whose links reach files."""
 
 import re
 import shlex
+import sys
+import tomllib
+from pathlib import Path
 from typing import Any
 
 import equinox as eqx
@@ -80,6 +85,76 @@ def shell_commands(text: str) -> list[list[str]]:
                     if command.strip():
                         commands.append(command.split())
     return commands
+
+
+# What the pages run that no Python environment holds: the shell's own words, and tools of the
+# machine, a TPU VM or a cluster (a connected machine's system Python 3.11 builds the TPU VM's wheels).
+SHELL_WORDS = {"bash", "cd", "export", "source", "for", "do", "done", "wait"}
+SYSTEM_TOOLS = SHELL_WORDS | {"git", "scp", "gcloud", "sbatch", "python3.11"}
+VENV_PATH = re.compile(r"^\.venv/bin/")
+
+
+def executable(words: list[str]) -> str | None:
+    """The program a command runs: its first word after `NAME=value` assignments (the inner
+    command of an assignment's `$(...)`)."""
+    for word in words:
+        name, is_assignment, value = word.partition("=")
+        if is_assignment and re.fullmatch(r"[A-Za-z_]\w*", name):
+            if value.startswith("$("):
+                return value[2:]
+            continue
+        return word
+    return None
+
+
+def inline_venv_commands(text: str) -> list[list[str]]:
+    """The `.venv/bin/...` commands of the text's inline code (`.venv/bin/mkdocs serve`)."""
+    return [span.split() for span in re.findall(r"`(\.venv/bin/[^`]+)`", text)]
+
+
+def missing_executables(text: str) -> list[str]:
+    """The programs of the text's commands that are neither in this interpreter's environment (the
+    .venv setup.sh makes, when the tests run as `.venv/bin/pytest`) nor a named system tool. A
+    command runs as written after `source .venv/bin/activate`, and `.venv/bin/X` means X there."""
+    venv_bin = Path(sys.executable).parent
+    missing = []
+    for words in shell_commands(text) + inline_venv_commands(text):
+        program = executable(words)
+        if program is None or program in SYSTEM_TOOLS:
+            continue
+        if not (venv_bin / VENV_PATH.sub("", program)).is_file():
+            missing.append(f"{program} (in: {' '.join(words)[:80]})")
+    return missing
+
+
+def test_every_command_of_the_readme_runs_a_program_of_the_venv():
+    """`tensorboard --logdir runs/` is found after `source .venv/bin/activate` only if setup.sh
+    installs it: a command whose program is not in the environment fails here (a system tool the
+    README means is named in SYSTEM_TOOLS)."""
+    missing = missing_executables(README.read_text())
+    assert not missing, f"not in {Path(sys.executable).parent} (bash setup.sh installs it?): {missing}"
+
+
+def test_the_executable_check_refuses_what_the_venv_lacks():
+    text = "```bash\nno-such-tool --logdir runs/\nTPU=x; COORD=$(gcloud a b)\n```\nthen `.venv/bin/nope serve`"
+    assert [m.split()[0] for m in missing_executables(text)] == ["no-such-tool", ".venv/bin/nope"]
+
+
+def installed_extras(text: str) -> set[str]:
+    """The extras the text installs: `bash setup.sh NAME...` and `pip install -e ".[a,b]"`."""
+    named = set()
+    for args in re.findall(r"bash setup\.sh((?: [a-z][\w-]*)+)", text):
+        named |= set(args.split())
+    for group in re.findall(r"\.\[([\w,-]+)\]", text):
+        named |= set(group.split(","))
+    return named
+
+
+def test_every_extra_the_readme_installs_is_one_of_pyprojects():
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    named = installed_extras(README.read_text())
+    assert {"plan", "hf", "gpu", "tpu"} <= named
+    assert named <= extras, named - extras
 
 
 def launcher_overrides(text: str) -> list[list[str]]:

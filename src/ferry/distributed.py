@@ -31,8 +31,8 @@ class DistributedConfig:
     SLURM `jax.distributed.initialize()` reads the job's environment by itself."""
 
     coordinator_address: str | None = None  # host:port of process 0
-    num_processes: int | None = None
-    process_id: int | None = None
+    num_processes: int | None = None  # how many processes (one a host) the run has in all
+    process_id: int | None = None  # this process's rank, 0 to num_processes - 1 (0 writes the metrics)
 
     def __post_init__(self) -> None:
         if self.coordinator_address is not None:

@@ -47,15 +47,22 @@ class PlatformConfig:
     `host_offload_flags`: flags added to `xla_flags` for a run that copies to pinned host
     (`for_host_copies`): the scheduler settings that let its copies overlap compute."""
 
-    name: str = "cpu"
+    name: str = "cpu"  # cpu | gpu | tpu, as platform=NAME chooses it: the backend the run expects
+    # XLA flag name -> value, set before JAX starts (XLA_FLAGS on CPU and GPU, LIBTPU_INIT_ARGS on TPU;
+    # flags the user exported win); printed at start-up
     xla_flags: Mapping[str, object] = dataclasses.field(default_factory=dict)
+    # environment variable -> value, set before JAX starts
     env: Mapping[str, object] = dataclasses.field(default_factory=dict)
     cpu_devices: int | None = None  # CPU only: split the host into this many virtual devices
+    # ferry | xla: what XLA:GPU's latency-hiding scheduler times the step's ops with (ferry's cost
+    # model, or XLA's own estimates)
     scheduler_costs: str = "xla"
-    scheduler_costs_cached: bool = True
+    scheduler_costs_cached: bool = True  # keep ferry's priced profiles on disk (read with scheduler_costs=ferry only)
     # JAX's persistent compilation cache: a program compiled before (a restarted or resumed run,
     # the same model under another preset) is read from here instead of compiled; null: none
     compilation_cache: str | None = None
+    # flags added to xla_flags for a run that copies to pinned host: the scheduler settings that let
+    # its copies overlap compute (xla_flags win on a name both set)
     host_offload_flags: Mapping[str, object] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -71,10 +71,10 @@ class MeshError(FerryError, ValueError):
 class MeshConfig:
     """Sizes of the four mesh axes; their product must equal the number of devices."""
 
-    data: int = 1
-    fsdp: int = 1
-    tensor: int = 1
-    expert: int = 1
+    data: int = 1  # plain data parallelism: the batch split, parameters and optimizer state replicated
+    fsdp: int = 1  # data parallelism with the parameters and optimizer state sharded
+    tensor: int = 1  # tensor parallelism: attention heads, MLP columns and the vocabulary split
+    expert: int = 1  # expert parallelism: a MoE layer's experts split (and the batch, outside the experts)
 
     def __post_init__(self) -> None:
         for axis in MESH_AXES:

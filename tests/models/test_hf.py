@@ -12,10 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="the parity tests need torch: pip install -e '.[test]'")
-transformers = pytest.importorskip(
-    "transformers", reason="the parity tests need transformers: pip install -e '.[test]'"
-)
+torch = pytest.importorskip("torch", reason="the parity tests need torch: bash setup.sh hf")
+transformers = pytest.importorskip("transformers", reason="the parity tests need transformers: bash setup.sh hf")
 
 import ml_dtypes  # noqa: E402
 from rich.console import Console  # noqa: E402

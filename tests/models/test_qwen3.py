@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="the parity tests need torch: pip install -e '.[test]'")
-transformers = pytest.importorskip("transformers", reason="the parity tests need transformers")
+torch = pytest.importorskip("torch", reason="the parity tests need torch: bash setup.sh hf")
+transformers = pytest.importorskip("transformers", reason="the parity tests need transformers: bash setup.sh hf")
 
 from transformers import Qwen3Config as HFQwen3Config  # noqa: E402
 from transformers import Qwen3ForCausalLM  # noqa: E402

@@ -11,10 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="the parity tests need torch: pip install -e '.[test]'")
-transformers = pytest.importorskip(
-    "transformers", reason="the parity tests need transformers: pip install -e '.[test]'"
-)
+torch = pytest.importorskip("torch", reason="the parity tests need torch: bash setup.sh hf")
+transformers = pytest.importorskip("transformers", reason="the parity tests need transformers: bash setup.sh hf")
 
 from ferry.hf import llama as hf_llama  # noqa: E402
 from ferry.hf import load_pretrained  # noqa: E402

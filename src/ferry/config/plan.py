@@ -15,9 +15,9 @@ class PlanConfig:
     and the probes' line under-estimated DeepSeek-V3's temporaries (docs/results/reference-plans.md,
     "How fast it plans")."""
 
-    presets: tuple[str, ...] | None = None
-    capacity_gib: float | None = None
-    extrapolate: bool = False
+    presets: tuple[str, ...] | None = None  # offload presets to compare; null: save_all, full_remat and `offload`
+    capacity_gib: float | None = None  # HBM per device (GiB) to plan for; null: the target's
+    extrapolate: bool = False  # plan from shallow compiles extended to the full depth (ferry.plan.extrapolate)
 
     def __post_init__(self) -> None:
         if self.presets is not None:

@@ -23,8 +23,8 @@ from ferry.xla.targets import target_names
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    dir: str | None = None
-    root: str = "runs"
+    dir: str | None = None  # the run directory; null: a new one under run.root, named by the date and time
+    root: str = "runs"  # where new run directories go, and where a run without offload= looks for a plan's choice
     resume: bool = True  # a run.dir holding checkpoints of this model resumes from the latest
     allow_data_change: bool = False  # resume although batch, sequence, seed or data differ from the checkpoint's
     # resume although these training settings (train.* keys of the update or the loss) differ from the
@@ -48,9 +48,9 @@ class CheckpointConfig:
     """Orbax checkpoints in <run dir>/checkpoints: every `every` steps (0: only the final save and
     on preemption), the last `keep` kept, and also every `keep_every`-th step when set."""
 
-    every: int = 100
-    keep: int = 3
-    keep_every: int | None = None
+    every: int = 100  # steps between saves; 0: only the final save (and one on preemption)
+    keep: int = 3  # the last K checkpoints are kept, older ones deleted
+    keep_every: int | None = None  # also keep every M-th step's checkpoint; null: none beyond the last `keep`
     async_save: bool = True  # write in a background thread; the step loop goes on
     final: bool = True  # save after the last step; false: a throwaway run (a benchmark) ends without one
 
@@ -69,15 +69,15 @@ class LogConfig:
 
     tensorboard: bool = True  # event files in <run dir>/tensorboard
     wandb: bool = False  # Weights & Biases (pip install wandb)
-    wandb_project: str = "ferry"
+    wandb_project: str = "ferry"  # the Weights & Biases project of a log.wandb=true run
 
 
 @dataclasses.dataclass(frozen=True)
 class ProfileConfig:
     """A jax.profiler trace of `steps` steps from `start_step` into <run dir>/profile."""
 
-    start_step: int | None = None
-    steps: int = 3
+    start_step: int | None = None  # the first traced step (at least 1); null: no profile
+    steps: int = 3  # how many steps the trace holds
 
     def __post_init__(self) -> None:
         if self.start_step is not None and self.start_step < 1:
@@ -91,7 +91,7 @@ class InitConfig:
     """Where the first parameters come from: a random init (`train.seed`), or `from_hf`, a local
     Hugging Face checkpoint directory whose config.json the model config must match."""
 
-    from_hf: str | None = None
+    from_hf: str | None = None  # a local Hugging Face checkpoint directory to start from; null: a random init
 
 
 @dataclasses.dataclass(frozen=True)

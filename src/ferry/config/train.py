@@ -76,19 +76,19 @@ DEVICE_STATE = StatePlacement()  # everything in HBM
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 200
-    global_batch_size: int = 8
+    steps: int = 200  # optimizer steps of the run; the learning rate's cosine decay ends at the last
+    global_batch_size: int = 8  # sequences per optimizer step, over every device and micro step
     micro_batch_size: int | None = None  # per device; set to accumulate gradients; None: one micro step
-    seq_len: int = 128
-    learning_rate: float = 3e-3
-    warmup_steps: int = 20
-    min_learning_rate_ratio: float = 0.1
-    weight_decay: float = 0.1
-    adam_b1: float = 0.9
-    adam_b2: float = 0.95
-    adam_eps: float = 1e-8
-    grad_clip_norm: float = 1.0
-    z_loss_weight: float = 0.0
+    seq_len: int = 128  # tokens per sequence (a packed window of the token stream)
+    learning_rate: float = 3e-3  # AdamW's peak learning rate, reached after warmup_steps
+    warmup_steps: int = 20  # steps of linear warmup from 0 to learning_rate
+    min_learning_rate_ratio: float = 0.1  # the cosine decay's floor at the last step, as a fraction of learning_rate
+    weight_decay: float = 0.1  # AdamW's decoupled weight decay, on matrices only (norm scales are not decayed)
+    adam_b1: float = 0.9  # Adam's decay rate of the first moment (the gradient's running mean)
+    adam_b2: float = 0.95  # Adam's decay rate of the second moment (the squared gradient's running mean)
+    adam_eps: float = 1e-8  # added to the root of the second moment before Adam divides by it
+    grad_clip_norm: float = 1.0  # the gradient is scaled down to this global norm when it is above it
+    z_loss_weight: float = 0.0  # weight of PaLM's z-loss, mean(logsumexp(logits)^2), added to the loss; 0: none
     # chunked: the logits are never whole (a vocabulary chunk at a time); fused: never whole either, the loss
     # and both gradients in one walk of the forward pass (a sequence chunk at a time); logits: whole
     loss_head: str = "chunked"
@@ -100,10 +100,10 @@ class TrainConfig:
     # keeps the logits in VMEM (pallas; Pallas interpret mode off a TPU, refused on a GPU); auto: pallas on a
     # TPU whose devices hold the whole vocabulary and whose VMEM holds blocks of 512 tokens, else xla
     loss_kernel: str = "auto"
-    compute_dtype: str = "bfloat16"
-    seed: int = 0
-    log_every: int = 10
-    eval_every: int = 50
+    compute_dtype: str = "bfloat16"  # float32 | bfloat16: the forward and backward pass (master weights stay float32)
+    seed: int = 0  # the random init of the parameters (the data's shuffle has data.seed)
+    log_every: int = 10  # steps between logged metrics (console, metrics.jsonl, TensorBoard); the first and last too
+    eval_every: int = 50  # steps between held-out evaluations (eval_batches batches), and at the last step
     eval_batches: int = 4  # held-out batches per evaluation; 0: no evaluation
     on_nonfinite: str = "stop"  # stop: checkpoint the last good state and stop; skip: skip the update
     # the gradient self-check of the offload policy before training (ferry.run.policy_check);
@@ -252,11 +252,11 @@ class AutoMeasureConfig:
     count. The estimate cannot tell the two apart (the same FLOPs and copies), the chip can (why
     the twin is a candidate: `ferry.plan.auto`)."""
 
-    measure: bool | None = None
-    candidates: int = 3
-    warmup_steps: int = 1
-    steps: int = 3
-    peel: int = 3
+    measure: bool | None = None  # time the candidates on the device; null: where an accelerator is present
+    candidates: int = 3  # how many of the fastest-estimated placements that fit are timed
+    warmup_steps: int = 1  # untimed steps of each timed candidate (its compile and first run)
+    steps: int = 3  # timed steps of each candidate
+    peel: int = 3  # end layers of each stack the all-on-device candidate's peeled twin runs out of the loop; 0: no twin
 
     def __post_init__(self) -> None:
         for name, least in (("candidates", 1), ("warmup_steps", 0), ("steps", 1), ("peel", 0)):
@@ -269,9 +269,11 @@ class OffloadConfig:
     """An offload preset: `tensors` maps tensor names to device | offload | remat; `default`, when
     set, places every other tensor the model tags (so one preset fits every model family)."""
 
-    name: str = "custom"
-    keep_all: bool = False
+    name: str = "custom"  # the preset's own name, as offload=NAME chooses it (printed, and in the run's config)
+    keep_all: bool = False  # true: no custom VJP, JAX keeps every residual in HBM (save_all)
+    # the placement (device | offload | remat) of every tagged tensor `tensors` does not name; null: remat
     default: str | None = None
+    # tensor name -> device | offload | remat; offload.tensors.NAME=PLACEMENT changes one
     tensors: Mapping[str, str] = dataclasses.field(default_factory=dict)
     optimizer: str = "device"  # AdamW's moments: device | host (pinned host, streamed through HBM by the update)
     params: str = "device"  # the float32 master weights: device | host (a compute-dtype copy stays in HBM)

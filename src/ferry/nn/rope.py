@@ -20,10 +20,10 @@ class Llama3RopeScaling:
     """Llama 3.1's long-context scaling: low frequencies are divided by `factor`, high ones kept,
     and the band between is interpolated smoothly."""
 
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position: int = 8192
+    factor: float = 8.0  # the low frequencies are divided by it
+    low_freq_factor: float = 1.0  # wavelengths above original_max_position / low_freq_factor are scaled
+    high_freq_factor: float = 4.0  # wavelengths below original_max_position / high_freq_factor are kept
+    original_max_position: int = 8192  # the context length the model was first trained at
 
 
 def check_llama3_scaling(scaling: Llama3RopeScaling, key: str) -> None:
@@ -64,11 +64,14 @@ class YarnScaling:
     context are interpolated by `factor`, short ones kept, with a linear ramp between the dims
     that turn `beta_fast` and `beta_slow` times over the original context."""
 
-    factor: float = 40.0
-    original_max_position: int = 4096
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
+    factor: float = 40.0  # wavelengths longer than the original context are interpolated by it
+    original_max_position: int = 4096  # the context length the model was first trained at
+    beta_fast: float = 32.0  # dims that turn more often than this over the original context are kept
+    beta_slow: float = 1.0  # dims that turn less often than this over the original context are interpolated
+    # YaRN's temperature is 0.1 * m * ln(factor) + 1 for a coefficient m; RoPE's cos and sin are
+    # multiplied by mscale's temperature and divided by mscale_all_dim's
     mscale: float = 1.0
+    # the coefficient of the temperature whose square multiplies the softmax scale (and divides cos and sin)
     mscale_all_dim: float = 1.0
 
 

@@ -18,24 +18,24 @@ from ferry.nn.rope import YarnScaling, check_yarn
 @final
 class DeepSeekV3Config(AbstractModelConfig):
     family: ClassVar[str] = "deepseek_v3"
-    vocab_size: int
-    dim: int
-    num_layers: int
-    num_dense_layers: int
-    dense_mlp_dim: int
-    moe_mlp_dim: int
-    num_heads: int
-    q_lora_rank: int
-    kv_lora_rank: int
-    qk_nope_dim: int
-    qk_rope_dim: int
-    v_dim: int
-    num_experts: int
-    num_shared_experts: int
-    experts_per_token: int
-    num_groups: int
-    groups_per_token: int
-    routed_scaling: float = 2.5
+    vocab_size: int  # rows of the embedding table and columns of the output head
+    dim: int  # the model width: the hidden state's size between layers
+    num_layers: int  # decoder layers, dense and MoE together
+    num_dense_layers: int  # the first layers, whose MLP is dense; the rest are MoE layers
+    dense_mlp_dim: int  # the dense layers' SwiGLU hidden size
+    moe_mlp_dim: int  # each expert's SwiGLU hidden size (routed and shared)
+    num_heads: int  # attention heads (MLA: each its own key and value)
+    q_lora_rank: int  # MLA: the rank of the query's low-rank compression
+    kv_lora_rank: int  # MLA: the width of the compressed key-value latent
+    qk_nope_dim: int  # MLA: the per-head query and key width without RoPE
+    qk_rope_dim: int  # MLA: the per-head query and key width with RoPE (the key's part shared by all heads)
+    v_dim: int  # MLA: the per-head value width
+    num_experts: int  # routed experts of each MoE layer
+    num_shared_experts: int  # experts every token goes through, besides its routed ones
+    experts_per_token: int  # routed experts per token (top-k)
+    num_groups: int  # groups the routed experts are split into; a token's experts come from its best groups
+    groups_per_token: int  # groups a token's experts may come from (scored by their top-2 experts)
+    routed_scaling: float = 2.5  # the routed experts' weighted sum is scaled by it
     capacity_factor: float | None = None  # None: dropless
     # Grouped matmul of the routed experts: "megablox" (JAX's Pallas grouped kernels on TPU, the
     # ragged_dot reference elsewhere), "ragged_dot" (XLA's own grouped kernels on TPU, which add
@@ -43,7 +43,7 @@ class DeepSeekV3Config(AbstractModelConfig):
     # one expert each; XLA's CPU and GPU backends expand ragged_dot and its transposes into every
     # expert on every row), or "auto": megablox on TPU, tiled elsewhere.
     moe_matmul: str = "auto"
-    moe_tile_rows: int = 32
+    moe_tile_rows: int = 32  # moe_matmul=tiled: rows per tile, each tile one expert's
     # Expert parallelism runs the experts in a ring of steps, one per device of the expert
     # group; per step, the expert products of up to this x the rows a balanced router sends a
     # device (tokens x k / group) are tagged, so an offload policy places them, and the rows
@@ -54,10 +54,10 @@ class DeepSeekV3Config(AbstractModelConfig):
     balance_loss_weight: float = 1e-4  # alpha of the sequence-wise balance loss
     mtp_depth: int = 1  # 0 switches multi-token prediction off
     mtp_loss_weight: float = 0.3  # lambda
-    rope_theta: float = 10000.0
-    yarn: YarnScaling = YarnScaling()
-    norm_eps: float = 1e-6
-    scan_layers: bool = True
+    rope_theta: float = 10000.0  # RoPE's base: its wavelengths are powers of it
+    yarn: YarnScaling = YarnScaling()  # YaRN's extension of RoPE to a longer context
+    norm_eps: float = 1e-6  # every RMSNorm's (the latents' norms too)
+    scan_layers: bool = True  # each stack (dense, MoE) as one lax.scan over stacked weights; false: unrolled
     attention: str = "auto"  # the attention kernel: auto, xla, splash, cudnn (ferry.nn.kernels.choice)
 
     def __check_init__(self) -> None:

@@ -19,16 +19,16 @@ class AbstractDenseConfig(AbstractModelConfig):
     RoPE, Qwen3's), `rope_scaling_of` (Llama 3.1's frequency scaling) and `tied_head` (the head
     reads the embedding table)."""
 
-    vocab_size: int
-    dim: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    mlp_dim: int
-    rope_theta: float
+    vocab_size: int  # rows of the embedding table and columns of the output head
+    dim: int  # the model width: the hidden state's size between layers
+    num_layers: int  # decoder layers
+    num_heads: int  # query heads of each attention layer
+    num_kv_heads: int  # key and value heads (grouped-query attention; num_heads is a multiple of it)
+    head_dim: int  # the width of each query, key and value head
+    mlp_dim: int  # the SwiGLU MLP's hidden size
+    rope_theta: float  # RoPE's base: its wavelengths are powers of it
     norm_eps: float  # every RMSNorm's (the per-head query and key norms' too)
-    scan_layers: bool = True
+    scan_layers: bool = True  # the layers as one lax.scan over stacked weights (one layer compiled); false: unrolled
     attention: str = "auto"  # the attention kernel: auto, xla, splash, cudnn (ferry.nn.kernels.choice)
 
     qk_norm: AbstractClassVar[bool]

@@ -13,6 +13,7 @@ class LlamaConfig(AbstractDenseConfig):
     family: ClassVar[str] = "llama"
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
+    # Llama 3.1's long-context RoPE scaling; null: plain RoPE
     rope_scaling: Llama3RopeScaling | None = Llama3RopeScaling()
     tie_embeddings: bool = False  # the head reads the embedding table (Llama 3.2 1B and 3B)
 
