@@ -12,7 +12,8 @@ from jaxtyping import Array, Bool, Int, Integer
 
 
 def joined_rows(
-    ids: Integer[np.ndarray, "rows seq_plus_one"], weights: Integer[np.ndarray, "rows seq_plus_one"]
+    ids: Integer[np.ndarray, "rows seq_plus_one"],
+    weights: Integer[np.ndarray, "rows seq_plus_one"] | Bool[np.ndarray, "rows seq_plus_one"],
 ) -> Int[np.ndarray, "rows row_width"]:
     """Rows of ids, each followed by its tokens' loss weights (0 or 1)."""
     return np.concatenate([ids, (np.asarray(weights) != 0).astype(ids.dtype)], axis=1).astype(np.int32)
