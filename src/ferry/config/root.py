@@ -12,6 +12,7 @@ from ferry.config.plan import PlanConfig
 from ferry.config.train import UPDATE_SETTINGS, OffloadConfig, TrainConfig
 from ferry.config_schema import checked_value, from_dict
 from ferry.data.config import DataConfig
+from ferry.data.loss_weights import weighted_width
 from ferry.distributed import DistributedConfig
 from ferry.errors import ConfigError
 from ferry.models.base import AbstractModelConfig
@@ -163,7 +164,10 @@ class FerryConfig:
 
     @property
     def batch_shape(self) -> tuple[int, int]:
-        """A step's global batch of token windows: each window holds its targets' extra token."""
+        """A step's global batch of token windows: each window holds its targets' extra token (and,
+        with data.format=chat, its tokens' loss weights after them: `ferry.data.loss_weights`)."""
+        if self.data.format == "chat":
+            return (self.train.global_batch_size, weighted_width(self.train.seq_len))
         return (self.train.global_batch_size, self.train.seq_len + 1)
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 from ferry.data.sources import FILE_SOURCES
 
 SOURCES = ("stdlib", *FILE_SOURCES, "synthetic")
+FORMATS = ("text", "chat")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,10 +29,24 @@ class DataConfig:
     shard_bytes: int = 64 * 2**20  # source text per shard (and per unit of work)
     document_mask: bool = False  # attention does not cross documents; positions restart at each
     loss_across_documents: bool = True  # document_mask: also predict a document's first token from the last one's end
+    format: str = "text"  # text: every token is a target; chat: jsonl conversations, the loss on the replies only
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
             raise ValueError(f"data.source is {self.source!r}; use one of {', '.join(SOURCES)}")
+        if self.format not in FORMATS:
+            raise ValueError(f"data.format is {self.format!r}; use one of {', '.join(FORMATS)}")
+        if self.format == "chat" and self.source != "jsonl" and self.prepared is None:
+            raise ValueError(
+                f"data.format=chat reads conversations from JSONL records and data.source is {self.source}; "
+                "set data.source=jsonl data.path=YOUR.jsonl (or data.prepared=DIR of a prepared chat corpus)"
+            )
+        if self.format == "chat" and self.tokenizer == "byte":
+            raise ValueError(
+                "data.format=chat formats conversations with a tokenizer's chat template, and data.tokenizer=byte has "
+                "none; set data.tokenizer to a Hugging Face tokenizer directory whose tokenizer_config.json holds a "
+                "chat_template"
+            )
         if not 0 < self.eval_fraction < 1:
             raise ValueError(f"data.eval_fraction must lie in (0, 1), got {self.eval_fraction}")
         if self.synthetic_tokens < 2:
@@ -89,6 +104,8 @@ class DataConfig:
         elif self.source in ("stdlib", "text", "arrayrecord"):
             unread = ("field",) if self.source != "stdlib" else ("field", "pattern")
             why = "reads whole files" if self.source != "arrayrecord" else "reads whole records"
+        elif self.format == "chat":
+            unread, why = ("field",), "with data.format=chat reads each record's messages, or prompt and completion"
         else:
             return []
         defaults = DataConfig()

@@ -15,6 +15,7 @@ import numpy as np
 from rich.console import Console
 
 from ferry.data.config import DataConfig
+from ferry.data.pipeline import PackedWindows
 from ferry.data.prepare import cache_directory, is_held_out, prepare_corpus
 from ferry.data.segments import DocumentMask
 from ferry.data.shards import (
@@ -40,6 +41,14 @@ class Corpus:
     num_documents: int
     description: str  # for the start-up line, e.g. "1,812 stdlib documents"
     end_of_document: int | None = None  # None: synthetic tokens, which have no documents
+    train_weights: ShardedTokens | None = None  # a chat corpus: each token's loss weight (None: every token counts)
+    eval_weights: ShardedTokens | None = None
+
+    def windows(self, split: str, seq_len: int) -> PackedWindows:
+        """The split's windows of `seq_len` inputs, with their loss weights where the corpus has them."""
+        if split == "train":
+            return PackedWindows(self.train, seq_len, self.train_weights)
+        return PackedWindows(self.eval, seq_len, self.eval_weights)
 
 
 def document_mask_of(config: DataConfig) -> DocumentMask | None:
@@ -133,6 +142,7 @@ def load_corpus(
         prepared = prepare_corpus(config, directory, tokenizer, console)
         manifest = prepared.manifest
         origin = f"tokenized into {directory}" if prepared.units_written else f"cached in {directory}"
+    check_format(config, manifest, directory)
     if console is not None and (note := skipped_note(manifest)) is not None:
         console.print(note, highlight=False)
     documents = manifest.documents("train") + manifest.documents("eval")
@@ -140,6 +150,22 @@ def load_corpus(
         ShardedTokens.of(directory, manifest, "train"),
         ShardedTokens.of(directory, manifest, "eval"),
         documents,
-        f"{documents:,} {manifest.source.get('source', config.source)} documents {origin}",
+        f"{documents:,} {manifest.source.get('source', config.source)} "
+        f"{'conversations' if manifest.weighted else 'documents'} {origin}",
         manifest.end_of_document,
+        ShardedTokens.weights_of(directory, manifest, "train"),
+        ShardedTokens.weights_of(directory, manifest, "eval"),
     )
+
+
+def check_format(config: DataConfig, manifest: Manifest, directory: Path) -> None:
+    """A chat corpus (its shards carry loss weights) is read with data.format=chat, a text one without."""
+    if manifest.weighted and config.format != "chat":
+        raise PreparedDataError(
+            f"{directory} is a chat corpus (its tokens carry loss weights); set data.format=chat to train on it"
+        )
+    if config.format == "chat" and not manifest.weighted:
+        raise PreparedDataError(
+            f"data.format=chat but {directory} holds plain text tokens without loss weights; prepare it again with "
+            "data.format=chat data.source=jsonl, or drop data.format=chat"
+        )

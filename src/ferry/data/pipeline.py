@@ -15,23 +15,34 @@ import grain
 import numpy as np
 from jaxtyping import Int
 
+from ferry.data.loss_weights import joined_rows
 from ferry.data.shards import ShardedTokens
 
 
 @dataclasses.dataclass(frozen=True)
 class PackedWindows:
+    """A split's windows; with `weights` (a chat corpus), each row carries its tokens' loss weights
+    after its ids (`ferry.data.loss_weights`)."""
+
     tokens: np.ndarray | ShardedTokens
     seq_len: int
+    weights: np.ndarray | ShardedTokens | None = None  # one per token, aligned with `tokens`
 
     @property
     def num_windows(self) -> int:
         return (len(self.tokens) - 1) // self.seq_len
 
-    def rows(self, windows: Int[np.ndarray, " rows"]) -> Int[np.ndarray, "rows seq_plus_one"]:
+    def rows(self, windows: Int[np.ndarray, " rows"]) -> Int[np.ndarray, "rows row_width"]:
         starts = np.asarray(windows, np.int64) * self.seq_len
+        ids = self._cut(self.tokens, starts)
+        if self.weights is None:
+            return ids
+        return joined_rows(ids, self._cut(self.weights, starts))
+
+    def _cut(self, stream: np.ndarray | ShardedTokens, starts: np.ndarray) -> Int[np.ndarray, "rows seq_plus_one"]:
         if not len(starts):
             return np.zeros((0, self.seq_len + 1), np.int32)
-        return np.stack([self.tokens[start : start + self.seq_len + 1] for start in starts]).astype(np.int32)
+        return np.stack([stream[start : start + self.seq_len + 1] for start in starts]).astype(np.int32)
 
 
 def window_batches(

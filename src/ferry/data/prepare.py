@@ -32,6 +32,7 @@ import numpy as np
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from ferry.data.chat import ChatEncoder, chat_template_of
 from ferry.data.config import DataConfig
 from ferry.data.shards import (
     MANIFEST,
@@ -44,7 +45,7 @@ from ferry.data.shards import (
     token_dtype,
 )
 from ferry.data.sources import TextSplit, documents, source_files
-from ferry.data.tokenizer import Tokenizer, load_tokenizer
+from ferry.data.tokenizer import HuggingFaceTokenizer, Tokenizer, load_tokenizer
 
 PROGRESS = ".progress"
 _TOKENIZE_BATCH = 512  # documents per tokenizer call (Hugging Face tokenizers encode a batch in parallel)
@@ -74,6 +75,8 @@ def source_identity(config: DataConfig, tokenizer: Tokenizer) -> tuple[dict[str,
     keys = ("source", "pattern", "field", "separator", "document_bytes", "eval_fraction", "shard_bytes")
     identity = {key: getattr(config, key) for key in keys}
     identity |= {"path": str(root), "files": len(files), "bytes": total, "files_sha256": fingerprint.hexdigest()}
+    if config.format == "chat":  # absent for text: a text corpus keeps the hash it had before chat corpora
+        identity |= {"format": "chat", "chat_template": chat_template_of(config.tokenizer).identity}
     digest = hashlib.sha256(json.dumps({**identity, "tokenizer": tokenizer.identity}, sort_keys=True).encode())
     return identity, digest.hexdigest()
 
@@ -97,6 +100,7 @@ class UnitTask:
     eos_token: str | None
     eval_fraction: float
     dtype: str
+    chat: bool = False  # data.format=chat: the texts are conversations, tokenized with their loss weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +111,8 @@ class UnitResult:
     shards: dict[str, Shard | None]  # per split; None when no document of the unit went there
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        shards = {split: None if shard is None else shard.to_json() for split, shard in self.shards.items()}
+        return {**dataclasses.asdict(self), "shards": shards}
 
     @staticmethod
     def from_json(data: dict[str, Any]) -> "UnitResult":
@@ -121,32 +126,59 @@ def _worker_tokenizer(spec: str, eos_token: str | None) -> Tokenizer:
     return load_tokenizer(spec, eos_token)
 
 
+@functools.cache
+def _worker_chat_encoder(spec: str, eos_token: str | None) -> ChatEncoder:
+    """A tokenizing process loads its chat template once (data.format=chat)."""
+    tokenizer = _worker_tokenizer(spec, eos_token)
+    if not isinstance(tokenizer, HuggingFaceTokenizer):  # DataConfig refuses data.format=chat with bytes
+        raise AssertionError(f"data.format=chat needs a Hugging Face tokenizer, not {spec}")
+    return ChatEncoder(tokenizer.tokenizer, tokenizer.end_of_document, chat_template_of(spec))
+
+
 def shard_file(split: str, unit: int) -> str:
     return f"{split}/{unit:06d}.bin"
 
 
+def weights_file(split: str, unit: int) -> str:
+    return f"{split}/{unit:06d}.weights"
+
+
+def _encoded(task: UnitTask, texts: list[bytes], keys: list[str]) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    """(ids, loss weights or None) of each document: conversations with their weights, text without."""
+    if task.chat:
+        return list(_worker_chat_encoder(task.tokenizer, task.eos_token).encode_records(texts, keys))
+    return [(ids, None) for ids in _worker_tokenizer(task.tokenizer, task.eos_token).encode_documents(texts)]
+
+
+def _write_whole(array: np.ndarray, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    array.tofile(partial)
+    os.replace(partial, path)  # a shard is whole or absent
+
+
 def tokenize_unit(task: UnitTask) -> UnitResult:
-    """Tokenize a unit's documents, split them by key, and write a shard per non-empty split."""
-    tokenizer = _worker_tokenizer(task.tokenizer, task.eos_token)
-    ids_of: dict[str, list[np.ndarray]] = {split: [] for split in SPLITS}
+    """Tokenize a unit's documents, split them by key, and write a shard per non-empty split (and,
+    for conversations, its loss weights beside it, written first: a shard present has its weights)."""
+    ids_of: dict[str, list[tuple[np.ndarray, np.ndarray | None]]] = {split: [] for split in SPLITS}
     for start in range(0, len(task.texts), _TOKENIZE_BATCH):
-        batch = task.texts[start : start + _TOKENIZE_BATCH]
-        for key, ids in zip(task.keys[start : start + _TOKENIZE_BATCH], tokenizer.encode_documents(batch), strict=True):
-            ids_of["eval" if is_held_out(key, task.eval_fraction) else "train"].append(ids)
+        keys = task.keys[start : start + _TOKENIZE_BATCH]
+        for key, example in zip(keys, _encoded(task, task.texts[start : start + _TOKENIZE_BATCH], keys), strict=True):
+            ids_of["eval" if is_held_out(key, task.eval_fraction) else "train"].append(example)
     shards: dict[str, Shard | None] = {}
     tokens = 0
     for split, pieces in ids_of.items():
         if not pieces:
             shards[split] = None
             continue
-        joined = np.concatenate(pieces).astype(task.dtype)
+        joined = np.concatenate([ids for ids, _ in pieces]).astype(task.dtype)
+        weights = None
+        if task.chat:
+            weights = weights_file(split, task.unit)
+            _write_whole(np.concatenate([w for _, w in pieces]).astype(np.uint8), Path(task.directory) / weights)
         name = shard_file(split, task.unit)
-        path = Path(task.directory) / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(path.name + ".partial")
-        joined.tofile(partial)
-        os.replace(partial, path)  # a shard is whole or absent
-        shards[split] = Shard(name, task.unit, len(joined), len(pieces))
+        _write_whole(joined, Path(task.directory) / name)
+        shards[split] = Shard(name, task.unit, len(joined), len(pieces), weights)
         tokens += len(joined)
     return UnitResult(task.unit, len(task.texts), tokens, shards)
 
@@ -301,6 +333,10 @@ def _units_of_journal(directory: Path, digest: str, itemsize: int) -> dict[int, 
 
 def _whole(directory: Path, shard: Shard, itemsize: int) -> bool:
     path = directory / shard.file
+    if shard.weights is not None:
+        weights = directory / shard.weights
+        if not (weights.is_file() and weights.stat().st_size == shard.tokens):
+            return False
     return path.is_file() and path.stat().st_size == shard.tokens * itemsize
 
 
@@ -317,14 +353,17 @@ def _tokenize(
     the source's files skipped as not text are added to `skipped`."""
     dtype = token_dtype(tokenizer.vocab_size).name
     split = TextSplit.of(config.separator, config.document_bytes)
-    source = documents(config.source, config.path, config.field, config.pattern, split, skipped)
+    chat = config.format == "chat"
+    source = documents(config.source, config.path, config.field, config.pattern, split, skipped, chat)
     stream = units_of(source, config.shard_bytes)
     workers = config.workers or available_cores()
     numbered = enumerate(stream)
     first = next(numbered, None)
     second = next(numbered, None)
     tasks = (
-        UnitTask(str(directory), unit, keys, texts, config.tokenizer, config.eos_token, config.eval_fraction, dtype)
+        UnitTask(
+            str(directory), unit, keys, texts, config.tokenizer, config.eos_token, config.eval_fraction, dtype, chat
+        )
         for unit, (keys, texts) in _chain(first, second, numbered)
         if unit not in done
     )

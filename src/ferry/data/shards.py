@@ -6,6 +6,8 @@ DIR/manifest.json          format, tokenizer (identity, vocab size, end-of-docum
                            split, and every shard: its file, unit of work, tokens and documents
 DIR/train/000042.bin       the tokens of unit 42's training documents, each followed by the
 DIR/eval/000042.bin        end-of-document id, as raw little-endian integers of the manifest's dtype
+DIR/train/000042.weights   a chat corpus (data.format=chat) only: each token's loss weight, one
+                           byte a token (1: the token is part of a reply and counts as a target)
 ```
 
 Training memory-maps the shards and reads only the windows it batches, so start-up time and
@@ -43,6 +45,13 @@ class Shard:
     unit: int  # the unit of work that wrote it
     tokens: int
     documents: int
+    weights: str | None = None  # a chat corpus: the file of each token's loss weight (uint8)
+
+    def to_json(self) -> dict[str, Any]:
+        record = dataclasses.asdict(self)
+        if self.weights is None:  # a text corpus's manifest is written as before chat corpora existed
+            del record["weights"]
+        return record
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +73,11 @@ class Manifest:
     def tokens(self, split: str) -> int:
         return sum(shard.tokens for shard in self.shards[split])
 
+    @property
+    def weighted(self) -> bool:
+        """Whether the shards carry per-token loss weights (a chat corpus)."""
+        return any(shard.weights is not None for split in SPLITS for shard in self.shards[split])
+
     def to_json(self) -> dict[str, Any]:
         return {
             "format": self.format,
@@ -78,7 +92,7 @@ class Manifest:
             "tokens": {split: self.tokens(split) for split in SPLITS},
             "source": self.source,
             "source_hash": self.source_hash,
-            "shards": {split: [dataclasses.asdict(shard) for shard in self.shards[split]] for split in SPLITS},
+            "shards": {split: [shard.to_json() for shard in self.shards[split]] for split in SPLITS},
             "skipped": list(self.skipped),
         }
 
@@ -193,7 +207,20 @@ def damaged_shards(directory: Path, manifest: Manifest) -> list[tuple[Shard, str
             elif (size := path.stat().st_size) != (expected := shard.tokens * itemsize):
                 how = "cut short" if size < expected else "grown"
                 problems.append((shard, f"{path} holds {size:,} bytes, the manifest says {expected:,} ({how})"))
+            elif shard.weights is not None and (problem := _weights_problem(directory, shard)) is not None:
+                problems.append((shard, problem))
     return problems
+
+
+def _weights_problem(directory: Path, shard: Shard) -> str | None:
+    """What is wrong with a shard's loss-weight file (one byte per token), or None."""
+    assert shard.weights is not None
+    path = directory / shard.weights
+    if not path.is_file():
+        return f"{path} is missing"
+    if (size := path.stat().st_size) != shard.tokens:
+        return f"{path} holds {size:,} bytes, the manifest says {shard.tokens:,} (one loss weight a token)"
+    return None
 
 
 def check_prepared(directory: Path, manifest: Manifest, tokenizer_identity: str, tokenizer_spec: str) -> None:
@@ -229,6 +256,20 @@ class ShardedTokens:
     def of(directory: Path, manifest: Manifest, split: str) -> "ShardedTokens":
         shards = manifest.shards[split]
         return ShardedTokens([directory / s.file for s in shards], [s.tokens for s in shards], np.dtype(manifest.dtype))
+
+    @staticmethod
+    def weights_of(directory: Path, manifest: Manifest, split: str) -> "ShardedTokens | None":
+        """One split's per-token loss weights (uint8, aligned with its tokens), or None for a text corpus."""
+        shards = manifest.shards[split]
+        if not manifest.weighted:
+            return None
+        files = [directory / s.weights for s in shards if s.weights is not None]
+        if len(files) != len(shards):
+            raise PreparedDataError(
+                f"{directory / MANIFEST} gives loss weights to some shards of the {split} split but not all; "
+                "prepare the corpus again into a new directory"
+            )
+        return ShardedTokens(files, [s.tokens for s in shards], np.dtype(np.uint8))
 
     def __len__(self) -> int:
         return int(self.starts[-1])

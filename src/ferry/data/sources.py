@@ -174,6 +174,20 @@ def jsonl_documents(files: list[Path], base: Path, field: str, skipped: list[str
                 yield f"{key}:{number}", _text_bytes(value, f"{path}:{number}", field)
 
 
+def chat_records(files: list[Path], base: Path, skipped: list[str] | None = None) -> Iterator[Document]:
+    """One conversation per line, the line itself (checked here, before any tokenizing, for
+    `messages` or `prompt` and `completion`: `ferry.data.chat`); files that are not text are
+    skipped (their keys added to `skipped`)."""
+    from ferry.data.chat import parse_record
+
+    for path, key in text_files("jsonl", files, base, skipped):
+        with path.open("rb") as lines:
+            for number, line in enumerate(lines, start=1):
+                if line.strip():
+                    parse_record(line, f"{path}:{number}")
+                    yield f"{key}:{number}", line.strip()
+
+
 def parquet_documents(files: list[Path], base: Path, field: str) -> Iterator[Document]:
     """One document per row of column `field`."""
     try:
@@ -310,9 +324,11 @@ def documents(
     pattern: str | None = None,
     split: TextSplit = TextSplit(),
     skipped: list[str] | None = None,
+    chat: bool = False,
 ) -> Iterator[Document]:
     """The documents of a text source (every source but `synthetic`); the keys of the text and
-    JSONL files skipped as not text are added to `skipped`."""
+    JSONL files skipped as not text are added to `skipped`. With `chat` (data.format=chat), a JSONL
+    source's documents are its records, each a conversation."""
     if source == "stdlib":
         return stdlib_documents(None if path is None else Path(path))
     if source == "hf_dataset":
@@ -322,7 +338,7 @@ def documents(
     if source == "text":
         return text_documents(files, base, split, skipped)
     if source == "jsonl":
-        return jsonl_documents(files, base, field, skipped)
+        return chat_records(files, base, skipped) if chat else jsonl_documents(files, base, field, skipped)
     if source == "parquet":
         return parquet_documents(files, base, field)
     if source == "arrayrecord":

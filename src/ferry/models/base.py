@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 import equinox as eqx
 import jax
 from equinox import AbstractClassVar, AbstractVar
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
+from ferry.data.loss_weights import counted
 from ferry.data.segments import DocumentMask, document_segments, loss_weights
 from ferry.final import refuse_final_bases
 from ferry.head.chunked import OutputHead
@@ -155,10 +156,12 @@ class AbstractLanguageModel(eqx.Module):
         z_loss_weight: float = 0.0,
         documents: DocumentMask | None = None,
         head: LossHead = DEFAULT_HEAD,
+        target_weights: Bool[Array, "batch seq"] | None = None,
     ) -> tuple[Float[Array, ""], dict[str, Array]]:
         """The loss to differentiate for next-token prediction of batch[:, 1:] from batch[:, :-1],
         and the statistics to log (`loss`: the main cross-entropy); `head` says how the loss reads
-        the output head (by default never making the batch's logits whole)."""
+        the output head (by default never making the batch's logits whole); `target_weights`: which
+        targets count (data.format=chat: the replies'), the means over those (None: all)."""
 
     @abc.abstractmethod
     def after_step(self, stats: dict[str, Array]) -> "AbstractLanguageModel":
@@ -184,12 +187,13 @@ def dense_training_loss(
     z_loss_weight: float = 0.0,
     documents: DocumentMask | None = None,
     head: LossHead = DEFAULT_HEAD,
+    target_weights: Bool[Array, "batch seq"] | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """`training_loss` of a model whose only loss is next-token cross-entropy of its logits
-    (Llama, Qwen3): the main loss, z-loss and document masking as every family has them."""
+    (Llama, Qwen3): the main loss, z-loss, document masking and loss weights as every family has them."""
     inputs = batch[:, :-1]
     segments = None if documents is None else document_segments(inputs, documents.end_of_document)
     h = model.final_hidden(inputs, policy, segments)
-    weights = loss_weights(inputs, documents)
+    weights = counted(loss_weights(inputs, documents), target_weights)
     loss, cross_entropy = head(h, model.output_head(), batch[:, 1:], z_loss_weight, weights)
     return loss, {"loss": cross_entropy}

@@ -196,7 +196,7 @@ def _timed(step: _Compiled, config: FerryConfig, mesh: Mesh, timer: StepTimer) -
     step donates its batch)."""
     from ferry.train.state_layout import initial_state
 
-    zeros = np.zeros((len(step.placement.local_rows), config.train.seq_len + 1), np.int32)
+    zeros = np.zeros((len(step.placement.local_rows), config.batch_shape[1]), np.int32)
     state = [initial_state(config, step.optimizer, mesh, step.layout)[0]]
 
     def run(batch: jax.Array) -> Any:

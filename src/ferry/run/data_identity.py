@@ -36,6 +36,8 @@ def data_identity(config: FerryConfig, tokenizer: Tokenizer) -> dict[str, Any]:
             if key == "path" and value is not None:
                 value = str(Path(value).expanduser().absolute())
             identity[f"data.{key}"] = value
+    if data.format != "text":  # absent for text, so a checkpoint saved before data.format resumes unchanged
+        identity["data.format"] = data.format
     return identity
 
 

@@ -151,9 +151,9 @@ def open_batches(prepared: PreparedRun) -> RunBatches:
     placement = BatchPlacement.on(prepared.mesh, config.batch_shape)
     rows = placement.local_rows
     train = local_batches(
-        PackedWindows(corpus.train, tc.seq_len), tc.global_batch_size, config.data.seed, rows, config.data.prefetch
+        corpus.windows("train", tc.seq_len), tc.global_batch_size, config.data.seed, rows, config.data.prefetch
     )
-    held_out = local_batches(PackedWindows(corpus.eval, tc.seq_len), tc.global_batch_size, 0, rows, 1, shuffle=False)
+    held_out = local_batches(corpus.windows("eval", tc.seq_len), tc.global_batch_size, 0, rows, 1, shuffle=False)
     return RunBatches(train, held_out, placement)
 
 

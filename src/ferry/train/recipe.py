@@ -54,7 +54,7 @@ class StepRecipe:
         if policy is None:
             policy = config.offload.policy(abstract_model(model_config).tagged_names())
         layout = run_state_layout(config, mesh, model_config)
-        settings = LossSettings.of(config.train, policy, document_mask_of(config.data))
+        settings = LossSettings.of(config.train, policy, document_mask_of(config.data), config.data.format == "chat")
         return cls(config, mesh, policy, layout, make_optimizer(config.train), settings)
 
     @property

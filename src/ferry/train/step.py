@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, Int
 
+from ferry.data.loss_weights import split_rows
 from ferry.data.segments import DocumentMask
 from ferry.head.loss import DEFAULT_HEAD, LossHead
 from ferry.models.base import AbstractLanguageModel
@@ -31,11 +32,15 @@ class LossSettings:
     z_loss_weight: float = 0.0
     documents: DocumentMask | None = None  # data.document_mask: attention stays inside each document
     head: LossHead = DEFAULT_HEAD  # train.loss_head: the logits made a vocabulary chunk at a time, or whole
+    weighted: bool = False  # data.format=chat: batch rows carry their tokens' loss weights (ferry.data.loss_weights)
 
     @classmethod
-    def of(cls, train: Any, policy: Policy, documents: DocumentMask | None = None) -> "LossSettings":
-        """The settings a `TrainConfig` gives (with the run's offload policy and document mask)."""
-        return cls(policy, train.compute_dtype, train.z_loss_weight, documents, train.head)
+    def of(
+        cls, train: Any, policy: Policy, documents: DocumentMask | None = None, weighted: bool = False
+    ) -> "LossSettings":
+        """The settings a `TrainConfig` gives (with the run's offload policy, document mask, and
+        whether its batches carry loss weights)."""
+        return cls(policy, train.compute_dtype, train.z_loss_weight, documents, train.head, weighted)
 
 
 def compute_copy(model: AbstractLanguageModel, dtype: Any, head: LossHead) -> AbstractLanguageModel:
@@ -58,12 +63,23 @@ def batch_loss(
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """The loss to differentiate, and the model's statistics (`loss` is the main next-token
     cross-entropy), computed in the compute dtype. With `sinks` the layer stacks' gradients are
-    added into them (`ferry.train.gradient_sink`)."""
+    added into them (`ferry.train.gradient_sink`). A weighted batch (`settings.weighted`) is its
+    tokens and their loss weights: the means are over the targets that count."""
     compute_model = compute_copy(model, jnp.dtype(settings.compute_dtype), settings.head)
     if sinks is not None:
         compute_model = sinking(compute_model, sinks)
+    if not settings.weighted:  # a text batch: the loss as it was before batches carried weights
+        return compute_model.training_loss(
+            batch, settings.policy, settings.z_loss_weight, documents=settings.documents, head=settings.head
+        )
+    tokens, target_weights = split_rows(batch)
     return compute_model.training_loss(
-        batch, settings.policy, settings.z_loss_weight, documents=settings.documents, head=settings.head
+        tokens,
+        settings.policy,
+        settings.z_loss_weight,
+        documents=settings.documents,
+        head=settings.head,
+        target_weights=target_weights,
     )
 
 

@@ -7,8 +7,9 @@ from typing import final
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from ferry.data.loss_weights import counted
 from ferry.data.segments import DocumentMask, document_segments, loss_weights
 from ferry.head.chunked import OutputHead
 from ferry.head.loss import DEFAULT_HEAD, LossHead, whole_logits
@@ -190,6 +191,7 @@ class DeepSeekV3(AbstractLanguageModel):
         segments: Segments | None = None,
         documents: DocumentMask | None = None,
         head: LossHead = DEFAULT_HEAD,
+        target_weights: Bool[Array, "batch seq"] | None = None,
     ) -> tuple[Float[Array, " depth"], MoEStats]:
         """Each MTP depth's cross-entropy (depth k predicts token t + k + 1 from the previous
         depth's normalised output and the embedding of token t + k; `h` is the main model's
@@ -204,7 +206,8 @@ class DeepSeekV3(AbstractLanguageModel):
             joined = jnp.concatenate([embedded, module.hidden_norm(h[:, : seq - depth])], axis=-1)
             out = block(module.block, module.projection(joined), *extra)
             h = module.final_norm(out.hidden)
-            weights = loss_weights(batch[:, depth:seq], documents)
+            depth_targets = None if target_weights is None else target_weights[:, depth:]
+            weights = counted(loss_weights(batch[:, depth:seq], documents), depth_targets)
             losses.append(head(h, self.output_head(), batch[:, depth + 1 :], weights=weights)[1])
             stats.append(out.stats)
         return jnp.stack(losses), stack_trees(stats)
@@ -216,6 +219,7 @@ class DeepSeekV3(AbstractLanguageModel):
         z_loss_weight: float = 0.0,
         documents: DocumentMask | None = None,
         head: LossHead = DEFAULT_HEAD,
+        target_weights: Bool[Array, "batch seq"] | None = None,
     ) -> tuple[Float[Array, ""], dict[str, Array]]:
         """Main next-token loss + alpha x the balance losses of every MoE layer (MTP blocks
         included) + lambda x the mean of the MTP depths' losses; with `documents`, attention and
@@ -225,7 +229,7 @@ class DeepSeekV3(AbstractLanguageModel):
         segments = None if documents is None else document_segments(inputs, documents.end_of_document)
         hidden, stats = self.hidden(inputs, policy, segments)
         h = self.final_norm(hidden)
-        weights = loss_weights(inputs, documents)
+        weights = counted(loss_weights(inputs, documents), target_weights)
         loss, cross_entropy = head(h, self.output_head(), batch[:, 1:], z_loss_weight, weights)
         metrics: dict[str, Array] = {"loss": cross_entropy, "balance_loss": jnp.zeros((), jnp.float32)}
         if stats is not None:
@@ -233,7 +237,9 @@ class DeepSeekV3(AbstractLanguageModel):
             metrics["moe_expert_load"] = stats.expert_load
             metrics |= _expert_load_metrics(stats.expert_load, "expert_load")
         if self.mtp:
-            mtp_losses, mtp_stats = self.multi_token_prediction(batch, h, policy, segments, documents, head)
+            mtp_losses, mtp_stats = self.multi_token_prediction(
+                batch, h, policy, segments, documents, head, target_weights
+            )
             metrics["mtp_loss"] = mtp_losses.mean()
             metrics["mtp_expert_load"] = mtp_stats.expert_load
             metrics["balance_loss"] += mtp_stats.balance_loss.sum()

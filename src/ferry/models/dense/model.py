@@ -6,7 +6,7 @@ from typing import final
 
 import equinox as eqx
 import jax
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ferry.data.segments import DocumentMask
 from ferry.head.chunked import OutputHead
@@ -93,8 +93,9 @@ class DenseDecoder(AbstractLanguageModel):
         z_loss_weight: float = 0.0,
         documents: DocumentMask | None = None,
         head: LossHead = DEFAULT_HEAD,
+        target_weights: Bool[Array, "batch seq"] | None = None,
     ) -> tuple[Float[Array, ""], dict[str, Array]]:
-        return dense_training_loss(self, batch, policy, z_loss_weight, documents, head)
+        return dense_training_loss(self, batch, policy, z_loss_weight, documents, head, target_weights)
 
     def after_step(self, stats: dict[str, Array]) -> "DenseDecoder":
         """A dense decoder has no state updated outside the gradient."""
