@@ -14,69 +14,18 @@ that is not empty, ...; nothing written).
 """
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
-import jax
-import yaml
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
 from ferry.config.paths import check_directory_to_write, nameable_path
-from ferry.config.root import FerryConfig, load_config
 from ferry.errors import FerryError
 from ferry.hf import save_pretrained
 from ferry.hf.pretrained import EXPORT_DTYPES
-from ferry.run.checkpoint import Checkpoints, checkpoint_steps
-from ferry.sharding import MeshConfig, make_mesh
-from ferry.train.state_layout import run_state_layout
+from ferry.run.saved_run import chosen_step, restored_model, run_config
 
 
 class ExportError(FerryError, ValueError):
     """An export that cannot run: a missing run directory or checkpoint, an occupied output."""
-
-
-def run_config(run_dir: Path) -> FerryConfig:
-    """The config the run trained with, from its config.yaml."""
-    if not run_dir.is_dir():
-        raise ExportError(f"{run_dir} is not a directory; pass a run directory launch/run.py wrote")
-    config_file = run_dir / "config.yaml"
-    if not config_file.is_file():
-        raise ExportError(f"{run_dir} has no config.yaml; pass a run directory launch/run.py wrote")
-    node = read_yaml(config_file)
-    if not isinstance(node, dict) or "model" not in node:
-        raise ExportError(f"{config_file} holds no run config (no model key); pass a run directory launch/run.py wrote")
-    return load_config(node)
-
-
-def read_yaml(config_file: Path) -> object:
-    """The YAML in `config_file`, resolved; a file that does not parse (or holds one bare value, which
-    OmegaConf refuses) is refused naming it and where, in one line."""
-    try:
-        return OmegaConf.to_container(OmegaConf.load(config_file), resolve=True)
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(error, "problem", None) or type(error).__name__
-        raise ExportError(f"{config_file} is not valid YAML ({problem}{where}); fix it, or pass another run") from error
-    except (OmegaConfBaseException, OSError, UnicodeDecodeError) as error:
-        raise ExportError(
-            f"{config_file} holds no run config ({' '.join(str(error).split()[:12])}); "
-            "pass a run directory launch/run.py wrote"
-        ) from error
-
-
-def chosen_step(run_dir: Path, step: int | None) -> int:
-    """`step`, or the latest checkpoint of the run; refused when there is none."""
-    steps = checkpoint_steps(run_dir / "checkpoints")
-    if not steps:
-        raise ExportError(f"{run_dir} holds no checkpoint (checkpoints/ is empty or missing); nothing to export")
-    if step is None:
-        return steps[-1]
-    if step not in steps:
-        raise ExportError(f"{run_dir} has no checkpoint of step {step}; its checkpoints are steps {steps}")
-    return step
 
 
 def check_output(out_dir: Path) -> None:
@@ -85,18 +34,6 @@ def check_output(out_dir: Path) -> None:
     check_directory_to_write("OUT_DIR", str(out_dir))
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ExportError(f"{out_dir} exists and is not an empty directory; export into a new directory")
-
-
-def restored_model(config: FerryConfig, run_dir: Path, step: int) -> object:
-    """The model of checkpoint `step`, restored onto this process's devices as one replica."""
-    single = dataclasses.replace(config, mesh=MeshConfig())  # any mesh restores a checkpoint
-    layout = run_state_layout(single, make_mesh(MeshConfig(data=jax.device_count())))
-    checkpoints = Checkpoints(run_dir / "checkpoints", config.checkpoint)
-    try:
-        arrays, _ = checkpoints.restore(step, layout.abstract())
-    finally:
-        checkpoints.manager.close()
-    return layout.assemble(arrays).model
 
 
 def export(run_dir: Path, out_dir: Path, step: int | None = None, dtype: str = "float32") -> list[Path]:

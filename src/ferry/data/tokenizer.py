@@ -28,6 +28,8 @@ class Tokenizer(Protocol):
 
     def encode_documents(self, texts: Sequence[bytes]) -> list[np.ndarray]: ...
 
+    def decode(self, ids: np.ndarray) -> str: ...
+
 
 @dataclasses.dataclass(frozen=True)
 class ByteTokenizer:

@@ -1,0 +1,84 @@
+"""A run directory `launch/run.py` wrote, read back after training: its config, its checkpoint
+steps and the model of one of them. The launchers that use a trained run (`launch/export_hf.py`,
+`launch/sample.py`) refuse a directory that is not one in one line, before restoring anything."""
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from ferry.config.root import FerryConfig, load_config
+from ferry.errors import FerryError
+from ferry.models.base import AbstractLanguageModel
+from ferry.run.checkpoint import Checkpoints, checkpoint_steps
+from ferry.sharding import MeshConfig, make_mesh
+from ferry.train.state_layout import run_state_layout
+
+
+class SavedRunError(FerryError, ValueError):
+    """A directory that is not a trained run: no config.yaml, no checkpoint, no such step."""
+
+
+def run_config(run_dir: Path) -> FerryConfig:
+    """The config the run trained with, from its config.yaml."""
+    if not run_dir.is_dir():
+        raise SavedRunError(f"{run_dir} is not a directory; pass a run directory launch/run.py wrote")
+    config_file = run_dir / "config.yaml"
+    if not config_file.is_file():
+        raise SavedRunError(f"{run_dir} has no config.yaml; pass a run directory launch/run.py wrote")
+    node = read_yaml(config_file)
+    if not isinstance(node, dict) or "model" not in node:
+        raise SavedRunError(
+            f"{config_file} holds no run config (no model key); pass a run directory launch/run.py wrote"
+        )
+    return load_config(node)
+
+
+def read_yaml(config_file: Path) -> object:
+    """The YAML in `config_file`, resolved; a file that does not parse (or holds one bare value, which
+    OmegaConf refuses) is refused naming it and where, in one line."""
+    try:
+        return OmegaConf.to_container(OmegaConf.load(config_file), resolve=True)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(error, "problem", None) or type(error).__name__
+        raise SavedRunError(
+            f"{config_file} is not valid YAML ({problem}{where}); fix it, or pass another run"
+        ) from error
+    except (OmegaConfBaseException, OSError, UnicodeDecodeError) as error:
+        raise SavedRunError(
+            f"{config_file} holds no run config ({' '.join(str(error).split()[:12])}); "
+            "pass a run directory launch/run.py wrote"
+        ) from error
+
+
+def chosen_step(run_dir: Path, step: int | None) -> int:
+    """`step`, or the latest checkpoint of the run; refused when there is none."""
+    steps = checkpoint_steps(run_dir / "checkpoints")
+    if not steps:
+        raise SavedRunError(f"{run_dir} holds no checkpoint (checkpoints/ is empty or missing); nothing to restore")
+    if step is None:
+        return steps[-1]
+    if step not in steps:
+        raise SavedRunError(f"{run_dir} has no checkpoint of step {step}; its checkpoints are steps {steps}")
+    return step
+
+
+def restored_model(config: FerryConfig, run_dir: Path, step: int) -> AbstractLanguageModel:
+    """The model of checkpoint `step`, restored (its checksums checked) onto this process's devices
+    as one replica, whatever mesh trained it. The whole train state is restored (AdamW's moments
+    too), so the host needs about three times the parameters' float32 bytes."""
+    single = dataclasses.replace(config, mesh=MeshConfig())  # any mesh restores a checkpoint
+    layout = run_state_layout(single, make_mesh(MeshConfig(data=jax.device_count())))
+    checkpoints = Checkpoints(run_dir / "checkpoints", config.checkpoint)
+    try:
+        arrays, _ = checkpoints.restore(step, layout.abstract())
+    finally:
+        checkpoints.manager.close()
+    model = layout.assemble(arrays).model
+    assert isinstance(model, AbstractLanguageModel), "a run's train state holds its language model"
+    return model
