@@ -4,9 +4,10 @@ steps through the model's own layers), sampling, and the compiled generation loo
 from ferry.generate.cache import KVCache, empty_cache
 from ferry.generate.decode import cached_hidden, cached_logits
 from ferry.generate.loop import Generation, generate, new_tokens
-from ferry.generate.sampling import Sampling, SamplingError, next_token
+from ferry.generate.sampling import GREEDY, Sampling, SamplingError, next_token
 
 __all__ = [
+    "GREEDY",
     "Generation",
     "KVCache",
     "Sampling",

@@ -20,8 +20,8 @@ class KVCache(eqx.Module):
     [layers, batch, length, kv_heads, qk_dim] and values [layers, batch, length, kv_heads, v_dim].
     A slot past the tokens written holds zeros, which the causal mask never lets a query read."""
 
-    keys: tuple[Float[Array, "layers batch length kv_heads qk_dim"], ...]
-    values: tuple[Float[Array, "layers batch length kv_heads v_dim"], ...]
+    keys: tuple[Float[Array, "_layers batch length _kv_heads _qk_dim"], ...]  # stacks differ in depth
+    values: tuple[Float[Array, "_layers batch length _kv_heads _v_dim"], ...]
 
     @property
     def length(self) -> int:
