@@ -28,19 +28,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from ferry.config.paths import nameable_path
-from ferry.config.root import FerryConfig
-from ferry.data.tokenizer import Tokenizer, load_tokenizer
 from ferry.errors import FerryError
 from ferry.generate import Generation, Sampling, generate, new_tokens
 from ferry.generate.prompt import new_token_budget, prompt_ids
 from ferry.precision import cast_floating
-from ferry.run.saved_run import chosen_step, restored_model, run_config
+from ferry.run.saved_run import chosen_step, restored_model, run_config, run_tokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 class SampleError(FerryError, ValueError):
-    """A sampling run that cannot start: the run's tokenizer missing, a dtype ferry does not decode in."""
+    """A sampling run that cannot start: a dtype ferry does not decode in."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,24 +55,6 @@ class Sample:
     @property
     def tokens_per_second(self) -> float:
         return len(self.ids) / self.seconds if self.seconds > 0 else float("inf")
-
-
-def run_tokenizer(config: FerryConfig, model_vocab: int) -> Tokenizer:
-    """The tokenizer the run trained with (`data.tokenizer`, `data.eos_token`), refused in one
-    line where it is no longer there or no longer fits the model."""
-    try:
-        tokenizer = load_tokenizer(config.data.tokenizer, config.data.eos_token)
-    except (FileNotFoundError, ValueError) as error:
-        raise SampleError(
-            f"the run's tokenizer cannot be loaded ({' '.join(str(error).split())}); a relative data.tokenizer is read "
-            "from this directory: run from where the run was started, or put the tokenizer.json back"
-        ) from error
-    if tokenizer.vocab_size > model_vocab:
-        raise SampleError(
-            f"the run's tokenizer data.tokenizer={config.data.tokenizer} has {tokenizer.vocab_size} ids but the "
-            f"model's vocabulary is {model_vocab}: the file changed since training; put the run's tokenizer.json back"
-        )
-    return tokenizer
 
 
 def sample(
@@ -95,7 +75,7 @@ def sample(
     nameable_path("RUN_DIR", str(run_dir))
     config = run_config(run_dir)
     step = chosen_step(run_dir, step)
-    tokenizer = run_tokenizer(config, config.model.vocab_size)
+    tokenizer = run_tokenizer(config)
     sampling = Sampling(temperature, top_p, vocab_size=tokenizer.vocab_size)
     ids = prompt_ids(tokenizer, prompt)
     budget = new_token_budget(len(ids), max_new_tokens, config.train.seq_len)

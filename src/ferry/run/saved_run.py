@@ -1,5 +1,5 @@
-"""A run directory `launch/run.py` wrote, read back after training: its config, its checkpoint
-steps and the model of one of them. The launchers that use a trained run (`launch/export_hf.py`,
+"""A run directory `launch/run.py` wrote, read back after training: its config, its tokenizer,
+its checkpoint steps and the model of one of them. The launchers that use a trained run (`launch/export_hf.py`,
 `launch/sample.py`) refuse a directory that is not one in one line, before restoring anything."""
 
 import dataclasses
@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ferry.config.root import FerryConfig, load_config
+from ferry.data.tokenizer import Tokenizer, load_tokenizer
 from ferry.errors import FerryError
 from ferry.models.base import AbstractLanguageModel
 from ferry.run.checkpoint import Checkpoints, checkpoint_steps
@@ -54,6 +55,25 @@ def read_yaml(config_file: Path) -> object:
             f"{config_file} holds no run config ({' '.join(str(error).split()[:12])}); "
             "pass a run directory launch/run.py wrote"
         ) from error
+
+
+def run_tokenizer(config: FerryConfig) -> Tokenizer:
+    """The tokenizer the run trained with (`data.tokenizer`, `data.eos_token`), refused in one
+    line where it is no longer there or no longer fits the model."""
+    try:
+        tokenizer = load_tokenizer(config.data.tokenizer, config.data.eos_token)
+    except (FileNotFoundError, ValueError) as error:
+        raise SavedRunError(
+            f"the run's tokenizer cannot be loaded ({' '.join(str(error).split())}); a relative data.tokenizer is read "
+            "from this directory: run from where the run was started, or put the tokenizer.json back"
+        ) from error
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise SavedRunError(
+            f"the run's tokenizer data.tokenizer={config.data.tokenizer} has {tokenizer.vocab_size} ids but the "
+            f"model's vocabulary is {config.model.vocab_size}: the file changed since training; put the run's "
+            "tokenizer.json back"
+        )
+    return tokenizer
 
 
 def chosen_step(run_dir: Path, step: int | None) -> int:
