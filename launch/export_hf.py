@@ -22,12 +22,12 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from ferry.config.paths import check_directory_to_write, nameable_path
+from ferry.config.paths import check_directory_to_write
 from ferry.errors import FerryError
 from ferry.hf import save_pretrained
 from ferry.hf.pretrained import EXPORT_DTYPES
 from ferry.hf.tokenizer_files import write_generation_config, write_tokenizer_files
-from ferry.run.saved_run import chosen_step, restored_model, run_config, run_tokenizer
+from ferry.run.saved_run import saved_run
 
 
 class ExportError(FerryError, ValueError):
@@ -53,17 +53,14 @@ def export(run_dir: Path, out_dir: Path, step: int | None = None, dtype: str = "
     tokenizer and generation settings."""
     if dtype not in EXPORT_DTYPES:
         raise ExportError(f"--dtype {dtype}: export as one of {sorted(EXPORT_DTYPES)}")
-    nameable_path("RUN_DIR", str(run_dir))
-    config = run_config(run_dir)
-    step = chosen_step(run_dir, step)
-    tokenizer = run_tokenizer(config)
+    run = saved_run(run_dir, step)
     check_output(out_dir)
-    model = restored_model(config, run_dir, step)
+    model = run.model()
     try:
         written = save_pretrained(model, out_dir, dtype=dtype)
-        written += write_tokenizer_files(tokenizer, out_dir, config.train.seq_len)
-        written.append(write_generation_config(tokenizer, out_dir))
-        return Export(written, tokenizer_line(config.data.tokenizer))
+        written += write_tokenizer_files(run.tokenizer, out_dir, run.config.train.seq_len)
+        written.append(write_generation_config(run.tokenizer, out_dir))
+        return Export(written, tokenizer_line(run.config.data.tokenizer))
     except OSError as error:  # a disk filled, or a directory taken away, since the checks
         raise ExportError(
             f"{out_dir} cannot be written ({error.strerror or error}); free space there or export elsewhere"

@@ -27,12 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ferry.config.paths import nameable_path
 from ferry.errors import FerryError
 from ferry.generate import Generation, Sampling, generate, new_tokens
 from ferry.generate.prompt import new_token_budget, prompt_ids
 from ferry.precision import cast_floating
-from ferry.run.saved_run import chosen_step, restored_model, run_config, run_tokenizer
+from ferry.run.saved_run import saved_run
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -72,15 +71,13 @@ def sample(
     checked before the checkpoint is restored."""
     if dtype not in DTYPES:
         raise SampleError(f"--dtype {dtype}: decode in one of {sorted(DTYPES)}")
-    nameable_path("RUN_DIR", str(run_dir))
-    config = run_config(run_dir)
-    step = chosen_step(run_dir, step)
-    tokenizer = run_tokenizer(config)
+    run = saved_run(run_dir, step)
+    tokenizer = run.tokenizer
     sampling = Sampling(temperature, top_p, vocab_size=tokenizer.vocab_size)
     ids = prompt_ids(tokenizer, prompt)
-    budget = new_token_budget(len(ids), max_new_tokens, config.train.seq_len)
+    budget = new_token_budget(len(ids), max_new_tokens, run.config.train.seq_len)
 
-    model = cast_floating(restored_model(config, run_dir, step), DTYPES[dtype])
+    model = cast_floating(run.model(), DTYPES[dtype])
     stop = tokenizer.end_of_document
     arguments = (model, jnp.asarray(ids[None]), jax.random.key(seed), budget, sampling, stop)
     started = time.perf_counter()
@@ -90,7 +87,7 @@ def sample(
     done = time.perf_counter()
     continuation = new_tokens(generation, stop_token=stop)
     text = tokenizer.decode(np.asarray(continuation, np.int64))
-    return Sample(text, continuation, len(ids), step, compiled_at - started, done - compiled_at)
+    return Sample(text, continuation, len(ids), run.step, compiled_at - started, done - compiled_at)
 
 
 def main(argv: list[str]) -> int:

@@ -34,3 +34,14 @@ def bpe_tokenizer(directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(directory / "tokenizer.json"))
     return directory / "tokenizer.json"
+
+
+def trained_run_of(finished_run: Path, tmp_path_factory) -> Path:
+    """A test module's copy of the finished run, with its config.yaml (byte-level tokenizer)."""
+    return run_copy(finished_run, tmp_path_factory.mktemp("trained") / "run")
+
+
+def tokenizer_run_of(finished_run: Path, tmp_path_factory) -> Path:
+    """The finished run, its config naming a BPE tokenizer.json of 200 ids (the model reads 256)."""
+    tokenizer = bpe_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+    return run_copy(finished_run, tmp_path_factory.mktemp("trained_bpe") / "run", f"data.tokenizer={tokenizer}")

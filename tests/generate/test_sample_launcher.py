@@ -2,7 +2,6 @@
 made in the test, and copies of the session's finished run), with its tokenizer, its chosen step,
 greedy or seeded sampling; bad input is one line, exit status 2, before the checkpoint is read."""
 
-import importlib.util
 import math
 import subprocess
 import sys
@@ -17,28 +16,24 @@ from ferry.data.tokenizer import ByteTokenizer, load_tokenizer
 from ferry.generate import GREEDY, generate, new_tokens
 from ferry.run.saved_run import restored_model, run_config
 from tests.conftest import ROOT, SMALL_RUN, start_launcher
-from tests.generate.saved_runs import bpe_tokenizer, run_copy
+from tests.generate.saved_runs import tokenizer_run_of, trained_run_of
+from tests.launcher_cases import load_script
 
 SCRIPT = ROOT / "launch" / "sample.py"
 
 
 def sample_module():
-    spec = importlib.util.spec_from_file_location("sample", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("sample.py")
 
 
 @pytest.fixture(scope="module")
 def trained_run(finished_run, tmp_path_factory):
-    return run_copy(finished_run, tmp_path_factory.mktemp("sample") / "run")
+    return trained_run_of(finished_run, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def tokenizer_run(finished_run, tmp_path_factory):
-    """The finished run, its config naming a BPE tokenizer.json of 200 ids (the model reads 256)."""
-    tokenizer = bpe_tokenizer(tmp_path_factory.mktemp("tokenizer"))
-    return run_copy(finished_run, tmp_path_factory.mktemp("sample_bpe") / "run", f"data.tokenizer={tokenizer}")
+    return tokenizer_run_of(finished_run, tmp_path_factory)
 
 
 def test_the_users_loop_train_then_sample(tmp_path):

@@ -24,7 +24,7 @@ from ferry.run.checkpoint import Checkpoints
 from ferry.sharding import MeshConfig, make_mesh
 from ferry.train.state_layout import run_state_layout
 from tests.conftest import ROOT, SMALL_RUN, compose_config
-from tests.generate.saved_runs import TEXTS, bpe_tokenizer, run_copy
+from tests.generate.saved_runs import TEXTS, tokenizer_run_of, trained_run_of
 from tests.generate.test_sample_launcher import sample_module
 
 SCRIPT = ROOT / "launch" / "export_hf.py"
@@ -39,14 +39,12 @@ def export_module():
 
 @pytest.fixture(scope="module")
 def trained_run(finished_run, tmp_path_factory):
-    return run_copy(finished_run, tmp_path_factory.mktemp("export") / "run")
+    return trained_run_of(finished_run, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def tokenizer_run(finished_run, tmp_path_factory):
-    """The finished run, its config naming a BPE tokenizer.json of 200 ids (the model reads 256)."""
-    tokenizer = bpe_tokenizer(tmp_path_factory.mktemp("tokenizer"))
-    return run_copy(finished_run, tmp_path_factory.mktemp("export_bpe") / "run", f"data.tokenizer={tokenizer}")
+    return tokenizer_run_of(finished_run, tmp_path_factory)
 
 
 def checkpoint_params(run_dir, step):

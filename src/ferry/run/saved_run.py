@@ -10,6 +10,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from ferry.config.paths import nameable_path
 from ferry.config.root import FerryConfig, load_config
 from ferry.data.tokenizer import Tokenizer, load_tokenizer
 from ferry.errors import FerryError
@@ -86,6 +87,29 @@ def chosen_step(run_dir: Path, step: int | None) -> int:
     if step not in steps:
         raise SavedRunError(f"{run_dir} has no checkpoint of step {step}; its checkpoints are steps {steps}")
     return step
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedRun:
+    """A run directory checked to hold a run: its config, the checkpoint step chosen, its tokenizer."""
+
+    directory: Path
+    config: FerryConfig
+    step: int
+    tokenizer: Tokenizer
+
+    def model(self) -> AbstractLanguageModel:
+        """The model of the chosen checkpoint (`restored_model`)."""
+        return restored_model(self.config, self.directory, self.step)
+
+
+def saved_run(run_dir: Path, step: int | None = None) -> SavedRun:
+    """`run_dir` checked to be a run (`RUN_DIR`: a path the file system can name) with checkpoint
+    `step` (default: its latest) and its tokenizer, before anything is restored."""
+    nameable_path("RUN_DIR", str(run_dir))
+    config = run_config(run_dir)
+    step = chosen_step(run_dir, step)
+    return SavedRun(run_dir, config, step, run_tokenizer(config))
 
 
 def restored_model(config: FerryConfig, run_dir: Path, step: int) -> AbstractLanguageModel:
