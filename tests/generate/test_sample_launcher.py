@@ -14,6 +14,7 @@ import pytest
 
 from ferry.data.tokenizer import ByteTokenizer, load_tokenizer
 from ferry.generate import GREEDY, generate, new_tokens
+from ferry.generate.prompt import new_token_budget
 from ferry.run.saved_run import restored_model, run_config
 from tests.conftest import ROOT, SMALL_RUN, start_launcher
 from tests.generate.saved_runs import tokenizer_run_of, trained_run_of
@@ -83,6 +84,16 @@ def test_sampling_is_seeded(trained_run):
     assert draw(1) == draw(1)
     assert draw(1) != draw(2)
     assert sample.sample(trained_run, "x = ", max_new_tokens=20, dtype="bfloat16").ids  # decodes in bfloat16 too
+
+
+def test_an_empty_prompt_starts_a_document_and_the_default_fills_the_context(trained_run):
+    """'' is the end-of-document id alone; without --max-new-tokens the new tokens fill what is
+    left of the context (train.seq_len=32)."""
+    sample = sample_module()
+    made = sample.sample(trained_run, "", temperature=1.0, seed=3)
+    assert made.prompt_length == 1 and 1 <= len(made.ids) <= 31
+    assert new_token_budget(20, None, 32) == 12 and new_token_budget(5, None, 1000) == 256
+    assert new_token_budget(20, 12, 32) == 12
 
 
 def test_the_runs_tokenizer_json_encodes_the_prompt_and_decodes_the_text(tokenizer_run):
