@@ -28,6 +28,8 @@ class Tokenizer(Protocol):
 
     def encode_documents(self, texts: Sequence[bytes]) -> list[np.ndarray]: ...
 
+    def decode(self, ids: np.ndarray) -> str: ...
+
 
 @dataclasses.dataclass(frozen=True)
 class ByteTokenizer:
@@ -56,6 +58,7 @@ class HuggingFaceTokenizer:
     end_of_document: int
     vocab_size: int
     identity: str  # the tokenizer.json's SHA-256 and the end-of-document id
+    path: Path  # the tokenizer.json read (an export copies it)
 
     def encode_documents(self, texts: Sequence[bytes]) -> list[np.ndarray]:
         decoded = [text.decode("utf-8", errors="replace") for text in texts]
@@ -89,7 +92,8 @@ def load_tokenizer(spec: str, eos_token: str | None = None) -> Tokenizer:
         token_id = tokenizer.token_to_id(token)
         if token_id is not None:
             identity = f"tokenizer.json sha256:{hashlib.sha256(path.read_bytes()).hexdigest()} eos:{token_id}"
-            return HuggingFaceTokenizer(tokenizer, token_id, tokenizer.get_vocab_size(with_added_tokens=True), identity)
+            vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+            return HuggingFaceTokenizer(tokenizer, token_id, vocab_size, identity, path)
     raise ValueError(
         f"the tokenizer {path} has no end-of-document token "
         + (f"{eos_token!r}" if eos_token is not None else f"among {list(END_OF_DOCUMENT_TOKENS)}")

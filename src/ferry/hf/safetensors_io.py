@@ -14,6 +14,7 @@ Writing goes through `safetensors.numpy.save_file`, one file per shard of at mos
 import dataclasses
 import json
 import math
+import stat
 import struct
 from pathlib import Path
 from typing import cast
@@ -209,7 +210,7 @@ class ShardedWriter:
         count = len(self.shards)
         names = [SINGLE_FILE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
         for i, name in enumerate(names):
-            (self.directory / f"shard-{i}.tmp").replace(self.directory / name)
+            with_ordinary_mode(self.directory / f"shard-{i}.tmp", self.directory / name).replace(self.directory / name)
         written = [self.directory / name for name in names]
         if count > 1:
             weight_map = {tensor: name for name, tensors in zip(names, self.shards, strict=True) for tensor in tensors}
@@ -217,3 +218,14 @@ class ShardedWriter:
             (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
             written.append(self.directory / INDEX_FILE)
         return written
+
+
+def with_ordinary_mode(written: Path, destination: Path) -> Path:
+    """`written` given the permissions an ordinary file at `destination` has (0644 under umask 022).
+    safetensors 0.8 writes every file through a temporary file created 0600, whatever the umask,
+    and renames it into place (safetensors/safetensors#764; #782 reports it), so an export other
+    users, a container or a serving process should read came out readable by its writer alone. The
+    mode is the one `open()` gives `destination` (umask and default ACLs applied by the OS)."""
+    destination.open("ab").close()  # made as any file is, or left as it is
+    written.chmod(stat.S_IMODE(destination.stat().st_mode))
+    return written

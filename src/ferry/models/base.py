@@ -29,8 +29,11 @@ from ferry.final import refuse_final_bases
 from ferry.head.chunked import OutputHead
 from ferry.head.loss import DEFAULT_HEAD, LossHead
 from ferry.nn.attention import Segments
+from ferry.nn.embedding import Embedding
 from ferry.nn.kernels.choice import check_attention_setting, describe_attention
 from ferry.nn.kernels.flash import with_declared_lse
+from ferry.nn.norm import RMSNorm
+from ferry.nn.stack import LayerStack
 from ferry.offload.engine import SAVE_ALL, Policy, tagged_names
 from ferry.offload.schedule import LayerKind
 
@@ -126,10 +129,17 @@ class AbstractLanguageModel(eqx.Module):
     (which the offload schedule, the planner and the policy self-check run one at a time)."""
 
     config: AbstractVar[AbstractModelConfig]
+    embed: AbstractVar[Embedding]
+    final_norm: AbstractVar[RMSNorm]  # after the last decoder layer, before the output head
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         refuse_final_bases(cls)
+
+    @abc.abstractmethod
+    def decoder_stacks(self) -> list[LayerStack]:
+        """The stacks of decoder layers the embedded tokens pass, in order, before `final_norm`
+        (a decode with a cache, `ferry.generate`, runs them a layer at a time)."""
 
     @abc.abstractmethod
     def __call__(

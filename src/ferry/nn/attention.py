@@ -59,10 +59,19 @@ class AbstractGroupedQueryAttention(eqx.Module):
     ) -> tuple[Float[Array, "batch seq heads head_dim"], Float[Array, "batch seq kv_heads head_dim"]]:
         """The query and key heads RoPE rotates, from the projections'."""
 
-    def __call__(
-        self, x: Float[Array, "batch seq dim"], segments: Segments | None = None
-    ) -> Float[Array, "batch seq dim"]:
-        """`segments`: packed documents' segment ids and positions (None: one sequence)."""
+    def softmax_scale(self) -> float:
+        """head_dim^-0.5, what the attention scores are multiplied by."""
+        return float(np.sqrt(1.0 / self.head_dim))
+
+    def rotated_heads(
+        self, x: Float[Array, "batch seq dim"], positions: Int[Array, "batch seq"] | None = None
+    ) -> tuple[
+        Float[Array, "batch seq heads head_dim"],
+        Float[Array, "batch seq kv_heads head_dim"],
+        Float[Array, "batch seq kv_heads head_dim"],
+    ]:
+        """The query, key and value heads attention reads, RoPE applied at `positions` (None: 0,
+        1, ...): the forward pass's, and what a decode with a cache (`ferry.generate`) keeps."""
         batch, seq, _ = x.shape
         heads = (batch, seq, -1, self.head_dim)
         # the projections are tagged (linear outputs: a saved value's tangent needs nothing
@@ -72,9 +81,16 @@ class AbstractGroupedQueryAttention(eqx.Module):
         q, k = self.query_and_key(q, k)
         v = tag(self.value(x), "value_proj", HEADS).reshape(heads)
         frequencies = rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
-        segment_ids, positions = (None, None) if segments is None else segments
         q, k = apply_rope(q, frequencies, positions=positions), apply_rope(k, frequencies, positions=positions)
-        context = attend(self.attention, q, k, v, float(np.sqrt(1.0 / self.head_dim)), segment_ids)
+        return q, k, v
+
+    def __call__(
+        self, x: Float[Array, "batch seq dim"], segments: Segments | None = None
+    ) -> Float[Array, "batch seq dim"]:
+        """`segments`: packed documents' segment ids and positions (None: one sequence)."""
+        segment_ids, positions = (None, None) if segments is None else segments
+        q, k, v = self.rotated_heads(x, positions)
+        context = attend(self.attention, q, k, v, self.softmax_scale(), segment_ids)
         return tag(self.out(context), "out_proj", EMBED)
 
 

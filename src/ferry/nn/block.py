@@ -9,21 +9,36 @@ from typing import Any, Protocol, final, runtime_checkable
 
 import equinox as eqx
 from equinox import AbstractVar
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from ferry.final import refuse_final_bases
 from ferry.nn.attention import Segments
+from ferry.nn.linear import Linear
 from ferry.nn.mlp import SwiGLU
 from ferry.nn.norm import RMSNorm
 
 
 @runtime_checkable
 class Attention(Protocol):
-    """What a decoder block's attention is: `(x, segments) -> x` (GQA, MLA)."""
+    """What a decoder block's attention is: `(x, segments) -> x` (GQA, MLA), made of its rotated
+    query, key and value heads, its softmax scale and its output projection (which a decode with
+    a cache, `ferry.generate`, runs apart)."""
+
+    out: Linear
 
     def __call__(
         self, x: Float[Array, "batch seq dim"], segments: Segments | None = None
     ) -> Float[Array, "batch seq dim"]: ...
+
+    def rotated_heads(
+        self, x: Float[Array, "batch seq dim"], positions: Int[Array, "batch seq"] | None = None
+    ) -> tuple[
+        Float[Array, "batch seq heads qk_dim"],
+        Float[Array, "batch seq kv_heads qk_dim"],
+        Float[Array, "batch seq kv_heads v_dim"],
+    ]: ...
+
+    def softmax_scale(self) -> float: ...
 
 
 @final

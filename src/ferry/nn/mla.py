@@ -6,7 +6,7 @@ kv_a_layernorm, kv_b_proj, o_proj), transposed to [in, out]."""
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ferry.nn.attention import Segments
 from ferry.nn.kernels.choice import attend
@@ -67,13 +67,18 @@ class MultiHeadLatentAttention(eqx.Module):
         mscale = yarn_mscale(self.yarn.factor, self.yarn.mscale_all_dim)
         return (self.qk_nope_dim + self.qk_rope_dim) ** -0.5 * mscale * mscale
 
-    def __call__(
-        self, x: Float[Array, "batch seq dim"], segments: Segments | None = None
-    ) -> Float[Array, "batch seq dim"]:
-        """`segments`: packed documents' segment ids and positions (None: one sequence)."""
+    def rotated_heads(
+        self, x: Float[Array, "batch seq dim"], positions: Int[Array, "batch seq"] | None = None
+    ) -> tuple[
+        Float[Array, "batch seq heads qk_dim"],
+        Float[Array, "batch seq heads qk_dim"],
+        Float[Array, "batch seq heads v_dim"],
+    ]:
+        """The query, key and value heads attention reads (keys and values decompressed from the
+        latent, the rotary key head shared by all heads), RoPE applied at `positions` (None: 0,
+        1, ...): the forward pass's, and what a decode with a cache (`ferry.generate`) keeps."""
         batch, seq, _ = x.shape
         frequencies, cos_sin_scale = yarn_frequencies(self.qk_rope_dim, self.rope_theta, self.yarn)
-        segment_ids, positions = (None, None) if segments is None else segments
 
         def rope(t: jax.Array) -> jax.Array:
             return apply_rope(t, frequencies, interleaved=True, cos_sin_scale=cos_sin_scale, positions=positions)
@@ -89,7 +94,13 @@ class MultiHeadLatentAttention(eqx.Module):
         k_nope, value = jnp.split(kv, [self.qk_nope_dim], axis=-1)
         k_rope = jnp.broadcast_to(rope(k_rope[:, :, None, :]), (batch, seq, self.num_heads, self.qk_rope_dim))
         key = tag(jnp.concatenate([k_nope, k_rope], axis=-1), "key_proj", SPLIT_HEADS)
-        value = tag(value, "value_proj", SPLIT_HEADS)
+        return query, key, tag(value, "value_proj", SPLIT_HEADS)
 
+    def __call__(
+        self, x: Float[Array, "batch seq dim"], segments: Segments | None = None
+    ) -> Float[Array, "batch seq dim"]:
+        """`segments`: packed documents' segment ids and positions (None: one sequence)."""
+        segment_ids, positions = (None, None) if segments is None else segments
+        query, key, value = self.rotated_heads(x, positions)
         context = attend(self.attention, query, key, value, self.softmax_scale(), segment_ids)
         return tag(self.out(context), "out_proj", EMBED)

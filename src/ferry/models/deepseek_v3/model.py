@@ -134,6 +134,10 @@ class DeepSeekV3(AbstractLanguageModel):
         )
         self.config = config
 
+    def decoder_stacks(self) -> list[LayerStack]:
+        """The dense layers, then the MoE layers (the MTP blocks predict further tokens in training only)."""
+        return [stack for stack in (self.dense_layers, self.moe_layers) if stack is not None]
+
     def layer_kinds(self) -> list[LayerKind]:
         config, kinds = self.config, []
         make_dense = lambda k: dense_layer(config, key=k)

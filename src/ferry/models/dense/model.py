@@ -68,6 +68,9 @@ class DenseDecoder(AbstractLanguageModel):
         )
         self.config = config
 
+    def decoder_stacks(self) -> list[LayerStack]:
+        return [self.layers]
+
     def final_hidden(
         self, tokens: Int[Array, "batch seq"], policy: Policy = SAVE_ALL, segments: Segments | None = None
     ) -> Float[Array, "batch seq dim"]:

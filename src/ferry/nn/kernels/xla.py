@@ -32,7 +32,7 @@ def causal_attention(
     kv_heads = k.shape[2]
     q = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)
     if seq <= query_chunk:
-        context = _attend(q, k, v, scale, 0, segment_ids, segment_ids)
+        context = attend_rows(q, k, v, scale, 0, segment_ids, segment_ids)
     else:
         num_chunks = -(-seq // query_chunk)
         padding = num_chunks * query_chunk - seq
@@ -40,19 +40,19 @@ def causal_attention(
         chunks = q.reshape(batch, num_chunks, query_chunk, *q.shape[2:]).swapaxes(0, 1)
         starts = jnp.arange(num_chunks) * query_chunk
         if segment_ids is None:
-            attend = jax.checkpoint(lambda chunk, start: _attend(chunk, k, v, scale, start))
+            attend = jax.checkpoint(lambda chunk, start: attend_rows(chunk, k, v, scale, start))
             context = jax.lax.map(lambda args: attend(*args), (chunks, starts))
         else:  # each chunk's query rows carry their own segment ids (padding rows: none of the keys')
             rows = jnp.pad(segment_ids, ((0, 0), (0, padding)), constant_values=-1)
             rows = rows.reshape(batch, num_chunks, query_chunk).swapaxes(0, 1)
-            attend = jax.checkpoint(lambda chunk, start, ids: _attend(chunk, k, v, scale, start, ids, segment_ids))
+            attend = jax.checkpoint(lambda chunk, start, ids: attend_rows(chunk, k, v, scale, start, ids, segment_ids))
             context = jax.lax.map(lambda args: attend(*args), (chunks, starts, rows))
         context = context.swapaxes(0, 1)
         context = context.reshape(batch, num_chunks * query_chunk, *context.shape[3:])[:, :seq]
     return context.reshape(batch, seq, heads, v.shape[-1])
 
 
-def _attend(
+def attend_rows(
     q: Float[Array, "batch rows kv_heads group head_dim"],
     k: Float[Array, "batch seq kv_heads head_dim"],
     v: Float[Array, "batch seq kv_heads v_dim"],
@@ -62,7 +62,9 @@ def _attend(
     key_segments: Int[Array, "batch seq"] | None = None,
 ) -> Float[Array, "batch rows kv_heads group v_dim"]:
     """Query rows first_row, first_row + 1, ... against every key, causally masked (and, given
-    segment ids, masked to the row's own segment)."""
+    segment ids, masked to the row's own segment): a chunk of a sequence's queries, or a decode's
+    new tokens against its whole preallocated cache (`ferry.generate`; its unwritten slots lie
+    after every row, so the mask hides them)."""
     rows, seq = q.shape[1], k.shape[1]
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
     mask = (first_row + jnp.arange(rows))[:, None] >= jnp.arange(seq)[None, :]
