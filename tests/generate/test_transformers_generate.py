@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="the parity tests need torch: pip install -e '.[test]'")
+torch = pytest.importorskip("torch", reason="the parity tests need torch: bash setup.sh hf")
 transformers = pytest.importorskip("transformers", reason="the parity tests need transformers")
 
 from ferry.generate import GREEDY, generate, new_tokens  # noqa: E402
