@@ -26,7 +26,6 @@ checkpoint, a dataset that does not exist or cannot be read, too few tokens for 
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import math
 import sys
@@ -40,19 +39,11 @@ from ferry.data.corpus import Corpus, load_corpus
 from ferry.data.pipeline import PackedWindows
 from ferry.data.shards import read_manifest
 from ferry.data.sources import DEFAULT_PATTERNS, FILE_SOURCES
-from ferry.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from ferry.data.tokenizer import ByteTokenizer, Tokenizer
 from ferry.errors import DataError, FerryError
+from ferry.run.saved_run import saved_run
 
 SPLITS = {"eval": "held-out", "train": "train"}
-
-
-def _sibling(name: str) -> Any:
-    """A launcher beside this one, as a module (launch/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class EvalError(DataError):
@@ -225,17 +216,14 @@ def evaluate(
     from ferry.offload.engine import SAVE_ALL
     from ferry.train.step import LossSettings, make_eval_step
 
-    export = _sibling("export_hf")
     if split not in SPLITS:
         raise EvalError(f"--split {split}: use eval (the held-out split) or train")
     if format not in (None, "text", "chat"):
         raise EvalError(f"--format {format}: use text or chat (default: the run's, for a JSONL dataset)")
-    export.nameable_path("RUN_DIR", str(run_dir))
-    config = export.run_config(run_dir)
-    step = export.chosen_step(run_dir, step)
-    tokenizer = load_tokenizer(config.data.tokenizer, config.data.eos_token)
+    run = saved_run(run_dir, step)  # checked before anything is read: the run, its step, its tokenizer
+    config, step, tokenizer = run.config, run.step, run.tokenizer
     datasets = [open_dataset(spec, config, tokenizer, split, batches, format) for spec in specs]
-    model = export.restored_model(config, run_dir, step)
+    model = run.model()
     records = []
     for dataset in datasets:
         settings = LossSettings.of(
