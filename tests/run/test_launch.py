@@ -71,10 +71,31 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path, override, mes
     assert not run_dir.exists()
 
 
-def test_unknown_config_key_is_refused(tmp_path):
-    result = run_launcher("train.stepz=5", f"run.dir={tmp_path / 'run'}")
+@pytest.mark.parametrize(
+    "override, line",
+    [
+        ("train.stpes=5", "error: unknown key train.stpes: did you mean train.steps?"),
+        ("trian.steps=5", "error: unknown key trian.steps: did you mean train.steps?"),
+        ("model=lama3_tiny", "did you mean llama_tiny or qwen3_tiny? (configs/model/ holds deepseek_v3,"),
+    ],
+)
+def test_a_misspelt_key_or_preset_names_the_nearest(tmp_path, override, line):
+    """One line naming the nearest known key or presets, without Hydra's hint to append with `+`,
+    exit 2, before JAX starts (no platform line)."""
+    result = run_launcher(override, f"run.dir={tmp_path / 'run'}", old_default=False)
     assert result.returncode == 2
-    assert "stepz" in result.stdout and "not in struct" in result.stdout and "Traceback" not in result.stderr
+    assert result.stdout.count("\n") == 1 and line in result.stdout, result.stdout
+    assert "+" not in result.stdout and "platform" not in result.stdout and "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_unknown_key_with_no_near_one_lists_its_mapping():
+    from ferry.config.overrides import unknown_key
+
+    known = {"train", "train.steps", "train.seed", "model", "model.dim"}
+    assert unknown_key("train.foo", known) == "unknown key train.foo: train has the keys seed, steps"
+    assert unknown_key("modl.dim", known) == "unknown key modl.dim: did you mean model.dim?"
+    assert unknown_key("xyz", known) == "unknown key xyz: the config has the keys model, train"
 
 
 def test_model_too_large_fails_fast(tmp_path):

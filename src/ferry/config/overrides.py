@@ -7,8 +7,13 @@ refuses unquoted non-ASCII text (`run.dir=/data/ünïcødé`). Each is settled h
 must name one preset file of the group, deletions are allowed only of mapping entries, non-ASCII
 values are quoted for Hydra, and keys whose entries no preset lists (`offload.tensors.*`,
 `platform.xla_flags.*`, `platform.env.*`) are added without the `++` Hydra asks for.
+
+A misspelt key or preset (`train.stpes=20`, `model=lama3_tiny`) is refused naming the nearest
+known ones, not with Hydra's hint to append it with `+`.
 """
 
+import difflib
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +28,17 @@ from ferry.errors import ConfigError
 
 # mappings whose entries a user names freely (validated later against the model or XLA)
 OPEN_MAPPINGS = ("offload.tensors.", "platform.xla_flags.", "platform.host_offload_flags.", "platform.env.")
+
+
+def nearest(word: str, known: Iterable[str], count: int = 1) -> list[str]:
+    """The `count` known words closest to `word` (difflib's ratio, at least 0.6), closest first."""
+    return difflib.get_close_matches(word, list(known), n=count, cutoff=0.6)
+
+
+def did_you_mean(word: str, known: Iterable[str], count: int = 1) -> str:
+    """`did you mean X?` (or `X or Y`) for a misspelt `word`; empty where nothing known is close."""
+    close = nearest(word, known, count)
+    return f"did you mean {' or '.join(close)}?" if close else ""
 
 
 def group_presets(folder: Path) -> list[str]:
@@ -121,7 +137,11 @@ def _check_group_value(argument: str, group: str, value: Any, presets: list[str]
             f"a preset; {choose}"
         )
     if value not in presets:
-        raise ConfigError(f"{argument}: there is no configs/{group}/{value}.yaml; {choose}")
+        guess = did_you_mean(value, presets, count=3)
+        raise ConfigError(
+            f"{argument}: there is no configs/{group}/{value}.yaml; "
+            + (f"{guess} (configs/{group}/ holds {', '.join(presets)})" if guess else choose)
+        )
 
 
 def hydra_compose(config_dir: Path, config_name: str, overrides: list[str]) -> Any:  # an omegaconf DictConfig
@@ -137,7 +157,55 @@ def compose_node(
 ) -> dict:
     """The resolved config `config_name` with these overrides, as a plain dict; every refusal
     (ferry's checks above, then Hydra's and OmegaConf's) a one-line ConfigError."""
-    return _resolved(config_dir, config_name, prepared_overrides(argv, config_dir, allowed_groups))
+    overrides = prepared_overrides(argv, config_dir, allowed_groups)
+    try:
+        return _resolved(config_dir, config_name, overrides)
+    except ConfigError:
+        check_keys(config_dir, config_name, overrides)  # a misspelt key: its nearest known key, not Hydra's hint
+        raise
+
+
+def check_keys(config_dir: Path, config_name: str, overrides: list[str]) -> None:
+    """Refuse an override that changes a key the config does not have (Hydra would ask to append
+    it with `+`), naming the nearest known key. The known keys are those of the config composed
+    with the overrides' preset choices alone; anything else is left to Hydra's own message."""
+    parser = OverridesParser.create()
+    parsed = parser.parse_overrides(overrides)
+    groups = config_groups(config_dir)
+    choices = [text for text, o in zip(overrides, parsed, strict=True) if o.key_or_group in groups and not o.package]
+    try:
+        known = set(dotted_keys(OmegaConf.to_container(hydra_compose(config_dir, config_name, choices))))
+    except (HydraException, OmegaConfBaseException, ValueError, TypeError):
+        return
+    for override in parsed:
+        key = override.key_or_group
+        if override.type.name != "CHANGE" or key in groups or key in known or open_mapping_entry(key):
+            continue
+        raise ConfigError(unknown_key(key, known))
+
+
+def unknown_key(key: str, known: set[str]) -> str:
+    """The refusal of `key`: the nearest key of the same mapping (or, where the mapping itself is
+    misspelt, the nearest key as deep), else the mapping's keys."""
+    parent, _, name = key.rpartition(".")
+    siblings = sorted(k.rpartition(".")[2] for k in known if k.rpartition(".")[0] == parent)
+    if parent in known or not parent:
+        close = nearest(name, siblings)
+        guess = f"did you mean {parent + '.' if parent else ''}{close[0]}?" if close else ""
+    else:
+        guess = did_you_mean(key, [k for k in known if k.count(".") == key.count(".")])
+    if not guess and siblings:
+        guess = f"{parent or 'the config'} has the keys {', '.join(siblings)}"
+    return f"unknown key {key}: {guess}" if guess else f"unknown key {key}"
+
+
+def dotted_keys(node: object, prefix: str = "") -> Iterator[str]:
+    """Every key of a nested mapping as a dotted path (`train`, `train.steps`, ...)."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            path = f"{prefix}{key}"
+            yield path
+            yield from dotted_keys(value, f"{path}.")
 
 
 def preset_node(config_dir: Path, group: str, name: str) -> dict:
