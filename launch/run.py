@@ -49,7 +49,7 @@ from rich.console import Console  # noqa: E402
 from rich.markup import escape  # noqa: E402
 
 from ferry import distributed  # noqa: E402
-from ferry.config.overrides import compose_node, group_presets, preset_node  # noqa: E402
+from ferry.config.overrides import compose_node, config_groups, group_presets, preset_node  # noqa: E402
 from ferry.config.root import FerryConfig, load_config  # noqa: E402
 from ferry.config.train import OffloadConfig  # noqa: E402
 from ferry.config_schema import from_dict  # noqa: E402
@@ -96,17 +96,36 @@ def compose_overrides(argv: list[str]) -> dict:
     return compose_node("train", argv, Path(CONFIG_DIR))
 
 
+# --help's modes, in the order a user meets them
+MODES = {
+    "train": "train the model (the default)",
+    "plan": "compile the step for target=NAME without its hardware and say what fits",
+    "compile": "compile a TPU run's step for target=NAME into JAX's compilation cache",
+}
+# --help's config groups: the presets a user chooses by name
+HELP_GROUPS = {"model": "Models", "offload": "Offload presets", "data": "Data", "platform": "Platforms"}
+
+
 def targets_help() -> str:
     """--help's list of the targets `target=` names, read from `ferry.xla.targets.TARGETS`."""
     named = ", ".join(f"{name} ({target.description})" for name, target in TARGETS.items())
     return f"Targets (target=NAME; mode=compile takes the TPUs: {', '.join(target_names('tpu'))}): {named}."
 
 
+def choices_help() -> str:
+    """--help's lists of what a command chooses by name: the presets of configs/ (read from its
+    folders), the modes and the targets."""
+    groups = config_groups(Path(CONFIG_DIR))
+    lines = [f"{title} ({group}=NAME): {', '.join(groups[group])}." for group, title in HELP_GROUPS.items()]
+    lines.append("Modes (mode=NAME): " + "; ".join(f"{mode}: {what}" for mode, what in MODES.items()) + ".")
+    return "\n".join([*lines, targets_help()])
+
+
 def main(argv: list[str]) -> int:
     """Run the command `python launch/run.py ARGV...`; return its exit status."""
     console = make_console()
     if argv and argv[0] in ("-h", "--help"):
-        console.print(f"{__doc__.strip()}\n\n{targets_help()}", highlight=False, markup=False)
+        console.print(f"{__doc__.strip()}\n\n{choices_help()}", highlight=False, markup=False)
         return 0
     runs: list[PreparedRun] = []  # prepared (more than one where the default preset's step did not fit)
     try:

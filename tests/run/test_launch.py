@@ -183,3 +183,27 @@ def test_install_hints_are_printed_without_markup(capsys):
     assert 'note: pip install -e ".[gpu]", [bold]not bold[/]' in capsys.readouterr().out
     assert launcher.refuse(PlatformError('install ferry\'s tpu extra (pip install -e ".[tpu]")')) == 2
     assert '(pip install -e ".[tpu]")' in capsys.readouterr().out
+
+
+def test_help_lists_the_presets_modes_and_targets_without_starting_jax():
+    """`--help` reads the presets from configs/ and the targets from the registry; no backend starts."""
+    from ferry.config.overrides import config_groups
+    from ferry.xla.targets import target_names
+    from tests.conftest import CONFIGS, run_python
+
+    code = (
+        "import contextlib, io, sys; sys.path.insert(0, '.'); from tests.launcher_cases import load_launcher\n"
+        "launcher = load_launcher(); out = io.StringIO()\n"
+        "with contextlib.redirect_stdout(out): code = launcher.main(['--help'])\n"
+        "import jax._src.xla_bridge as bridge; print(out.getvalue()); print('backend started:', "
+        "bridge.backends_are_initialized(), 'exit', code)"
+    )
+    result = run_python(code, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = {line.split(" (")[0]: line for line in result.stdout.splitlines() if "=NAME" in line}
+    groups = config_groups(CONFIGS)
+    for title, group in (("Models", "model"), ("Offload presets", "offload"), ("Data", "data")):
+        assert lines[title].split("): ")[1].rstrip(".").split(", ") == groups[group]
+    assert [part.split(":")[0] for part in lines["Modes"].split("): ")[1].split("; ")] == ["train", "plan", "compile"]
+    assert all(f"{name} (" in lines["Targets"] for name in target_names())
+    assert "backend started: False exit 0" in result.stdout
