@@ -18,6 +18,7 @@ interrupted by Ctrl-C. Anything else is a bug, shown with its traceback.
 """
 
 import os
+import shutil
 import signal
 import sys
 from collections.abc import Callable
@@ -63,6 +64,7 @@ from ferry.run.nonfinite import NonFiniteLossError  # noqa: E402
 from ferry.run.precompile import check_compile_target, precompile  # noqa: E402
 from ferry.run.preemption import Terminated, check_terminated, stop_on_sigterm  # noqa: E402
 from ferry.run.preflight import PreparedRun, prepare  # noqa: E402
+from ferry.run.startup import StartupConsole, detail  # noqa: E402
 from ferry.run.training import train  # noqa: E402
 from ferry.train.memory import InsufficientMemoryError  # noqa: E402
 from ferry.xla.hardware import accelerator_name  # noqa: E402
@@ -76,15 +78,16 @@ FILE_WIDTH = 1000
 PLAN_EXTRA = {"gpu": ("jax_plugins.xla_cuda12", "jax-cuda12-plugin"), "tpu": ("libtpu", "libtpu")}
 
 
-def make_console(quiet: bool = False) -> Console:
-    """The console: the terminal's width on a terminal, otherwise wide enough for every table
-    (a log file has no width, and rich would cut columns at 80)."""
+def make_console(quiet: bool = False, verbose: bool = False) -> StartupConsole:
+    """The console: the terminal's width on a terminal, otherwise $COLUMNS or wide enough for
+    every table (a log file has no width, and rich would cut columns at 80); start-up details
+    only in the run's startup.txt unless `verbose` (`ferry.run.startup`)."""
     terminal = sys.stdout.isatty()
+    columns = os.environ.get("COLUMNS", "")
+    width = shutil.get_terminal_size().columns if terminal else int(columns) if columns.isdigit() else FILE_WIDTH
     # markup and emoji codes off: a printed line's own brackets (an install hint's ".[gpu]") and a
     # user's value (`localhost:abc:` would become an emoji) are text
-    return Console(
-        quiet=quiet, width=None if terminal else FILE_WIDTH, soft_wrap=not terminal, markup=False, emoji=False
-    )
+    return StartupConsole(verbose, quiet=quiet, width=width, soft_wrap=not terminal, markup=False, emoji=False)
 
 
 def compose_overrides(argv: list[str]) -> dict:
@@ -135,6 +138,7 @@ def main(argv: list[str]) -> int:
             console.print(OmegaConf.to_yaml(node), highlight=False, markup=False, end="")
             return 0
         config = load_config(node)
+        console = make_console(verbose=config.log.verbose)
         for note in config.notes:
             console.print(f"note: {note}", highlight=False)
         check_config_paths(config)
@@ -151,16 +155,13 @@ def main(argv: list[str]) -> int:
             check_gpu_jax("platform=gpu")  # before the CUDA backend starts
         variables = apply_platform(config.run_platform)  # before JAX starts its backend
         processes = distributed.initialize(config.distributed)  # likewise
-        console.print(
-            f"platform {config.platform.name}: "
-            + (", ".join(f"{k}={v}" for k, v in variables.items()) or "no extra flags")
-            + f"; {processes}",
-            highlight=False,
-        )
+        flags = ", ".join(f"{k}={v}" for k, v in variables.items())
+        platform_line = f"platform {config.platform.name}: {flags or 'no extra flags'}; {processes}"
+        detail(console, platform_line, brief=platform_line if flags else None)  # flags set are always shown
         check_platform(config.platform)
         check_terminated()  # JAX swallows what a plugin's start-up raises, a SIGTERM's Terminated too
         scheduler_target(config.platform, jax.devices()[0].device_kind)  # a device ferry can price, or refused now
-        console = make_console(quiet=jax.process_index() != 0)  # process 0 speaks for the run
+        console.quiet = jax.process_index() != 0  # process 0 speaks for the run
         train_run(argv, node, config, console, runs)
         return 0
     except NonFiniteLossError as error:
@@ -186,7 +187,7 @@ def train_run(argv: list[str], node: dict, config: FerryConfig, console: Console
     while True:
         if choice is not None:
             node, config = with_choice(choice, argv, node)
-            console.print(choice.line(), highlight=False)
+            detail(console, choice.line(), brief=choice.brief())
         runs.append(prepare(config, console))
         try:
             train(runs[-1], OmegaConf.to_yaml(node), console)

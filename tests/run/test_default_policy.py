@@ -83,7 +83,9 @@ def test_a_run_without_offload_says_why_and_uses_the_choice(tmp_path):
     result = run_launcher(*SMALL_RUN, f"run.dir={run_dir}", f"run.root={tmp_path}", old_default=False)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith("offload: ")]
-    assert len(lines) == 1 and lines[0].startswith("offload: minimal (default: no plan for this machine"), lines
+    assert lines == ["offload: minimal (default: the fastest measured preset; offload=NAME chooses another)"]
+    report = [line for line in (run_dir / "startup.txt").read_text().splitlines() if line.startswith("offload: ")]
+    assert len(report) == 1 and report[0].startswith("offload: minimal (default: no plan for this machine"), report
     assert json.loads((run_dir / "schedule.json").read_text())["policy"] == "minimal"
     assert "name: minimal\n" in (run_dir / "config.yaml").read_text()
     # the run ends with its summary (ferry.run.summary)

@@ -184,6 +184,7 @@ def test_interrupted_start_then_retry_then_resume_after_a_dead_holder(tmp_path):
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "COLUMNS")}
     command = [*COMMON, "train.steps=100000", "train.log_every=1", "checkpoint.every=0", f"run.dir={run_dir}"]
+    command.append("log.verbose=true")  # the start-up report on stdout, whose tables must be whole
     command.append(OLD_DEFAULT)  # its pinned host figure is the offloading preset's (tests/old_default.py)
     with open(tmp_path / "stdout.txt", "w") as out, open(tmp_path / "stderr.txt", "w") as err:
         first = subprocess.Popen(

@@ -15,7 +15,8 @@ def sigterm_launcher(tmp_path, after: str | None, delay: float = 0.0) -> tuple[i
     """`launch/run.py` sent SIGTERM `delay` seconds after its stdout shows `after` (after its
     start where None); its exit status and output."""
     log = tmp_path / "log"
-    process = start_launcher(*SMALL_RUN, f"run.dir={tmp_path / 'run'}", log_dir=log)
+    # log.verbose=true: the start-up lines it waits for (the platform, the loss head) on stdout
+    process = start_launcher(*SMALL_RUN, f"run.dir={tmp_path / 'run'}", "log.verbose=true", log_dir=log)
     deadline = time.monotonic() + 120
     while after is not None and after not in process.stdout_path.read_text() and time.monotonic() < deadline:
         assert process.process.poll() is None, process.stdout_path.read_text() + process.stderr_path.read_text()

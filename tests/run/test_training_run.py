@@ -173,7 +173,7 @@ def test_run_logs_metrics_evaluation_tensorboard_and_a_profile(uninterrupted):
     for printed in ("131,392 parameters", "mesh data=1 x fsdp=1", "offload schedule: minimal_offloaded", "D2H"):
         assert printed in text
     assert "compiled step, per device: arguments" in text and "temporaries" in text
-    assert "peak" in text and "measured bfloat16 matmul on this CPU" in text
+    assert "peak" in text and "bfloat16 matmul measured on this CPU" in text
     logged = [r for r in records(run_dir) if "loss" in r]
     assert [r["step"] for r in logged] == list(range(1, STEPS + 1))
     for record in logged:

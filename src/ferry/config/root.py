@@ -71,6 +71,7 @@ class LogConfig:
     tensorboard: bool = True  # event files in <run dir>/tensorboard
     wandb: bool = False  # Weights & Biases (pip install wandb)
     wandb_project: str = "ferry"  # the Weights & Biases project of a log.wandb=true run
+    verbose: bool = False  # the whole start-up report on the console, not only in <run dir>/startup.txt
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Column
 
 from ferry.data.chat import ChatEncoder, chat_template_of
 from ferry.data.config import DataConfig
@@ -367,7 +368,7 @@ def _tokenize(
         for unit, (keys, texts) in _chain(first, second, numbered)
         if unit not in done
     )
-    description = f"{config.source} {config.path or 'the Python standard library'}"
+    description = f"{config.source} {config.path}" if config.path else config.source
     with _UnitRecorder(directory, done, console, started, description) as recorder:
         if second is None or workers == 1:  # one unit (or one worker): no processes to start
             for task in tasks:
@@ -409,11 +410,13 @@ class _UnitRecorder:
         self.journal = (directory / PROGRESS / "units.jsonl").open("a")
         self.status = Progress(
             SpinnerColumn(),
-            TextColumn("tokenizing {task.description}", markup=False),  # a path is text, not markup
+            # one column that wraps between words on a narrow terminal (separate columns are cut mid-word)
             TextColumn(
-                "{task.fields[units]} units, {task.fields[documents]:,} documents, {task.fields[tokens]:,} tokens"
+                "tokenizing {task.description}: {task.fields[units]} units, {task.fields[documents]:,} documents, "
+                "{task.fields[tokens]:,} tokens{task.fields[rate]}",
+                markup=False,  # a path is text, not markup
+                table_column=Column(no_wrap=False, overflow="fold"),
             ),
-            TextColumn("{task.fields[rate]}"),
             TimeElapsedColumn(),
             console=console,
             disable=console is None,
@@ -441,7 +444,7 @@ class _UnitRecorder:
         elapsed = max(time.perf_counter() - self.started, 1e-9)
         documents = sum(r.documents for r in self.done.values())
         tokens = sum(r.tokens for r in self.done.values())
-        rate = f"{self.new_tokens / elapsed:,.0f} tokens/s"
+        rate = f", {self.new_tokens / elapsed:,.0f} tokens/s"
         self.status.update(self.task, units=len(self.done), documents=documents, tokens=tokens, rate=rate)
 
 

@@ -48,9 +48,15 @@ class DefaultChoice:
     name: str
     reason: str
     plan_preset: Path | None = None
+    gist: str = "the fastest measured preset"  # the reason in a few words, for `brief`
 
     def line(self) -> str:
         return f"offload: {self.name} (default: {self.reason}; offload=NAME chooses another)"
+
+    def brief(self) -> str:
+        """`line` for a quiet terminal: the preset and the gist of why (the whole reason goes to
+        the start-up report)."""
+        return f"offload: {self.name} (default: {self.gist}; offload=NAME chooses another)"
 
     def may_fall_back(self) -> bool:
         """Minimal was chosen without knowing its compiled step fits: full_remat if it does not."""
@@ -58,7 +64,9 @@ class DefaultChoice:
 
     def fallback(self, why: str) -> "DefaultChoice":
         return DefaultChoice(
-            SMALLER, f"{FASTEST}'s compiled step does not fit ({why}); {SMALLER} is the next fastest measured preset"
+            SMALLER,
+            f"{FASTEST}'s compiled step does not fit ({why}); {SMALLER} is the next fastest measured preset",
+            gist=f"{FASTEST}'s compiled step does not fit ({why})",
         )
 
     def offload_node(self) -> dict[str, Any] | None:
@@ -78,9 +86,8 @@ def choose_default(config: FerryConfig, accelerator: str | None, keys_set: bool 
     advice = plan_advice(root, config, accelerator)
     if advice is not None and advice.auto_preset is not None and not keys_set:
         name = f"auto ({advice.auto_preset})"
-        return DefaultChoice(
-            name, f"mode=plan offload=auto's choice for this step on {accelerator}", advice.auto_preset
-        )
+        planned = f"mode=plan offload=auto's choice for this step on {accelerator}"
+        return DefaultChoice(name, planned, advice.auto_preset, gist=planned)
     if advice is not None and advice.auto_preset is not None:
         why = f"the plan {advice.auto_preset} is not used because the command sets offload.* keys"
     elif advice is not None:

@@ -39,6 +39,7 @@ from ferry.models.registry import abstract_model, family_of, model_config
 from ferry.nn.stack import LayerStack
 from ferry.offload.engine import Policy, PolicyError
 from ferry.offload.schedule import LayerKind
+from ferry.run.startup import detail
 from ferry.sharding import MESH_AXES
 
 CHECK_LAYERS = 3
@@ -136,11 +137,13 @@ def check_before_training(config: FerryConfig, policy: Policy, console: Console)
         config.model, policy, seq_len=config.train.seq_len, policy_name=config.offload.name, seed=config.train.seed
     )
     compiling = sum(r.compile_seconds for r in results)
-    console.print(
+    seconds = time.perf_counter() - start
+    detail(
+        console,
         f"gradient self-check of offload={config.offload.name} against save_all ({check_layers(policy)} layers of each "
-        f"kind, one row, float32) passed in {time.perf_counter() - start:.1f} s ({compiling:.1f} s compiling; "
+        f"kind, one row, float32) passed in {seconds:.1f} s ({compiling:.1f} s compiling; "
         "train.check_policy=false skips it): " + "; ".join(r.describe() for r in results),
-        highlight=False,
+        brief=f"gradient self-check of offload={config.offload.name} against save_all passed in {seconds:.1f} s",
     )
     return results
 

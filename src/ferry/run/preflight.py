@@ -33,6 +33,7 @@ from ferry.run.disk_space import check_checkpoint_space, state_bytes
 from ferry.run.loggers import check_wandb
 from ferry.run.policy_check import check_before_training
 from ferry.run.settings_change import settings_identity
+from ferry.run.startup import detail
 from ferry.sharding import make_mesh, parameters_per_device
 from ferry.train.memory import StateBytes, check_fits
 from ferry.train.recipe import StepRecipe
@@ -113,7 +114,7 @@ def prepare(config: FerryConfig, console: Console) -> PreparedRun:
         directory.release()
         raise
     announce(config, num_parameters, corpus, console)
-    console.print(attention, highlight=False)
+    detail(console, attention)
     announce_state(layout, console)
     announce_loss_head(config, mesh, console)
     return dataclasses.replace(prepared, corpus=corpus)
@@ -237,17 +238,19 @@ def held_out_read(train: TrainConfig, held_out: PackedWindows) -> int:
 
 
 def announce(config: FerryConfig, num_parameters: int, corpus: Corpus, console: Console) -> None:
-    """The model, the corpus and the mesh the run was prepared with."""
-    console.print(
-        f"model {config.model_name}: {num_parameters:,} parameters; "
-        f"corpus: {corpus.description}, {len(corpus.train):,} train / {len(corpus.eval):,} held-out tokens",
-        highlight=False,
+    """The model, the corpus and the mesh the run was prepared with (a quiet terminal gets the
+    model and the tokens in one short line)."""
+    tokens = f"{len(corpus.train):,} train / {len(corpus.eval):,} held-out tokens"
+    detail(
+        console,
+        f"model {config.model_name}: {num_parameters:,} parameters; corpus: {corpus.description}, {tokens}",
+        brief=f"model {config.model_name}: {num_parameters:,} parameters; {tokens}",
     )
-    console.print(
+    detail(
+        console,
         f"mesh {config.mesh.describe()} over {jax.device_count()} {jax.devices()[0].platform} devices "
         f"in {jax.process_count()} process(es); micro steps per step: "
         f"{config.micro_steps}",
-        highlight=False,
     )
 
 
@@ -258,16 +261,16 @@ def announce_loss_head(config: FerryConfig, mesh: Mesh, console: Console) -> Non
     line = config.train.head.describe(
         micro_batch, config.train.seq_len, config.model.vocab_size, config.model.dim, itemsize, mesh
     )
-    console.print(line, highlight=False)
+    detail(console, line)
 
 
 def announce_state(layout: StateLayout, console: Console) -> None:
     """Where the train state lives, when part of it is on host."""
     if layout.placement.streams:
         stream = stream_line(layout.model, layout.placement, layout.sharding.model)
-        console.print(
+        detail(
+            console,
             f"train state: {layout.placement.describe()}: {format_bytes(layout.host_bytes())} in pinned host, {stream}",
-            highlight=False,
         )
 
 

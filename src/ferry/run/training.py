@@ -31,6 +31,7 @@ from ferry.run.out_of_memory import over_hbm_refusal
 from ferry.run.preemption import SigtermStop
 from ferry.run.preflight import PreparedRun
 from ferry.run.profiling import StepProfiler
+from ferry.run.startup import detail, end_startup, verbose_hint
 from ferry.run.summary import run_summary
 from ferry.train.compiled_step import CompiledStep
 from ferry.train.memory import CompiledMemory, check_step_fits
@@ -94,9 +95,11 @@ def _train(prepared: PreparedRun, config_yaml: str, console: Console) -> Path:
             first_batch=batches.next(),
             vocab_size=config.model.vocab_size,
         )
-        console.print(describe_memory(memory), highlight=False)
+        detail(console, describe_memory(memory))
         if prepared.resume_step is None:
             loop.log_initial_evaluation()
+        if is_main_process():
+            end_startup(console, run_dir)  # what the terminal left out goes into startup.txt
         loop.run()
         loop.finish()
     if loop.ids.bad is not None:
@@ -203,8 +206,8 @@ def announce_start(prepared: PreparedRun, meter: StepMeter, config_yaml: str, co
     """The transfer schedule and host bytes; on process 0, the start files and where the run
     writes; the FLOPs and the peak."""
     run_dir = prepared.run_dir
-    console.print(schedule_table(prepared.schedule))
-    console.print(host_bytes_line(prepared.schedule, meter.memory), highlight=False)
+    detail(console, schedule_table(prepared.schedule))
+    detail(console, host_bytes_line(prepared.schedule, meter.memory))
     if is_main_process():
         write_start_files(run_dir, config_yaml, prepared.schedule, prepared.resume_step)
         prepared.directory.write_record()  # run.json: the run's id, what this resume changed on purpose
@@ -216,8 +219,8 @@ def announce_start(prepared: PreparedRun, meter: StepMeter, config_yaml: str, co
             )
         resuming = prepared.resume_step is not None
         verb = f"resuming from step {prepared.resume_step} in" if resuming else "run directory:"
-        console.print(f"{verb} {run_dir}", highlight=False)
-    console.print(meter.describe(), highlight=False)
+        console.print(f"{verb} {run_dir}{verbose_hint(console)}", highlight=False)
+    detail(console, meter.describe())
 
 
 def open_loggers(prepared: PreparedRun, config_yaml: str) -> RunLoggers:
