@@ -60,6 +60,7 @@ from ferry.run.checkpoint import checkpoint_steps  # noqa: E402
 from ferry.run.config_paths import check_config_paths  # noqa: E402
 from ferry.run.default_policy import DefaultChoice, choose_default, names_preset, sets_offload_keys  # noqa: E402
 from ferry.run.directory import resolve_run_dir  # noqa: E402
+from ferry.run.libtpu_noise import quiet_libtpu  # noqa: E402
 from ferry.run.nonfinite import NonFiniteLossError  # noqa: E402
 from ferry.run.precompile import check_compile_target, precompile  # noqa: E402
 from ferry.run.preemption import Terminated, check_terminated, stop_on_sigterm  # noqa: E402
@@ -149,7 +150,8 @@ def main(argv: list[str]) -> int:
                 raise ConfigError("mode=compile compiles one preset's step: name it, e.g. offload=full_remat")
             check_compile_target(config)
             check_plan_extra(config.target or "", mode="compile")
-            console.print(precompile(config, console), highlight=False)
+            with quiet_libtpu():  # libtpu's complaints about a machine that is no TPU VM
+                console.print(precompile(config, console), highlight=False)
             return 0
         if config.platform.name == "gpu":
             check_gpu_jax("platform=gpu")  # before the CUDA backend starts
@@ -282,8 +284,8 @@ def plan(config: FerryConfig, console: Console, node: dict) -> int:
     # libtpu's lockfile keeps a second process off a TPU VM's chips; a plan only compiles, so it may
     # run beside a training run (or another plan) there
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    console = Console(  # the tables are wide; their cells hold user values (no markup, no emoji codes)
-        width=max(console.width, 150), soft_wrap=console.soft_wrap, markup=False, emoji=False
+    console = Console(  # the terminal's width; the cells hold user values (no markup, no emoji codes)
+        width=console.width, soft_wrap=console.soft_wrap, markup=False, emoji=False
     )
     from ferry.plan.auto_measure import candidate_run, resolve_measure, subprocess_measurer
     from ferry.plan.measure import accelerator_present
@@ -317,7 +319,8 @@ def plan(config: FerryConfig, console: Console, node: dict) -> int:
             if target.platform == "tpu":  # libtpu compiles for the chip without it (`ferry.run.precompile`)
                 compile_ahead = subprocess_compiler(run_node, config.target)
     try:
-        plans, choices, measured = run_plan(config, load_preset, load_platform, console, measure_one, compile_ahead)
+        with quiet_libtpu():  # libtpu's complaints about a machine that is no TPU VM
+            plans, choices, measured = run_plan(config, load_preset, load_platform, console, measure_one, compile_ahead)
     except ValueError as error:  # the planner's checks of the target's device count and topology
         if isinstance(error, FerryError):
             raise

@@ -56,6 +56,7 @@ from ferry.plan.tables import (
     measured_table,
     plan_table,
     transfer_table,
+    verification_notes,
     verification_table,
 )
 from ferry.plan.verify import RecomputeNotChecked, explain_recompute, recompute_checked
@@ -273,8 +274,10 @@ def _print_plans(
     for plan in plans:
         if plan.transfers:
             console.print(transfer_table(plan))
-        if plan.verification is not None and (plan.verification.copies or plan.verification.recompute):
+        if plan.verification is not None and plan.verification.copies:
             console.print(verification_table(plan))
+        elif plan.verification is not None and (notes := verification_notes(plan)):  # no copies: no empty table
+            console.print(f"{plan.policy}: the compiled program checked, no host copies; {notes}", highlight=False)
     if choices:
         console.print(candidate_table(tried))
         if measured is not None:

@@ -1,5 +1,10 @@
 """`mode=plan`'s tables: the memory of each preset, their step estimates, each plan's host copies
-and what the verifier found, and `offload=auto`'s candidates and choices."""
+and what the verifier found, and `offload=auto`'s candidates and choices.
+
+A terminal is often 100 columns: a column that says the same in every row (each preset's
+capacity, a plan with no host copies) is said once under the table instead (`folded`)."""
+
+from collections.abc import Collection, Sequence
 
 from rich.table import Table
 
@@ -32,6 +37,37 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} us"
 
 
+def folded(
+    title: str,
+    caption: str,
+    columns: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    keep: Collection[str],
+    right: Collection[str],
+) -> Table:
+    """A table of `rows` under `columns` (those in `right` right-aligned), narrowed for a terminal:
+    a column whose rows all read "-" is left out, and one whose rows (two or more) all read the same
+    is said once in the caption; the columns in `keep` are always shown."""
+    shown, same = [], []
+    for index, column in enumerate(columns):
+        values = {row[index] for row in rows}
+        if column in keep or not rows or (len(rows) == 1 and values != {"-"}):
+            shown.append(index)
+        elif values != {"-"} and len(values) == 1:
+            same.append(f"{column} {values.pop()}")
+        elif values != {"-"}:
+            shown.append(index)
+    note = "every row: " + ", ".join(same) if same else ""
+    table = Table(
+        title=title, caption="; ".join(part for part in (note, caption) if part) or None, caption_justify="left"
+    )
+    for index in shown:
+        table.add_column(columns[index], justify="right" if columns[index] in right else "left")
+    for row in rows:
+        table.add_row(*(row[index] for index in shown))
+    return table
+
+
 def plan_table(plans: list[MemoryPlan], config: FerryConfig) -> Table:
     first = plans[0]
     pool = "" if first.host_capacity_bytes is None else f"; pinned host pool {format_bytes(first.host_capacity_bytes)}"
@@ -49,83 +85,110 @@ def plan_table(plans: list[MemoryPlan], config: FerryConfig) -> Table:
         if any(plan.flops_bound is not None for plan in plans)
         else ""
     )
-    table = Table(
-        title=f"{config.model_name} on {first.target} x {config.mesh.num_devices} ({first.mesh}), "
-        f"batch {config.train.global_batch_size} x {config.train.seq_len}: per device",
-        caption="compile options: " + ", ".join(f"{k}={v}" for k, v in first.compile_options) + pool + bound,
+    columns = ("preset", "arguments", "outputs", "temp", "HBM total", "capacity", "verdict", "pinned host") + (
+        "matmul TFLOP",
+        "copies exposed",
+        "compile",
+        "planned",
     )
-    columns = ("preset", "arguments", "outputs", "temp", "HBM total", "capacity", "verdict", "pinned host")
-    for column in (*columns, "matmul TFLOP", "copies exposed", "compile", "planned"):
-        table.add_column(column, justify="left" if column in ("preset", "verdict", "planned") else "right")
+    rows: list[Sequence[str]] = []
     for plan in plans:
         summary = plan.transfer_summary
         if plan.compile_oom is not None:  # no program: what XLA said it needs, the arguments, and nothing else
-            table.add_row(
+            rows.append(
+                (
+                    plan.policy,
+                    format_bytes(plan.argument_bytes),
+                    "-",
+                    format_bytes(plan.temp_bytes),
+                    format_bytes(plan.device_bytes),
+                    format_bytes(plan.capacity_bytes),
+                    "OOM (XLA refused to compile it)",
+                    "-",
+                    "-",
+                    "-",
+                    f"{plan.compile_seconds:.0f} s",
+                    "compile refused",
+                )
+            )
+            continue
+        rows.append(
+            (
                 plan.policy,
                 format_bytes(plan.argument_bytes),
-                "-",
+                format_bytes(plan.output_bytes - plan.alias_bytes),
                 format_bytes(plan.temp_bytes),
                 format_bytes(plan.device_bytes),
                 format_bytes(plan.capacity_bytes),
-                "OOM (XLA refused to compile it)",
-                "-",
-                "-",
-                "-",
-                f"{plan.compile_seconds:.0f} s",
-                "compile refused",
+                "FITS" if plan.fits else "OOM",
+                format_bytes(plan.host_bytes),
+                f"{plan.flops / 1e12:.4f}"
+                + ("" if plan.flops_bound is None else f" (<= {plan.flops_bound / 1e12:.4f})"),
+                format_seconds(summary.exposed_seconds) if plan.transfers else "-",
+                f"{plan.compile_seconds:.0f} s" + (" (costs cached)" if plan.profile_cached else ""),
+                "compiled whole" if plan.extrapolated is None else f"EXTRAPOLATED: {plan.extrapolated}",
             )
-            continue
-        table.add_row(
-            plan.policy,
-            format_bytes(plan.argument_bytes),
-            format_bytes(plan.output_bytes - plan.alias_bytes),
-            format_bytes(plan.temp_bytes),
-            format_bytes(plan.device_bytes),
-            format_bytes(plan.capacity_bytes),
-            "FITS" if plan.fits else "OOM",
-            format_bytes(plan.host_bytes),
-            f"{plan.flops / 1e12:.4f}" + ("" if plan.flops_bound is None else f" (<= {plan.flops_bound / 1e12:.4f})"),
-            format_seconds(summary.exposed_seconds) if plan.transfers else "-",
-            f"{plan.compile_seconds:.0f} s" + (" (costs cached)" if plan.profile_cached else ""),
-            "compiled whole" if plan.extrapolated is None else f"EXTRAPOLATED: {plan.extrapolated}",
         )
-    return table
+    return folded(
+        f"{config.model_name} on {first.target} x {config.mesh.num_devices} ({first.mesh}), "
+        f"batch {config.train.global_batch_size} x {config.train.seq_len}: per device",
+        "compile options: " + ", ".join(f"{k}={v}" for k, v in first.compile_options) + pool + bound,
+        columns,
+        rows,
+        keep=("preset", "HBM total", "verdict"),
+        right=set(columns) - {"preset", "verdict", "planned"},
+    )
 
 
 def estimate_table(plans: list[MemoryPlan]) -> Table:
     """Each preset's step-time estimate (`ferry.plan.estimate`), fastest first."""
     target = plans[0].target
-    table = Table(
-        title=f"step-time ESTIMATE on {target} (per device; from the compiled program, not measured)",
-        caption="estimate: matmuls at the target's matmul rate (its dense bf16 peak, times the compute fraction "
+    caption = (
+        "estimate: matmuls at the target's matmul rate (its dense bf16 peak, times the compute fraction "
         "measured on a v5e chip) + host copies left exposed + collectives over the "
         "interconnect (targets.py); best overlaps collectives with compute, worst adds them, middle is halfway "
         f"(ranked by it, then the worst); model TFLOPs by MaxText's convention; speed-up: {REFERENCE}'s middle "
-        "estimate over the preset's",
+        "estimate over the preset's"
     )
-    columns = ("rank", "preset", "verdict", "matmuls", "copies exposed", "collectives")
-    for column in (*columns, "best", "middle", "worst", "TFLOPs/s/device", f"vs {REFERENCE}"):
-        table.add_column(column, justify="left" if column in ("preset", "verdict") else "right")
     compiled = {p.policy: p.estimate for p in plans if p.compile_oom is None}
+    # with no collectives best, middle and worst are one figure: one column
+    spread = any(e.best_seconds != e.worst_seconds for e in compiled.values())
+    steps = ("best", "middle", "worst") if spread else ("step",)
+    columns = ("rank", "preset", "verdict", "matmuls", "copies exposed", "collectives", *steps)
+    columns += ("TFLOPs/s/device", f"vs {REFERENCE}")
+    rows: list[Sequence[str]] = []
     for rank, (name, estimate, speedup) in enumerate(ranked(compiled), 1):
         plan = next(p for p in plans if p.policy == name)
-        table.add_row(
-            str(rank),
-            name,
-            "FITS" if plan.fits else "OOM",
-            format_seconds(estimate.matmul_seconds),
-            format_seconds(estimate.exposed_copy_seconds),
-            format_seconds(estimate.collective_seconds),
-            format_seconds(estimate.best_seconds),
-            format_seconds(estimate.middle_seconds),
-            format_seconds(estimate.worst_seconds),
-            f"{estimate.best_tflops:.1f} - {estimate.worst_tflops:.1f}",
-            "-" if speedup is None else f"{speedup:.3f}x",
+        seconds = (
+            (estimate.best_seconds, estimate.middle_seconds, estimate.worst_seconds)
+            if spread
+            else (estimate.middle_seconds,)
+        )
+        tflops = f"{estimate.best_tflops:.1f}" + (f" - {estimate.worst_tflops:.1f}" if spread else "")
+        rows.append(
+            (
+                str(rank),
+                name,
+                "FITS" if plan.fits else "OOM",
+                format_seconds(estimate.matmul_seconds),
+                format_seconds(estimate.exposed_copy_seconds),
+                format_seconds(estimate.collective_seconds),
+                *(format_seconds(s) for s in seconds),
+                tflops,
+                "-" if speedup is None else f"{speedup:.3f}x",
+            )
         )
     for plan in plans:
         if plan.compile_oom is not None:
-            table.add_row("-", plan.policy, "OOM (XLA refused to compile it)", *["-"] * 8)
-    return table
+            rows.append(("-", plan.policy, "OOM (XLA refused to compile it)", *["-"] * (len(columns) - 3)))
+    return folded(
+        f"step-time ESTIMATE on {target} (per device; from the compiled program, not measured)",
+        caption,
+        columns,
+        rows,
+        keep=("rank", "preset", "verdict", *steps),
+        right=set(columns) - {"preset", "verdict"},
+    )
 
 
 def transfer_table(plan: MemoryPlan) -> Table:
@@ -154,14 +217,9 @@ def transfer_table(plan: MemoryPlan) -> Table:
             f"; pipelined one layer apart, for {format_bytes(plan.pipeline_bytes)} of offloaded values in HBM "
             "(each stack's last layer; one more layer's while a stack runs), in the temporaries above"
         )
-    table = Table(title=f"{plan.policy}: host copies in the compiled program (per device)", caption=caption)
     columns = ("tensor", "direction", "engine", "shape", "bytes", "x per step", "transfer", "hiding compute", "hidden")
-    for column in columns:
-        table.add_column(
-            column, justify="right" if column in ("bytes", "x per step", "transfer", "hiding compute") else "left"
-        )
-    for t in plan.transfers:
-        table.add_row(
+    rows = [
+        (
             t.tensor,
             t.direction,
             t.engine,
@@ -172,13 +230,23 @@ def transfer_table(plan: MemoryPlan) -> Table:
             format_seconds(t.compute_seconds),
             "yes" if t.hidden else "no",
         )
-    return table
+        for t in plan.transfers
+    ]
+    return folded(
+        f"{plan.policy}: host copies in the compiled program (per device)",
+        caption,
+        columns,
+        rows,
+        keep=("tensor", "direction", "hidden"),
+        right=("bytes", "x per step", "transfer", "hiding compute"),
+    )
 
 
-def verification_table(plan: MemoryPlan) -> Table:
-    """The compiled program checked against the plan (`ferry.plan.verify`): each offloaded
-    tensor's copies per step, listed and found, and the walks of its host slices in loops."""
+def verification_notes(plan: MemoryPlan) -> str:
+    """What the verifier found besides each tensor's copies: the recompute check, and host copies
+    of no offloaded tensor's size."""
     verification = plan.verification
+    assert verification is not None
     recompute = verification.recompute
     caption = []
     if recompute is not None:
@@ -194,8 +262,16 @@ def verification_table(plan: MemoryPlan) -> Table:
         )
     if verification.unmatched:
         caption.append("host copies of no offloaded tensor's size: " + ", ".join(verification.unmatched))
+    return "; ".join(caption)
+
+
+def verification_table(plan: MemoryPlan) -> Table:
+    """The compiled program checked against the plan (`ferry.plan.verify`): each offloaded
+    tensor's copies per step, listed and found, and the walks of its host slices in loops."""
+    verification = plan.verification
+    assert verification is not None
     table = Table(
-        title=f"{plan.policy}: the compiled program checked (per device, per step)", caption="; ".join(caption)
+        title=f"{plan.policy}: the compiled program checked (per device, per step)", caption=verification_notes(plan)
     )
     for column in ("layers", "tensor", "bytes", "to host", "to device", "host slices in loops", "named by", "verdict"):
         right = column in ("bytes", "to host", "to device")
