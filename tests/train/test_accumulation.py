@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from ferry.config.train import TrainConfig
+from ferry.data.segments import DocumentMask
 from ferry.models.registry import build_model
 from ferry.train.compiled_step import compile_from_layout, layout_of
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer
@@ -14,19 +15,23 @@ from ferry.train.train_state import init_state
 from tests.conftest import load_model_config, preset_policy
 
 
-def losses(model_name: str, micro_batch_size: int | None, steps: int) -> list[float]:
+def losses(model_name: str, micro_batch_size: int | None, steps: int, documents=None, eod_every=0) -> list[float]:
+    """Each step's loss; `eod_every`: every how many tokens of the random batches is an end of
+    document (0: none)."""
     config = load_model_config(model_name)
     train = TrainConfig(steps=steps, warmup_steps=1, global_batch_size=8, micro_batch_size=micro_batch_size, seq_len=16)
     optimizer = make_optimizer(train)
     model = build_model(config, jax.random.key(0))
-    settings = LossSettings(preset_policy("minimal_offloaded", model), "float32")
+    settings = LossSettings(preset_policy("minimal_offloaded", model), "float32", documents=documents)
     body = train_step_body(optimizer, settings, learning_rate_schedule(train), train.micro_steps())
     state = init_state(model, optimizer)
     step = compile_from_layout(body, layout_of(state), jax.ShapeDtypeStruct((8, 17), jnp.int32)).run
     rng = np.random.default_rng(0)
     out = []
     for _ in range(steps):
-        batch = rng.integers(0, config.vocab_size, (8, 17), dtype=np.int32)
+        batch = rng.integers(1, config.vocab_size, (8, 17), dtype=np.int32)
+        if eod_every:  # documents of uneven lengths: the micro batches count unequal numbers of targets
+            batch[rng.random((8, 17)) < 1 / eod_every] = 0
         state, metrics = step(state, batch)
         out.append(float(metrics["loss"]))
     return out
@@ -43,6 +48,15 @@ def losses(model_name: str, micro_batch_size: int | None, steps: int) -> list[fl
 )
 def test_four_micro_batches_of_two_equal_one_batch_of_eight(model_name, steps):
     np.testing.assert_allclose(losses(model_name, 2, steps), losses(model_name, None, steps), rtol=1e-5)
+
+
+def test_micro_batches_counting_unequal_targets_give_the_whole_batchs_mean():
+    """With no loss across documents each micro batch counts a different number of targets: it
+    weighs by its share of them, so the loss and the training equal one batch of eight's."""
+    documents = DocumentMask(end_of_document=0, loss_across_documents=False)
+    micro = losses("llama_tiny", 2, 5, documents, eod_every=3)
+    whole = losses("llama_tiny", None, 5, documents, eod_every=3)
+    np.testing.assert_allclose(micro, whole, rtol=1e-5)
 
 
 def test_micro_batch_x_data_parallel_must_divide_the_global_batch():

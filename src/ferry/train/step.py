@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, Int
 
-from ferry.data.loss_weights import split_rows
-from ferry.data.segments import DocumentMask
+from ferry.data.loss_weights import counted, split_rows
+from ferry.data.segments import DocumentMask, loss_weights
 from ferry.head.loss import DEFAULT_HEAD, LossHead
 from ferry.models.base import AbstractLanguageModel
 from ferry.offload.engine import SAVE_ALL, Policy
@@ -87,9 +87,12 @@ def accumulated_loss_and_grad(
     model: eqx.Module, batch: Int[Array, "batch seq_plus_one"], settings: LossSettings, micro_steps: int
 ) -> tuple[tuple[Float[Array, ""], dict[str, Array]], Any]:
     """Loss, statistics and gradients of the whole batch, computed `micro_steps` rows-slices at a
-    time with `lax.scan` (gradient accumulation); all are means over the micro batches, which equal
-    the whole batch's means because the slices are equal. The layer stacks' gradients are added
-    into the running sum inside their backward loops (`ferry.train.gradient_sink`)."""
+    time with `lax.scan` (gradient accumulation). Where every target counts they are means over the
+    micro batches, which equal the whole batch's because the slices are equal; where some do not
+    (loss weights, `loss_across_documents=False`), each micro batch weighs by its share of the
+    counted targets, so the loss is the mean over the whole batch's counted targets. The layer
+    stacks' gradients are added into the running sum inside their backward loops
+    (`ferry.train.gradient_sink`)."""
     value_and_grad = _float32_gradients(eqx.filter_value_and_grad(batch_loss, has_aux=True))
     if micro_steps == 1:
         return value_and_grad(model, batch, settings)
@@ -97,29 +100,51 @@ def accumulated_loss_and_grad(
     out_shapes = eqx.filter_eval_shape(value_and_grad, model, micro_batches[0], settings)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shapes)
     sinking_value_and_grad = _float32_gradients(eqx.filter_value_and_grad(_sinking_loss, has_aux=True))
+    shares = _counted_shares(micro_batches, settings)
 
-    def accumulate(total: Any, micro_batch: jax.Array) -> tuple[Any, None]:
-        values, grads = total
+    def accumulate(total: Any, xs: tuple[jax.Array, Any]) -> tuple[Any, None]:
+        (values, grads), (micro_batch, share) = total, xs
         sinks = stack_gradients(grads)
-        out_values, (out_grads, sums) = sinking_value_and_grad((model, sinks), micro_batch, settings)
+        out_values, (out_grads, sums) = sinking_value_and_grad((model, sinks), micro_batch, settings, share)
         no_stacks = [None] * len(sinks)  # the stacks' own gradients are zero: their sums are `sums`
         others = jax.tree.map(
             jnp.add, with_stack_gradients(grads, no_stacks), with_stack_gradients(out_grads, no_stacks)
         )
         return (jax.tree.map(jnp.add, values, out_values), with_stack_gradients(others, sums)), None
 
-    total, _ = jax.lax.scan(accumulate, zeros, micro_batches)
-    return jax.tree.map(lambda x: x / micro_steps, total)
+    total, _ = jax.lax.scan(accumulate, zeros, (micro_batches, shares))
+    return total if shares is not None else jax.tree.map(lambda x: x / micro_steps, total)
+
+
+def _counted_shares(
+    micro_batches: Int[Array, "micro batch row"], settings: LossSettings
+) -> Float[Array, " micro"] | None:
+    """Each micro batch's share of the whole batch's counted targets, or None where every target
+    counts (the shares are then equal: the sum's mean is taken at the end, as before)."""
+    if not settings.weighted and loss_weights(micro_batches[0, :, :-1], settings.documents) is None:
+        return None
+    counts = jax.vmap(lambda b: _counted_targets(b, settings))(micro_batches).astype(jnp.float32)
+    return counts / jnp.maximum(counts.sum(), 1.0)
+
+
+def _counted_targets(batch: Int[Array, "batch row"], settings: LossSettings) -> Int[Array, ""]:
+    """How many of a batch's targets its loss counts (as `training_loss` weighs them)."""
+    tokens, targets = split_rows(batch) if settings.weighted else (batch, None)
+    weights = counted(loss_weights(tokens[:, :-1], settings.documents), targets)
+    return jnp.asarray(tokens[:, 1:].size) if weights is None else weights.sum()
 
 
 def _sinking_loss(
     model_and_sinks: tuple[AbstractLanguageModel, list[Any]],
     batch: Int[Array, "batch seq_plus_one"],
     settings: LossSettings,
+    share: Float[Array, ""] | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
-    """`batch_loss` differentiated by the model and the stacks' sinks together."""
+    """`batch_loss` differentiated by the model and the stacks' sinks together; its loss and
+    statistics scaled by the micro batch's `share` of the counted targets, if given."""
     model, sinks = model_and_sinks
-    return batch_loss(model, batch, settings, sinks)
+    out = batch_loss(model, batch, settings, sinks)
+    return out if share is None else jax.tree.map(lambda x: x * share, out)
 
 
 def _float32_gradients(value_and_grad: Callable[..., Any]) -> Callable[..., Any]:
