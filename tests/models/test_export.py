@@ -4,7 +4,6 @@ tokenizer (`AutoTokenizer` reads text to the run's ids) and generation_config.js
 in the mode an ordinary file gets; `transformers` generates from it what `launch/sample.py` does;
 bad input is one line, exit status 2, and nothing written."""
 
-import importlib.util
 import os
 import shutil
 import stat
@@ -26,15 +25,13 @@ from ferry.train.state_layout import run_state_layout
 from tests.conftest import ROOT, SMALL_RUN, compose_config
 from tests.generate.saved_runs import TEXTS, tokenizer_run_of, trained_run_of
 from tests.generate.test_sample_launcher import sample_module
+from tests.launcher_cases import load_script
 
 SCRIPT = ROOT / "launch" / "export_hf.py"
 
 
 def export_module():
-    spec = importlib.util.spec_from_file_location("export_hf", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("export_hf.py")
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 eval loss the run logged at that step, every dataset form reads the same data, bits per byte
 count the text's bytes, each record is appended to RUN/eval.jsonl, and bad input is one line."""
 
-import importlib.util
 import io
 import json
 import math
@@ -19,6 +18,7 @@ from ferry.config.overrides import hydra_compose
 from ferry.config.root import load_config
 from ferry.data.tokenizer import ByteTokenizer, load_tokenizer
 from tests.conftest import CONFIGS, ROOT, SMALL_RUN
+from tests.launcher_cases import load_script
 from tests.old_default import with_old_default
 
 SCRIPT = ROOT / "launch" / "eval.py"
@@ -26,10 +26,7 @@ CHAT_FIXTURE = ROOT / "tests" / "data" / "chat"
 
 
 def launcher():
-    spec = importlib.util.spec_from_file_location("eval_launcher", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("eval.py")
 
 
 @pytest.fixture(scope="module")
