@@ -11,7 +11,9 @@ last step, and the physical floors beside them:
 
 The parent watches the child's resident host memory and stops it above `--host-limit-gib` (36 GiB
 of the VM's 40 by default): a run that would exhaust the VM is recorded as such instead of taking
-the machine down with it.
+the machine down with it. The record keeps the RSS every 2 s (`host_rss_timeline`: seconds, GiB)
+and the RSS at each of the run's output lines (`host_rss_at_lines`), so where the host memory
+grows (set-up, the compile, the state's init, the first step) can be read off it.
 
     python benchmarks/capacity_tpu.py --cases qwen3_1_7b
     python benchmarks/capacity_tpu.py --list
@@ -90,35 +92,43 @@ def run_case(name: str, timeout_s: float, host_limit: float) -> dict:
         record = {"case": name, "command": "python launch/run.py " + " ".join(overrides[:-1]), "date": _today()}
         started = time.perf_counter()
         child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-        peak, stopped = [0], [None]
+        peak, stopped, samples = [0], [None], []
         threading.Thread(
-            target=_watch, args=(psutil.Process(child.pid), host_limit, peak, stopped), daemon=True
+            target=_watch, args=(psutil.Process(child.pid), host_limit, peak, stopped, samples), daemon=True
         ).start()
-        lines = []
+        lines, at_lines = [], []
         assert child.stdout is not None
         for line in child.stdout:
             lines.append(line)
+            elapsed = time.perf_counter() - started
+            rss_gib = round(samples[-1][1] / 2**30, 2) if samples else 0.0
+            at_lines.append([round(elapsed, 1), rss_gib, line[:100].rstrip()])
             if time.perf_counter() - started > timeout_s:
                 stopped[0] = stopped[0] or f"ran past {timeout_s:.0f} s"
                 child.kill()
         child.wait()
         record |= {"process_s": round(time.perf_counter() - started, 1), "host_rss_watched_peak_bytes": peak[0]}
+        record["host_rss_timeline"] = [[round(t, 1), round(rss / 2**30, 2)] for t, rss in samples[::4]]
+        record["host_rss_at_lines"] = at_lines[:200]
         if stopped[0] or child.returncode != 0:
             return record | {"status": stopped[0] or f"exit {child.returncode}", "output_tail": "".join(lines[-15:])}
         floor = {"floor_state_s": state_floor_s(PARAMETERS[name]) if STATE_ON_HOST[0] in CASES[name] else 0.0}
         return record | read_metrics(run_dir / "metrics.jsonl") | floor | {"status": "ok"}
 
 
-def _watch(process, host_limit: float, peak: list[int], stopped: list[str | None]) -> None:
-    """Poll the child's (and its children's) RSS; kill it above `host_limit`."""
+def _watch(process, host_limit: float, peak: list[int], stopped: list[str | None], samples: list) -> None:
+    """Poll the child's (and its children's) RSS every 0.5 s into `samples` (seconds, bytes); kill
+    it above `host_limit`."""
     import psutil
 
+    started = time.perf_counter()
     while process.is_running():
         try:
             rss = process.memory_info().rss + sum(c.memory_info().rss for c in process.children(recursive=True))
         except psutil.Error:
             return
         peak[0] = max(peak[0], rss)
+        samples.append((time.perf_counter() - started, rss))
         if rss > host_limit:
             stopped[0] = f"host memory past {host_limit / 2**30:.0f} GiB (RSS {rss / 2**30:.1f} GiB): stopped"
             process.kill()
