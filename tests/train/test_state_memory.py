@@ -57,7 +57,10 @@ def in_hbm(stream: StreamedUpdate) -> StreamedUpdate:
 
 def train(model_name: str, placement: StatePlacement, steps: int, reference: bool = False, **model_overrides):
     config = load_model_config(model_name, **model_overrides)
-    train = TrainConfig(steps=steps, warmup_steps=1, global_batch_size=4, micro_batch_size=2, seq_len=16)
+    moments = placement.moments_dtype  # train.adam_moments_dtype, which the placement carries
+    train = TrainConfig(
+        steps=steps, warmup_steps=1, global_batch_size=4, micro_batch_size=2, seq_len=16, adam_moments_dtype=moments
+    )
     optimizer = make_optimizer(train)
     model = build_model(config, jax.random.key(0))
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
@@ -102,6 +105,15 @@ def test_host_resident_state_trains_bit_for_bit_as_in_hbm(placement, vocab):
     assert_trains_bit_for_bit("llama_tiny", placement, 4, vocab_size=vocab)
 
 
+def test_bfloat16_moments_on_host_train_bit_for_bit_as_in_hbm():
+    """`train.adam_moments_dtype=bfloat16`: the moments cross the link and live in pinned host as
+    bfloat16, and the streamed update gives the bits of the same update in HBM."""
+    placement = StatePlacement("host", "host", moments_dtype="bfloat16")
+    _, state = assert_trains_bit_for_bit("llama_tiny", placement, 3)
+    moments = [optax.tree_utils.tree_get(state.opt_state, name) for name in ("mu", "nu")]
+    assert {leaf.dtype for leaf in jax.tree.leaves(moments)} == {jnp.dtype(jnp.bfloat16)}
+
+
 def assert_trains_bit_for_bit(model_name: str, placement: StatePlacement, steps: int, **overrides):
     expected, reference = train(model_name, placement, steps, reference=True, **overrides)
     losses, state = train(model_name, placement, steps, **overrides)
@@ -111,6 +123,7 @@ def assert_trains_bit_for_bit(model_name: str, placement: StatePlacement, steps:
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     kinds = {leaf.sharding.memory_kind for leaf in jax.tree.leaves(state.opt_state) + jax.tree.leaves(state.model)}
     assert "pinned_host" in kinds
+    return losses, state
 
 
 def test_streaming_a_moe_layers_experts_in_blocks_updates_the_same_bits_as_a_layer_at_a_time():

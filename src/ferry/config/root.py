@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ferry.config.plan import PlanConfig
-from ferry.config.train import UPDATE_SETTINGS, OffloadConfig, TrainConfig
+from ferry.config.train import UPDATE_SETTINGS, OffloadConfig, StatePlacement, TrainConfig
 from ferry.config_schema import checked_value, from_dict
 from ferry.data.config import DataConfig
 from ferry.data.loss_weights import weighted_width
@@ -157,6 +157,12 @@ class FerryConfig:
         """The platform this run applies: `platform.host_offload_flags` joined to its flags where
         its offload copies to pinned host (`OffloadConfig.copies_to_host`)."""
         return self.platform.for_host_copies(self.offload.copies_to_host)
+
+    @property
+    def state_placement(self) -> StatePlacement:
+        """Where the train state lives (`offload.optimizer`, `offload.params`, how it streams) and
+        the dtype its moments are stored in (`train.adam_moments_dtype`)."""
+        return dataclasses.replace(self.offload.state_placement, moments_dtype=self.train.adam_moments_dtype)
 
     @property
     def micro_steps(self) -> int:

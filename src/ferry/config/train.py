@@ -21,9 +21,13 @@ DEVICE, HOST = "device", "host"
 PLACES = (DEVICE, HOST)
 
 
+MOMENT_DTYPES = ("float32", "bfloat16")  # train.adam_moments_dtype
+
+
 @dataclasses.dataclass(frozen=True)
 class StatePlacement:
-    """Where the optimizer's moments and the float32 master weights live: device | host."""
+    """Where the optimizer's moments and the float32 master weights live: device | host (and the
+    dtype the moments are stored in, `train.adam_moments_dtype`, which sets their bytes)."""
 
     optimizer: str = DEVICE
     params: str = DEVICE
@@ -34,6 +38,7 @@ class StatePlacement:
     # host link both ways at once); each step holds half of stream_mib, and three halves live at
     # once (this step's state, its new state, the next step's), 1.5x stream_mib
     prefetch: bool = False
+    moments_dtype: str = "float32"  # train.adam_moments_dtype
 
     def __post_init__(self) -> None:
         for key in ("optimizer", "params"):
@@ -44,6 +49,11 @@ class StatePlacement:
                 f"offload.stream_mib={self.stream_mib:g}: it is the HBM (MiB per device) the update of a state on "
                 "host streams through at once; use a positive number (1024 by default)"
             )
+
+    @property
+    def moment_bytes(self) -> int:
+        """Bytes a parameter of each of AdamW's two moments."""
+        return 2 if self.moments_dtype == "bfloat16" else 4
 
     @property
     def streams(self) -> bool:
@@ -87,6 +97,9 @@ class TrainConfig:
     adam_b1: float = 0.9  # Adam's decay rate of the first moment (the gradient's running mean)
     adam_b2: float = 0.95  # Adam's decay rate of the second moment (the squared gradient's running mean)
     adam_eps: float = 1e-8  # added to the root of the second moment before Adam divides by it
+    # the dtype AdamW's two moments are stored in between steps (float32 | bfloat16): bfloat16 halves their
+    # 8 bytes a parameter; each update computes in float32 from the stored values and rounds the new ones
+    adam_moments_dtype: str = "float32"
     grad_clip_norm: float = 1.0  # the gradient is scaled down to this global norm when it is above it
     z_loss_weight: float = 0.0  # weight of PaLM's z-loss, mean(logsumexp(logits)^2), added to the loss; 0: none
     # chunked: the logits are never whole (a vocabulary chunk at a time); fused: never whole either, the loss
@@ -162,6 +175,10 @@ class TrainConfig:
             require_finite(f"train.{name}", getattr(self, name))
         for name in ("grad_clip_norm", "z_loss_weight"):
             require_finite(f"train.{name}", getattr(self, name))
+        if self.adam_moments_dtype not in MOMENT_DTYPES:
+            raise ConfigError(
+                f"train.adam_moments_dtype={self.adam_moments_dtype!r}: use one of {', '.join(MOMENT_DTYPES)}"
+            )
         if self.learning_rate < 0:
             raise ConfigError(f"train.learning_rate={self.learning_rate} is negative; use a learning rate > 0")
         if not 0 <= self.min_learning_rate_ratio <= 1:

@@ -426,7 +426,7 @@ def known_values(decisions: list[Decision], policy: Policy, config: FerryConfig)
     """A compiled preset's value for each decision: its tensors' placements and the run's state
     placement; None where one is no option of its decision (a preset rematerialising the layer
     input, say)."""
-    state = state_values(config.offload.state_placement)
+    state = state_values(config.state_placement)
     values = tuple(policy.placement(d.name) if d.tensor else state.get(d.name, d.options[0].value) for d in decisions)
     valid = all(value in {o.value for o in d.options} for d, value in zip(decisions, values, strict=True))
     return values if valid else None

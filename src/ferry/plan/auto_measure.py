@@ -153,7 +153,7 @@ def candidate_offload(
     """The `offload` config node that trains `candidate`: the preset it is (with the state
     placement it was compiled with), or, for the search's own, its values as a preset compiled
     as `auto_plan` compiles them (no other key set)."""
-    state = state_of(candidate.values, config.offload.state_placement)
+    state = state_of(candidate.values, config.state_placement)
     source = candidate.plan.policy
     if source != "auto":
         preset = config.offload if source == config.offload.name else load_preset(source)

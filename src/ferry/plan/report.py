@@ -152,7 +152,7 @@ class PlanCompiler:
 
     def compile_policy(self, policy: Policy, name: str, state: StatePlacement | None = None) -> MemoryPlan:
         """The plan of `policy` with the train state placed by `state` (default: the run's)."""
-        state = self.config.offload.state_placement if state is None else state
+        state = self.config.state_placement if state is None else state
         placements = tuple(policy.placement(tensor) for tensor in sorted(self.tagged))
         # the engine, pipelining and peel compile other programs of the same placements
         key = (policy.keep_all, placements, policy.engine, policy.pipelined, policy.peel, state)
@@ -229,7 +229,7 @@ def _auto(
     mesh = compile_only_mesh(target, config.mesh)
 
     def compile_choice(policy: Policy, values: dict[str, str]) -> MemoryPlan:
-        return compiler.compile_policy(policy, "auto", state_of(values, config.offload.state_placement))
+        return compiler.compile_policy(policy, "auto", state_of(values, config.state_placement))
 
     extra = state_decisions(config, target, mesh)
     known = list(zip(policies.values(), plans, strict=True))

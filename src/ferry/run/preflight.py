@@ -158,7 +158,7 @@ def check_model_fits(config: FerryConfig, model: eqx.Module, num_parameters: int
         size_summary(config.model, num_parameters),
         f"Use model={family_of(config.model).tiny_model} on this machine, or shard it (mesh.fsdp) over devices "
         "whose memory holds it.",
-        StateBytes.of(config.offload.state_placement),
+        StateBytes.of(config.state_placement),
     )
 
 

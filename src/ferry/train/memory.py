@@ -20,7 +20,8 @@ class InsufficientMemoryError(FerryError, RuntimeError):
 class StateBytes:
     """Bytes per parameter of the training state on the device and in pinned host memory: float32
     grads and a bf16 compute copy on the device; the float32 master weights (`offload.params`)
-    and AdamW's two float32 moments (`offload.optimizer`) where the offload config puts them."""
+    and AdamW's two moments (`offload.optimizer`, float32 or `train.adam_moments_dtype`) where the
+    offload config puts them."""
 
     device: int
     host: int
@@ -28,9 +29,10 @@ class StateBytes:
     @classmethod
     def of(cls, placement: StatePlacement) -> "StateBytes":
         """The bytes of a state placed as `placement` (`offload.optimizer`, `offload.params`) says."""
+        both_moments = 2 * placement.moment_bytes
         master = 4 if placement.params == HOST else 0
-        moments = 8 if placement.optimizer == HOST else 0
-        return cls(device=4 + 2 + (4 - master) + (8 - moments), host=master + moments)
+        moments = both_moments if placement.optimizer == HOST else 0
+        return cls(device=4 + 2 + (4 - master) + (both_moments - moments), host=master + moments)
 
     def describe(self) -> str:
         where = f"{self.device} B per parameter on the device"

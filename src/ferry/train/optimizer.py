@@ -31,8 +31,9 @@ def gradient_clip(config: TrainConfig) -> optax.GradientTransformation:
 
 
 def adamw(config: TrainConfig, mask: Any = _decay_mask) -> optax.GradientTransformation:
-    """AdamW alone; `mask` (which leaves are decayed) a function of the parameters or a tree."""
-    return optax.adamw(
+    """AdamW alone; `mask` (which leaves are decayed) a function of the parameters or a tree. Its
+    moments are stored in `train.adam_moments_dtype`."""
+    adam = optax.adamw(
         learning_rate_schedule(config),
         b1=config.adam_b1,
         b2=config.adam_b2,
@@ -40,6 +41,30 @@ def adamw(config: TrainConfig, mask: Any = _decay_mask) -> optax.GradientTransfo
         weight_decay=config.weight_decay,
         mask=mask,
     )
+    if config.adam_moments_dtype == "float32":
+        return adam
+    return stored_in(jnp.dtype(config.adam_moments_dtype), adam)
+
+
+def stored_in(dtype: Any, inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`inner` whose floating-point state (AdamW's moments) is kept in `dtype` between updates:
+    each update computes in float32 from the stored values and rounds the new ones to `dtype`.
+    optax's own `mu_dtype` covers the first moment only."""
+
+    def store(state: Any) -> Any:
+        return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+
+    def widen(state: Any) -> Any:
+        return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+
+    def init(params: optax.Params) -> optax.OptState:
+        return store(inner.init(params))
+
+    def update(updates: optax.Updates, state: optax.OptState, params: optax.Params | None = None) -> Any:
+        new_updates, new_state = inner.update(updates, widen(state), params)
+        return new_updates, store(new_state)
+
+    return optax.GradientTransformation(init, update)
 
 
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:

@@ -87,7 +87,7 @@ def run_state_layout(config: FerryConfig, mesh: Mesh, model_config: Any = None) 
     optimizer = make_optimizer(config.train)
     model_config = config.model if model_config is None else model_config
     tc = config.train
-    return state_layout(model_config, optimizer, mesh, tc.seed, config.offload.state_placement, tc.compute_dtype)
+    return state_layout(model_config, optimizer, mesh, tc.seed, config.state_placement, tc.compute_dtype)
 
 
 def random_init(layout: StateLayout) -> jax.stages.Wrapped:

@@ -46,6 +46,7 @@ class StateMap:
     host_moments: tuple[bool, ...]
     unit_names: tuple[str, ...] = ("other",)  # unit 0, then each stack's name
     unit_layers: tuple[int, ...] = (1,)
+    moment_scale: float = 1.0  # a moment's bytes over its float32 parameter's (0.5: bfloat16 moments)
 
     @property
     def any_host(self) -> bool:
@@ -84,7 +85,8 @@ def state_map(model: Any, placement: StatePlacement) -> StateMap:
     # what stays in HBM is updated whole (unit 0), as the device-resident step does
     units = tuple(u if p or m else 0 for u, p, m in zip(units, host_params, host_moments, strict=True))
     names = ("other", *(stack.name for stack in stacks))
-    return StateMap(units, host_params, host_moments, names, (1, *(stack.num_layers for stack in stacks)))
+    layers = (1, *(stack.num_layers for stack in stacks))
+    return StateMap(units, host_params, host_moments, names, layers, placement.moment_bytes / 4)
 
 
 def on_host(x: Any) -> bool:
@@ -158,7 +160,7 @@ def stream_pieces(
     original_tensor_detail.higher_dimensions_multiplied (1 vs. 4)")."""
 
     def state_bytes(i: int) -> float:
-        copies = smap.host_params[i] + 2 * smap.host_moments[i]
+        copies = smap.host_params[i] + 2 * smap.host_moments[i] * smap.moment_scale
         shard = shardings[i].shard_shape(params[i].shape)
         return math.prod(shard) * params[i].dtype.itemsize * copies / smap.unit_layers[smap.units[i]]
 
@@ -231,8 +233,8 @@ def state_copies(model: Any, placement: StatePlacement, param_sharding: Any) -> 
     for unit, name in enumerate(smap.unit_names):
         index = smap.leaves_of(unit)
         layers = smap.unit_layers[unit]
-        for tensor, flags, count in _moved(smap):
-            total = sum(shards[i] * count for i in index if flags[i])
+        for tensor, flags, count, scale in _moved(smap):
+            total = int(sum(shards[i] * count * scale for i in index if flags[i]))
             if total:
                 copies.append(StateCopy(name, tensor, layers, total // layers))
     return tuple(copies)
@@ -255,7 +257,7 @@ class StateWrite:
 
 def state_writes(model: Any, placement: StatePlacement, param_sharding: Any) -> dict[str, StateWrite]:
     """Each host-resident leaf's write-backs to pinned host per step, named `master weights:PATH`,
-    `AdamW moments:PATH` or `master weights+AdamW moments:PATH` (both float32, so of one size):
+    `AdamW moments:PATH` or `master weights+AdamW moments:PATH` (float32 moments: of one size):
     how the planner names, and the verifier counts, the update's copies in the compiled program."""
     if not placement.streams:
         return {}
@@ -268,16 +270,20 @@ def state_writes(model: Any, placement: StatePlacement, param_sharding: Any) -> 
     steps = {i: piece.steps for piece in pieces for i in piece.leaves}  # else updated whole: once
     writes = {}
     for i, (where, shard) in enumerate(zip(paths, _shard_bytes(model, param_sharding), strict=True)):
-        moved = [(tensor, count) for tensor, flags, count in _moved(smap) if flags[i]]
-        if moved:
-            name = "+".join(tensor for tensor, _ in moved) + f":{where}"
-            writes[name] = StateWrite(shard // steps.get(i, 1), steps.get(i, 1), sum(count for _, count in moved))
+        moved = [(tensor, count, scale) for tensor, flags, count, scale in _moved(smap) if flags[i]]
+        # arrays of one size are one write of that size; master weights and bfloat16 moments are two
+        for scale in sorted({scale for _, _, scale in moved}, reverse=True):
+            same = [(tensor, count) for tensor, count, s in moved if s == scale]
+            name = "+".join(tensor for tensor, _ in same) + f":{where}"
+            size = int(shard * scale) // steps.get(i, 1)
+            writes[name] = StateWrite(size, steps.get(i, 1), sum(count for _, count in same))
     return writes
 
 
-def _moved(smap: Any) -> tuple[tuple[str, Any, int], ...]:
-    """What the update moves per leaf: each tensor, its host flags and its arrays per parameter."""
-    return (MASTER_WEIGHTS, smap.host_params, 1), (MOMENTS, smap.host_moments, 2)
+def _moved(smap: Any) -> tuple[tuple[str, Any, int, float], ...]:
+    """What the update moves per leaf: each tensor, its host flags, its arrays per parameter and
+    their bytes over the float32 parameter's."""
+    return (MASTER_WEIGHTS, smap.host_params, 1, 1.0), (MOMENTS, smap.host_moments, 2, smap.moment_scale)
 
 
 def _shard_bytes(model: Any, param_sharding: Any) -> list[int]:
