@@ -35,6 +35,7 @@ from ferry.run.policy_check import check_before_training
 from ferry.run.settings_change import settings_identity
 from ferry.run.startup import detail
 from ferry.sharding import make_mesh, parameters_per_device
+from ferry.train.host_memory import HostPlan, check_host_fits
 from ferry.train.memory import StateBytes, check_fits
 from ferry.train.recipe import StepRecipe
 from ferry.train.state_layout import StateLayout
@@ -100,6 +101,7 @@ def prepare(config: FerryConfig, console: Console) -> PreparedRun:
     recipe = StepRecipe.of(config, mesh, policy=policy)
     layout = recipe.layout
     schedule = dataclasses.replace(schedule, state=state_copies(layout.model, layout.placement, layout.sharding.model))
+    host = check_host_fits(layout) if layout.placement.streams else None  # before anything is written or allocated
     identity = model_identity(config.model_name, config.model, layout.shapes)
     identity["data"] = data_identity(config, tokenizer)
     identity["train"] = settings_identity(config)
@@ -115,7 +117,7 @@ def prepare(config: FerryConfig, console: Console) -> PreparedRun:
         raise
     announce(config, num_parameters, corpus, console)
     detail(console, attention)
-    announce_state(layout, console)
+    announce_state(layout, host, console)
     announce_loss_head(config, mesh, console)
     return dataclasses.replace(prepared, corpus=corpus)
 
@@ -264,14 +266,16 @@ def announce_loss_head(config: FerryConfig, mesh: Mesh, console: Console) -> Non
     detail(console, line)
 
 
-def announce_state(layout: StateLayout, console: Console) -> None:
-    """Where the train state lives, when part of it is on host."""
+def announce_state(layout: StateLayout, host: HostPlan | None, console: Console) -> None:
+    """Where the train state lives, and the host memory the run will hold, when part of it is on host."""
     if layout.placement.streams:
         stream = stream_line(layout.model, layout.placement, layout.sharding.model)
         detail(
             console,
             f"train state: {layout.placement.describe()}: {format_bytes(layout.host_bytes())} in pinned host, {stream}",
         )
+    if host is not None:
+        console.print(host.describe(), highlight=False)
 
 
 @contextlib.contextmanager
