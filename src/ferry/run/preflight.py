@@ -115,7 +115,7 @@ def prepare(config: FerryConfig, console: Console) -> PreparedRun:
     announce(config, num_parameters, corpus, console)
     console.print(attention, highlight=False)
     announce_state(layout, console)
-    announce_loss_head(config, mesh, console)
+    console.print(recipe.head_line(), highlight=False)  # train.loss_head, or auto's choice and why
     return dataclasses.replace(prepared, corpus=corpus)
 
 
@@ -249,16 +249,6 @@ def announce(config: FerryConfig, num_parameters: int, corpus: Corpus, console: 
         f"{config.micro_steps}",
         highlight=False,
     )
-
-
-def announce_loss_head(config: FerryConfig, mesh: Mesh, console: Console) -> None:
-    """How the loss reads the output head (train.loss_head), for one micro step's batch."""
-    micro_batch = config.train.rows_per_micro_step(config.mesh.data_parallel)
-    itemsize = jnp.dtype(config.train.compute_dtype).itemsize
-    line = config.train.head.describe(
-        micro_batch, config.train.seq_len, config.model.vocab_size, config.model.dim, itemsize, mesh
-    )
-    console.print(line, highlight=False)
 
 
 def announce_state(layout: StateLayout, console: Console) -> None:
