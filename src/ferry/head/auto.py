@@ -17,8 +17,8 @@ matmul FLOPs (`ferry.xla.hlo_flops`, loops counted per trip) and its HBM traffic
 device's usable HBM less the train state, its gradients and compute copy, and the activations the
 offload policy keeps: `head_budget`) is refused; of the rest the one of the least estimated time,
 FLOPs at the target's matmul rate plus traffic at its HBM bandwidth, is taken (ties: fused, then
-logits, then chunked). Where none fits, the chunked head (the least temporaries of the three by
-construction: one chunk of logits), said so. On a CPU there is no target: the same facts are
+logits, then chunked). Where none fits, the one of the least temporaries (the chunked head but at
+tiny shapes), said so. On a CPU there is no target: the same facts are
 weighed with nominal CPU figures (`CPU`), deterministic, and the line says so.
 
 Compiles: three small programs, once. Each program's facts are kept on disk by the hash of its
@@ -73,7 +73,7 @@ CPU_MATMUL_RATE = 100e9
 CPU_BANDWIDTH = 20e9
 
 
-def machine_of(mesh: Mesh) -> Machine:
+def machine_of(mesh: Any) -> Machine:
     """The figures of the mesh's devices: a planner target's (`ferry.xla.targets`) for an
     accelerator, a run's or a plan's compile-only one alike; nominal ones for a CPU."""
     device = mesh.devices.flat[0]
@@ -244,7 +244,7 @@ class HeadChoice:
             f"{_gib(self.facts[self.name].temp_bytes)} of temporaries within the {_gib(self.budget_bytes)} left for "
             "the head"
             if self.fits(self.name)
-            else f"none of the heads fits the {_gib(self.budget_bytes)} left for the head; the chunked head holds least"
+            else f"none of the heads fits the {_gib(self.budget_bytes)} left for the head; this one holds least"
         )
         return f"auto: {fit}; 1.00 vs {others} est. from the compiled heads with {figures}"
 
@@ -252,7 +252,7 @@ class HeadChoice:
         return self.facts[name].temp_bytes - self.budget_bytes
 
 
-def _gib(n: float) -> str:
+def _gib(n: int | float) -> str:
     return f"{n / 2**30:,.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:,.1f} MiB"
 
 
@@ -273,5 +273,8 @@ def choose_head(
         facts[name], fresh = head_facts(head, shape, mesh, cache)
         compiled += fresh
     fitting = [name for name in CANDIDATES if facts[name].temp_bytes <= budget_bytes]
-    name = min(fitting, key=lambda n: machine.seconds(facts[n])) if fitting else "chunked"
+    if fitting:
+        name = min(fitting, key=lambda n: machine.seconds(facts[n]))
+    else:
+        name = min(CANDIDATES, key=lambda n: facts[n].temp_bytes)
     return HeadChoice(name, heads[name], machine, budget_bytes, facts, compiled)

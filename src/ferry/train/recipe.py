@@ -67,15 +67,16 @@ class StepRecipe:
     def head_line(self) -> str:
         """The start-up line of the loss head the step runs, and why (auto's reasons where it chose)."""
         train = self.config.train
-        return self.settings.head.describe(
-            train.rows_per_micro_step(self.config.mesh.data_parallel),
-            train.seq_len,
-            self.config.model.vocab_size,
-            self.config.model.dim,
-            jnp.dtype(train.compute_dtype).itemsize,
-            self.mesh,
-            None if self.head_choice is None else self.head_choice.why(),
-        )
+        with jax.set_mesh(self.mesh):  # the kernel choice reads the platform from the mesh's devices
+            return self.settings.head.describe(
+                train.rows_per_micro_step(self.config.mesh.data_parallel),
+                train.seq_len,
+                self.config.model.vocab_size,
+                self.config.model.dim,
+                jnp.dtype(train.compute_dtype).itemsize,
+                self.mesh,
+                None if self.head_choice is None else self.head_choice.why(),
+            )
 
     @property
     def micro_steps(self) -> int:
