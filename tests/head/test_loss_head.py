@@ -198,7 +198,7 @@ def assert_losses_like_the_whole_logits(name: str, head: LossHead) -> None:
 
 
 def test_bad_loss_head_settings_are_refused():
-    with pytest.raises(ConfigError, match="train.loss_head is 'whole'; use one of chunked, fused, logits"):
+    with pytest.raises(ConfigError, match="train.loss_head is 'whole'; use one of auto, chunked, fused, logits"):
         TrainConfig(loss_head="whole")
     refusal = r"train.loss_chunk_mib=0.0 must be a positive number \(MiB of logits per chunk\)"
     with pytest.raises(ConfigError, match=refusal):

@@ -102,16 +102,20 @@ class TrainConfig:
     adam_moments_dtype: str = "float32"
     grad_clip_norm: float = 1.0  # the gradient is scaled down to this global norm when it is above it
     z_loss_weight: float = 0.0  # weight of PaLM's z-loss, mean(logsumexp(logits)^2), added to the loss; 0: none
-    # chunked: the logits are never whole (a vocabulary chunk at a time); fused: never whole either, the loss
-    # and both gradients in one walk of the forward pass (a sequence chunk at a time); logits: whole
-    loss_head: str = "chunked"
-    loss_chunk_mib: float = 256.0  # loss_head=chunked or fused: float32 logits per chunk and device, in MiB
-    # loss_head=chunked: the head's weight gradient in a backward walk of its own, after the layers'
-    # (late: less HBM, one more logits matmul) or with the hidden state's (early)
+    # auto: logits, fused in one chunk or chunked, whichever fits the HBM left for the head and is estimated
+    # fastest from the three heads' compiled programs (ferry.head.auto; said at start-up); chunked: the logits
+    # are never whole (a vocabulary chunk at a time); fused: never whole either, the loss and both gradients in
+    # one walk of the forward pass (a sequence chunk at a time); logits: whole
+    loss_head: str = "auto"
+    # loss_head=chunked or fused (and auto's chunked candidate): float32 logits per chunk and device, in MiB
+    loss_chunk_mib: float = 256.0
+    # loss_head=chunked (and auto's chunked candidate): the head's weight gradient in a backward walk of its
+    # own, after the layers' (late: less HBM, one more logits matmul) or with the hidden state's (early)
     loss_weight_grad: str = "late"
-    # loss_head=fused: each chunk's logits, softmax and gradients by XLA (xla), or by a Pallas TPU kernel that
-    # keeps the logits in VMEM (pallas; Pallas interpret mode off a TPU, refused on a GPU); auto: pallas on a
-    # TPU whose devices hold the whole vocabulary and whose VMEM holds blocks of 512 tokens, else xla
+    # loss_head=fused (and auto's fused candidate): each chunk's logits, softmax and gradients by XLA (xla), or
+    # by a Pallas TPU kernel that keeps the logits in VMEM (pallas; Pallas interpret mode off a TPU, refused on a
+    # GPU); auto: pallas on a TPU whose devices hold the whole vocabulary and whose VMEM holds blocks of 512
+    # tokens, else xla
     loss_kernel: str = "auto"
     compute_dtype: str = "bfloat16"  # float32 | bfloat16: the forward and backward pass (master weights stay float32)
     seed: int = 0  # the random init of the parameters (the data's shuffle has data.seed)

@@ -173,8 +173,27 @@ def head_chunk(
                 vmem_limit_bytes=min(vmem_bytes(tiles, vocab, dim, rows.dtype.itemsize) + SPARE_VMEM, tiles.vmem),
             ),
             interpret=interpret,
+            cost_estimate=cost_estimate(padded, vocab, dim, tiles, rows.dtype.itemsize, weight.dtype.itemsize),
         )(targets[:, None].astype(jnp.int32), share[:, None].astype(jnp.float32), rows, weight)
     return lse[:tokens, 0], target_logit[:tokens, 0], d_logits[:tokens], d_rows[:tokens]
+
+
+def cost_estimate(tokens: int, vocab: int, dim: int, tiles: HeadTiles, itemsize: int, weight_itemsize: int):
+    """What the kernel does, for XLA's cost analysis and the planner (`ferry.xla.hlo_flops`,
+    `ferry.xla.hlo_bytes`), which cannot see into a Mosaic kernel: two logits-sized matmuls (the
+    logits, and the hidden state's gradient from the logits' gradient), an exponential per logit
+    in each walk; in HBM the weight read in full twice per block of tokens, the rows read, and
+    the logits' and the rows' gradients written."""
+    blocks = tokens // tiles.rows
+    moved = (
+        blocks * 2 * vocab * dim * weight_itemsize
+        + tokens * dim * itemsize * 2  # the rows in, their gradient out
+        + tokens * vocab * itemsize  # the logits' gradient
+        + tokens * 4 * 4  # targets and shares in, log-sum-exp and target logit out
+    )
+    return pl.CostEstimate(
+        flops=4 * tokens * vocab * dim, transcendentals=2 * tokens * vocab, bytes_accessed=int(moved)
+    )
 
 
 def _kernel(

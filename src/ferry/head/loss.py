@@ -15,7 +15,8 @@ from ferry.head.chunked import OutputHead, chunks_under_mesh, logsumexp_and_targ
 from ferry.head.fused import chunks_under_mesh as sequence_chunks_under_mesh
 from ferry.head.fused import fused_loss, kernel_for
 
-LOSS_HEADS = ("chunked", "fused", "logits")
+AUTO = "auto"  # train.loss_head=auto: chosen per step from the candidates' compiled programs (`ferry.head.auto`)
+LOSS_HEADS = (AUTO, "chunked", "fused", "logits")
 WEIGHT_GRADS = ("late", "early")
 LOSS_KERNELS = ("auto", "xla", "pallas")
 MIB = 1 << 20
@@ -59,7 +60,10 @@ class LossHead:
     the whole logits' three matmuls, none of their memory. `logits` makes them whole, as the model's `__call__`
     returns them, and takes today's cross-entropy of them (`next_token_loss`): the reference, and
     what the chunked head must equal. `kernel` says who makes the fused head's chunks: XLA, or the
-    Pallas kernel that keeps their logits in VMEM (`train.loss_kernel`, `ferry.head.kernel_choice`)."""
+    Pallas kernel that keeps their logits in VMEM (`train.loss_kernel`, `ferry.head.kernel_choice`).
+    `auto` is one of these chosen for the step it runs in (`ferry.head.auto`, by `StepRecipe`); a
+    loss taken outside a train step (evaluation) computes it as `chunked`, which never holds the
+    logits and gives the same loss."""
 
     kind: str = "chunked"
     chunk_mib: float = 256.0
@@ -77,7 +81,7 @@ class LossHead:
             raise ConfigError(f"train.loss_weight_grad is {self.weight_grad!r}; use one of {', '.join(WEIGHT_GRADS)}")
         if self.kernel not in LOSS_KERNELS:
             raise ConfigError(f"train.loss_kernel is {self.kernel!r}; use one of {', '.join(LOSS_KERNELS)}")
-        if self.kernel == "pallas" and self.kind != "fused":
+        if self.kernel == "pallas" and self.kind not in ("fused", AUTO):
             raise ConfigError(
                 f"train.loss_kernel=pallas makes the fused head's chunks, and train.loss_head is {self.kind}; "
                 "set train.loss_head=fused"
@@ -99,6 +103,10 @@ class LossHead:
         cross-entropy), with the logits made as `kind` says."""
         if self.kind == "logits":
             return next_token_loss(whole_logits(hidden, head), targets, z_loss_weight, weights)
+        if self.kind == AUTO:  # outside a step (evaluation): the head that never holds the logits
+            return dataclasses.replace(self, kind="chunked", kernel="auto")(
+                hidden, head, targets, z_loss_weight, weights
+            )
         if self.kind == "fused":
             return fused_loss(hidden, head, targets, self.budget_bytes, z_loss_weight, weights, self.kernel)
         logsumexp, target_logit = logsumexp_and_target_logit(hidden, head, targets, self.budget_bytes, self.weight_grad)
@@ -116,29 +124,36 @@ class LossHead:
             who = f"the Pallas kernel, its logits only in VMEM, in blocks of {choice.tiles.rows:,} tokens"
         return f"each chunk by {who} [train.loss_kernel={self.kernel}: {choice.why}]"
 
-    def describe(self, batch: int, seq: int, vocab: int, dim: int, itemsize: int = 2, mesh=None) -> str:
+    def describe(
+        self, batch: int, seq: int, vocab: int, dim: int, itemsize: int = 2, mesh=None, why: str | None = None
+    ) -> str:
         """The start-up line: which head, and for the chunked and fused ones their chunks for a
         micro batch of `batch` x `seq` tokens of width `dim` (the compute dtype `itemsize` bytes)
-        over `mesh`."""
+        over `mesh`. `why`: the head was chosen by `train.loss_head=auto`, for this reason
+        (`ferry.head.auto.HeadChoice.why`); the chunk's MiB are then auto's too."""
+        setting = f"train.loss_head={self.kind}" if why is None else f"train.loss_head={why}"
+        chunk = f"train.loss_chunk_mib={self.chunk_mib:g} MiB" if why is None else f"{self.chunk_mib:g} MiB"
         if self.kind == "logits":
             return (
-                f"loss head: logits (train.loss_head=logits): the whole {batch} x {seq} x {vocab:,} logits "
+                f"loss head: logits ({setting}): the whole {batch} x {seq} x {vocab:,} logits "
                 "in float32, and their gradient"
             )
         if self.kind == "fused":
             positions = sequence_chunks_under_mesh(batch, seq, vocab, self.budget_bytes, mesh)
             count = positions.count
             return (
-                f"loss head: fused (train.loss_head=fused): the loss and both gradients in one walk of the forward "
+                f"loss head: fused ({setting}): the loss and both gradients in one walk of the forward "
                 f"pass, {count} chunk{'s' if count > 1 else ''} of {positions.size:,} of the {seq:,} "
-                f"positions, within train.loss_chunk_mib={self.chunk_mib:g} MiB of float32 logits per chunk; "
+                f"positions, within {chunk} of float32 logits per chunk; "
                 + self.kernel_line(batch, seq, vocab, dim, itemsize, mesh)
             )
+        if self.kind == AUTO:
+            return "loss head: auto (train.loss_head=auto): chosen per step from the compiled heads (ferry.head.auto)"
         chunks = chunks_under_mesh(batch, seq, vocab, self.budget_bytes, mesh)
         return (
-            f"loss head: chunked (train.loss_head=chunked): the logits are never whole; {chunks.count} "
+            f"loss head: chunked ({setting}): the logits are never whole; {chunks.count} "
             f"chunk{'s' if chunks.count > 1 else ''} of {chunks.size:,} of each device's {chunks.columns:,} "
-            f"vocabulary columns, within train.loss_chunk_mib={self.chunk_mib:g} MiB of float32 logits per chunk; "
+            f"vocabulary columns, within {chunk} of float32 logits per chunk; "
             f"the head's weight gradient {WEIGHT_GRAD_LINES[self.weight_grad]} "
             f"(train.loss_weight_grad={self.weight_grad})"
         )
@@ -148,7 +163,9 @@ WEIGHT_GRAD_LINES = {
     "late": "in a walk of its own, after the layers' backward",
     "early": "in the hidden state's walk",
 }
-DEFAULT_HEAD = LossHead()  # train.loss_head's default: chunked, 256 MiB of logits per chunk, late
+# a loss's head where none is given (a model's `training_loss`, evaluation): chunked, 256 MiB of logits
+# per chunk, late; a run's default is train.loss_head=auto, which its StepRecipe resolves
+DEFAULT_HEAD = LossHead()
 
 
 def whole_logits(hidden: Float[Array, "batch seq dim"], head: OutputHead) -> Float[Array, "batch seq vocab"]:

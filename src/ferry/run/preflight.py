@@ -118,7 +118,7 @@ def prepare(config: FerryConfig, console: Console) -> PreparedRun:
     announce(config, num_parameters, corpus, console)
     detail(console, attention)
     announce_state(layout, host, console)
-    announce_loss_head(config, mesh, console)
+    detail(console, recipe.head_line())  # train.loss_head, or auto's choice and why
     return dataclasses.replace(prepared, corpus=corpus)
 
 
@@ -254,16 +254,6 @@ def announce(config: FerryConfig, num_parameters: int, corpus: Corpus, console: 
         f"in {jax.process_count()} process(es); micro steps per step: "
         f"{config.micro_steps}",
     )
-
-
-def announce_loss_head(config: FerryConfig, mesh: Mesh, console: Console) -> None:
-    """How the loss reads the output head (train.loss_head), for one micro step's batch."""
-    micro_batch = config.train.rows_per_micro_step(config.mesh.data_parallel)
-    itemsize = jnp.dtype(config.train.compute_dtype).itemsize
-    line = config.train.head.describe(
-        micro_batch, config.train.seq_len, config.model.vocab_size, config.model.dim, itemsize, mesh
-    )
-    detail(console, line)
 
 
 def announce_state(layout: StateLayout, host: HostPlan | None, console: Console) -> None:

@@ -16,11 +16,13 @@ from jax.sharding import Mesh
 
 from ferry.config.root import FerryConfig
 from ferry.data.corpus import document_mask_of
+from ferry.head.auto import HeadChoice
 from ferry.models.base import AbstractModelConfig
 from ferry.models.registry import abstract_model
 from ferry.offload.policy import Policy
 from ferry.sharding import batch_sharded
 from ferry.train.compiled_step import CompiledStep, StepBody, compile_from_layout
+from ferry.train.head_choice import step_head_choice
 from ferry.train.optimizer import learning_rate_schedule, make_optimizer
 from ferry.train.state_layout import StateLayout, run_state_layout
 from ferry.train.step import LossSettings, train_step_body
@@ -37,7 +39,8 @@ class StepRecipe:
     policy: Policy
     layout: StateLayout  # the train state's shapes and shardings, part maybe on host
     optimizer: optax.GradientTransformation
-    settings: LossSettings
+    settings: LossSettings  # its head as run: train.loss_head=auto's choice resolved
+    head_choice: HeadChoice | None = None  # train.loss_head=auto's choice, and why (None: the head was set)
 
     @classmethod
     def of(
@@ -49,13 +52,31 @@ class StepRecipe:
     ) -> "StepRecipe":
         """The step of `config` on `mesh`; `model_config`: the model as it runs on a compile
         target (`ferry.plan.planner.for_target`; default the config's), `policy`: a candidate
-        placement the planner weighs (default the config's preset)."""
+        placement the planner weighs (default the config's preset). `train.loss_head=auto` is
+        resolved here, for this mesh's devices (`ferry.train.head_choice`)."""
         model_config = config.model if model_config is None else model_config
         if policy is None:
             policy = config.offload.policy(abstract_model(model_config).tagged_names())
         layout = run_state_layout(config, mesh, model_config)
         settings = LossSettings.of(config.train, policy, document_mask_of(config.data), config.data.format == "chat")
-        return cls(config, mesh, policy, layout, make_optimizer(config.train), settings)
+        choice = step_head_choice(config, mesh, model_config, policy, layout)
+        if choice is not None:
+            settings = dataclasses.replace(settings, head=choice.head)
+        return cls(config, mesh, policy, layout, make_optimizer(config.train), settings, choice)
+
+    def head_line(self) -> str:
+        """The start-up line of the loss head the step runs, and why (auto's reasons where it chose)."""
+        train = self.config.train
+        with jax.set_mesh(self.mesh):  # the kernel choice reads the platform from the mesh's devices
+            return self.settings.head.describe(
+                train.rows_per_micro_step(self.config.mesh.data_parallel),
+                train.seq_len,
+                self.config.model.vocab_size,
+                self.config.model.dim,
+                jnp.dtype(train.compute_dtype).itemsize,
+                self.mesh,
+                None if self.head_choice is None else self.head_choice.why(),
+            )
 
     @property
     def micro_steps(self) -> int:

@@ -145,6 +145,7 @@ class TpuTarget(Target):
     generation: str = "v5p"
     torus_dims: int = 3  # v5p slices are 3-D tori, v5e and v6e 2-D
     max_devices: int = 8960
+    hbm_bandwidth: float = 0.0  # bytes/s
 
     def slice_sizes(self) -> str:
         """The chip counts Google Cloud rents this generation in, as a user reads them."""
@@ -206,7 +207,7 @@ def _gpu(name, description, chip, hbm, hbm_bandwidth, host_link, links) -> GpuTa
 
 
 def _tpu(
-    name, description, hbm, host_link, ici, generation, torus_dims, max_devices, compute_fraction=1.0
+    name, description, hbm, hbm_bandwidth, host_link, ici, generation, torus_dims, max_devices, compute_fraction=1.0
 ) -> TpuTarget:
     """The peak is `ferry.xla.hardware`'s."""
     return TpuTarget(
@@ -222,13 +223,15 @@ def _tpu(
         torus_dims=torus_dims,
         max_devices=max_devices,
         compute_fraction=compute_fraction,
+        hbm_bandwidth=hbm_bandwidth,
     )
 
 
 # Sources, bandwidths given each way (half a published bidirectional figure):
 # - HBM: NVIDIA's data sheets (www.nvidia.com/en-us/data-center/h100/, /h200/, /dgx-b200/,
 #   /gb200-nvl72/; the per-device figures are in `TARGETS` below), Google Cloud's TPU pages
-#   (docs.cloud.google.com/tpu/docs/v5p, /v5e, /v6e). The dense bf16 peaks are in ferry/xla/hardware.py.
+#   (docs.cloud.google.com/tpu/docs/v5p, /v5e, /v6e; their HBM bandwidth: v5p 2,765 GB/s, v5e 819 GB/s,
+#   v6e 1,640 GB/s). The dense bf16 peaks are in ferry/xla/hardware.py.
 # - Host link: H100, H200 and B200 reach the CPU over PCIe Gen5 x16, 128 GB/s bidirectional (their
 #   data sheets): 64 GB/s. GB200's GPUs reach Grace's LPDDR5X over NVLink-C2C, 900 GB/s
 #   bidirectional (GB200 NVL72 data sheet): 450 GB/s. v6e chips connect to their host over PCIe
@@ -264,9 +267,9 @@ TARGETS: dict[str, Target] = {
         _gpu("h200", "NVIDIA H200 141GB HBM3e", _HOPPER, 151397597184, 4800e9, 64e9, _HGX_NVLINK4),
         _gpu("b200", "NVIDIA B200", (10, 148, 1.965, 132644864), 191514411008, 7672320e6, 64e9, _HGX_NVLINK5),
         _gpu("gb200", "NVIDIA GB200", (10, 152, 2.062, 135528448), 197897748480, 7928064e6, 450e9, _NVL72),
-        _tpu("v5p", "TPU v5p", 95 * 2**30, 32e9, 600e9, "v5p", 3, 8960),
-        _tpu("v5e", "TPU v5e", V5E_HBM, 14.5e9, 200e9, "v5e", 2, 256, V5E_COMPUTE_FRACTION),
-        _tpu("v6e", "TPU v6e", 32 * 2**30, 64e9, 400e9, "v6e", 2, 256),
+        _tpu("v5p", "TPU v5p", 95 * 2**30, 2765e9, 32e9, 600e9, "v5p", 3, 8960),
+        _tpu("v5e", "TPU v5e", V5E_HBM, 819e9, 14.5e9, 200e9, "v5e", 2, 256, V5E_COMPUTE_FRACTION),
+        _tpu("v6e", "TPU v6e", 32 * 2**30, 1640e9, 64e9, 400e9, "v6e", 2, 256),
     )
 }
 
