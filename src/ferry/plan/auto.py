@@ -170,7 +170,9 @@ STATE_DECISIONS = {"offload.optimizer": ("optimizer", MOMENTS), "offload.params"
 def state_of(values: Mapping[str, str], base: StatePlacement = DEVICE_STATE) -> StatePlacement:
     """The train state's placement that a candidate's decision values name (how it streams, and what
     no decision names: `base`'s)."""
-    placed: dict[str, Any] = {field: values.get(name, getattr(base, field)) for name, (field, _) in STATE_DECISIONS.items()}
+    placed: dict[str, Any] = {
+        field: values.get(name, getattr(base, field)) for name, (field, _) in STATE_DECISIONS.items()
+    }
     return dataclasses.replace(base, **placed)
 
 

@@ -244,9 +244,9 @@ def plan_here(
     times = PlanTimes(
         time.perf_counter() - start,
         len(compiler.compiled),
-        sum(p.compile_seconds for p in compiler.compiled.values()),
+        sum((p.compile_seconds for p in compiler.compiled.values()), 0.0),
         len(spent),
-        sum(spent),
+        sum(spent, 0.0),
     )
     say(times.line(where, why_timed))
     how = _how(tried, measured)

@@ -37,8 +37,8 @@ from ferry.plan.extrapolate import (
     probe_depths,
     with_depths,
 )
-from ferry.plan.measure import Measurement
 from ferry.plan.here import offers_copies
+from ferry.plan.measure import Measurement
 from ferry.plan.memory_plan import MemoryPlan
 from ferry.plan.planner import (
     compile_only_mesh,
