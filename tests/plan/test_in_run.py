@@ -89,7 +89,8 @@ def test_another_shape_misses_the_cache(tmp_path, monkeypatch):
     [
         ("planned: {\n  - not yaml", "not readable YAML"),
         ("- a list\n", "it holds no offload preset"),
-        ("offload: {name: auto_cpu}\nsignature: {jax: '0.0'}\n", "it holds the plan of another step"),
+        ("offload: {name: auto_cpu}\nsignature: {}\n", "it holds no offload preset"),
+        ("offload: {name: auto_cpu}\nplanned: {}\nsignature: {jax: '0.0'}\n", "it holds the plan of another step"),
         (None, "offload.tensors.mlpwo=sideways"),
     ],
 )
@@ -101,7 +102,8 @@ def test_a_cache_file_that_is_not_this_steps_plan_is_said_and_planned_over(tmp_p
     path = cache_path(tmp_path, signature)
     path.parent.mkdir(parents=True)
     if text is None:  # the right step, but an offload preset no run accepts
-        text = yaml.safe_dump({"offload": {"name": "x", "tensors": {"mlpwo": "sideways"}}, "signature": signature})
+        bad = {"name": "x", "tensors": {"mlpwo": "sideways"}}
+        text = yaml.safe_dump({"offload": bad, "planned": {}, "signature": signature})
     path.write_text(text)
     said: list[str] = []
     planned = plan_for_run(config, {}, said.append)

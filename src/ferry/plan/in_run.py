@@ -116,8 +116,8 @@ def read_cache(path: Path, signature: Mapping[str, Any]) -> dict[str, Any] | Non
         record = yaml.safe_load(path.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
         raise CacheUnreadable(f"not readable YAML ({' '.join(str(error).split())[:120]})") from error
-    if not isinstance(record, dict) or not isinstance(record.get("offload"), dict):
-        raise CacheUnreadable("it holds no offload preset")
+    if not isinstance(record, dict) or not all(isinstance(record.get(key), dict) for key in ("offload", "planned")):
+        raise CacheUnreadable("it holds no offload preset and record of its planning")
     if record.get("signature") != signature:
         raise CacheUnreadable("it holds the plan of another step")
     try:
@@ -231,7 +231,7 @@ def plan_here(
         target = this_machine(config.train.compute_dtype)
     except ValueError as error:
         raise ConfigError(f"offload=auto plans for this machine, and {error}: name a preset (offload=NAME)") from error
-    where = "this CPU" if target.platform == CPU else f"{len(target.devices(config.mesh.num_devices))} x {target.name}"
+    where = "this CPU" if target.platform == CPU else f"{config.mesh.num_devices} x {target.name}"
     if target.platform == CPU:
         say("offload=auto: this machine is a CPU, so the plan is the CPU's (device or remat per tensor), not a chip's")
     timing, why_timed = timing_here(config, target)
