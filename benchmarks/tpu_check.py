@@ -8,7 +8,8 @@ every batch takes longer on a v5e VM: a preset's case 22 to 30 s with its step c
    32,768, sequence 2048) at global batches 4, 8 and 16 for every offload preset, `offload=auto`
    and JAX's own offload of `minimal_offloaded`'s tensors (`offload.engine=jax`, recorded as
    `preset: "jax_offload"`), each case `python launch/run.py ...` in a process of its own:
-   tokens/s and MFU (median of the steps after the first), the measured HBM peak against the
+   tokens/s and MFU (median of the steps after the first; causal attention's FLOPs halved, as MaxText
+   counts since its PR #1988, `mfu_full_attention` beside it with the whole T x T), the measured HBM peak against the
    compiled arguments + temporaries, the host bytes, and the host copies' exposed time from a
    `jax.profiler` trace of two steps, which ferry reads itself (`ferry.xla.profile_trace`), beside
    the floor the measured link sets: max(0, link time - compute time).
@@ -354,6 +355,11 @@ def read_metrics(path: Path) -> dict:
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steps),
         "step_s": statistics.median(r["step_time_s"] for r in steps),
         "mfu": statistics.median(r["mfu"] for r in steps) if "mfu" in last else None,
+        # `mfu` counts causal attention halved (MaxText since its PR #1988); runs before the field say nothing
+        "mfu_convention": last.get("mfu_convention"),
+        "mfu_full_attention": (
+            statistics.median(r["mfu_full_attention"] for r in steps) if "mfu_full_attention" in last else None
+        ),
         "hbm_peak_bytes": last.get("device_memory_peak_bytes"),
         "hbm_runtime_peak_bytes": last.get("device_memory_runtime_peak_bytes"),
         "compiled_bytes": last.get("device_memory_compiled_bytes"),

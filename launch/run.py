@@ -186,6 +186,13 @@ def train_run(argv: list[str], node: dict, config: FerryConfig, console: Console
     trains with `ferry.run.default_policy`'s choice, full_remat where minimal's compiled step is over
     the device (refused before anything is written)."""
     choice = None if names_preset(argv) else choose_default(config, accelerator(), sets_offload_keys(argv))
+    if config.offload.name == "auto":  # this machine's plan of this step, cached under run.root
+        from ferry.plan.in_run import plan_for_run
+
+        planned = plan_for_run(config, node, lambda line: console.print(line, highlight=False))
+        console.print(planned.line, highlight=False)
+        node = {**node, "offload": planned.offload}
+        config = load_config(node)
     while True:
         if choice is not None:
             node, config = with_choice(choice, argv, node)

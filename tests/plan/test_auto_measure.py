@@ -208,7 +208,7 @@ def test_with_measuring_off_auto_keeps_the_searchs_pick(tmp_path):
 
 
 def fake_compiler(config):
-    """`report.PlanCompiler` for `report._auto` with its compile faked (its `asked`: the policies
+    """`report.PlanCompiler` for `report.auto_pick` with its compile faked (its `asked`: the policies
     compiled): every program is 1 GFLOP and 2 bytes of temporaries, but a peeled one
     (`offload.peel`), which is 1 byte and 0.1% more FLOPs, a hair slower by the estimate (a tie
     within `MIN_GAIN`, which the worst estimate breaks)."""
@@ -234,7 +234,7 @@ def fake_compiler(config):
 
 
 def test_measuring_auto_times_the_peeled_twin_beside_its_fitting_loop_beyond_the_count(monkeypatch):
-    """`report._auto` with `measure_one` compiles the all-on-device program's peeled twin though the
+    """`report.auto_pick` with `measure_one` compiles the all-on-device program's peeled twin though the
     loop fits, and times it with its loop although `offload.auto.candidates=1` and the estimate
     ranks it second; where the fake timer makes it faster it is the pick, with its peel. Without
     `measure_one` (a deviceless plan) the loop fits and no twin is compiled. Nothing compiles."""
@@ -252,7 +252,7 @@ def test_measuring_auto_times_the_peeled_twin_beside_its_fitting_loop_beyond_the
         return Measurement(True, "timed", step_seconds=0.9 if PEEL in candidate.values else 1.0)
 
     compiler = fake_compiler(config)
-    plan, choices, tried, measured = report._auto(compiler, {}, [], measure_one)
+    plan, choices, tried, measured = report.auto_pick(compiler, {}, [], measure_one)
     assert [p.peel for p in compiler.asked[:2]] == [0, 1]  # the loop, then its twin
     loop, twin = tried[:2]
     assert dict(twin.values) == dict(loop.values) | {PEEL: "1"} and loop.fits and twin.fits
@@ -266,7 +266,7 @@ def test_measuring_auto_times_the_peeled_twin_beside_its_fitting_loop_beyond_the
     assert [n for n, _ in auto_measure.ranked_candidates([loop, twin, faster], 2)] == [3, 1, 2]
 
     deviceless = fake_compiler(config)
-    plan, choices, tried, measured = report._auto(deviceless, {}, [], None)
+    plan, choices, tried, measured = report.auto_pick(deviceless, {}, [], None)
     assert measured is None and tried[0].fits and all(p.peel == 0 for p in deviceless.asked)
     assert all(PEEL not in t.values for t in tried) and PEEL not in {c.name for c in choices}
 

@@ -60,7 +60,7 @@ BAD_INPUTS = [
     (["offload=nope"], "offload/nope"),
     (["offload.tensors.mlpwoo=offload"], "mlpwoo"),
     (["offload.tensors.mlpwo=host"], "mlpwo"),
-    (["offload=auto"], "offload=auto"),
+    (["mode=compile", "target=v5e", "offload=auto"], "offload=auto"),
     (["offload=auto", "offload.auto.steps=0"], "offload.auto.steps"),
     (["offload=auto", "offload.auto.measure=maybe"], "offload.auto.measure"),
     (["checkpoint.every=-1"], "checkpoint.every"),

@@ -56,6 +56,8 @@ METRIC_FIELDS = {
     "step_time_s",
     "tflops_per_s_per_device",
     "mfu",
+    "mfu_convention",
+    "mfu_full_attention",
     "pinned_host_bytes_planned",
     "pinned_host_bytes_compiled",
     "nonfinite_steps",
@@ -179,6 +181,8 @@ def test_run_logs_metrics_evaluation_tensorboard_and_a_profile(uninterrupted):
     for record in logged:
         assert METRIC_FIELDS <= record.keys(), METRIC_FIELDS - record.keys()
         assert record["tflops_per_s_per_device"] > 0 and 0 < record["mfu"] < 1
+        # causal attention halved (MaxText since its PR #1988); the whole T x T beside it, higher
+        assert record["mfu_convention"] == "causal_attention_halved" and record["mfu_full_attention"] > record["mfu"]
         assert record["pinned_host_bytes_planned"] > 0 and record["nonfinite_steps"] == 0
         assert record["pinned_host_bytes_compiled"] == 0  # the CPU backend's memory analysis: no pinned host
     evals = {r["step"]: r for r in records(run_dir) if "eval_loss" in r}

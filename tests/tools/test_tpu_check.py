@@ -32,13 +32,15 @@ def test_metrics_are_the_timed_steps_medians(tmp_path):
     path = tmp_path / "metrics.jsonl"
     records = [
         {"step": step, "tokens_per_s": 1000.0 * step, "step_time_s": 1.0 / step, "mfu": 0.1 * step}
+        | {"mfu_full_attention": 0.11 * step, "mfu_convention": "causal_attention_halved"}
         | {"device_memory_peak_bytes": 9 * GIB, "device_memory_compiled_bytes": 9 * GIB - 5}
         for step in range(1, 8)
     ]
     path.write_text("\n".join(json.dumps(r) for r in records))
     read = tpu_check.read_metrics(path)
     assert read["tokens_per_s"] == 3500.0  # steps 2-5: the first compiles, the last two are traced
-    assert read["mfu"] == pytest.approx(0.35)
+    assert read["mfu"] == pytest.approx(0.35) and read["mfu_full_attention"] == pytest.approx(0.385)
+    assert read["mfu_convention"] == "causal_attention_halved"
     assert read["hbm_peak_bytes"] == 9 * GIB and read["compiled_bytes"] == 9 * GIB - 5
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from ferry.models.registry import abstract_model
 from ferry.run.peak import device_peak, table_peak
-from ferry.train.step_flops import training_flops
+from ferry.train.step_flops import CONVENTION, training_flops
 from ferry.xla.targets import TARGETS
 from tests.conftest import load_model_config
 
@@ -27,6 +27,21 @@ def activated_weights(config) -> float:
             size *= config.experts_per_token / config.num_experts
         total += size
     return total
+
+
+def test_llama_tiny_by_hand_with_causal_attention_halved():
+    # llama_tiny (dim 64, 2 layers, 4 heads and 2 KV heads of 16, FFN 192, vocabulary 256), batch 2 x 32
+    # tokens: N = 64. Per layer, forward: Q/K/V 2N x 64 x (4 + 2 x 2) x 16 = 1,048,576; out 2N x 64 x 64 =
+    # 524,288; SwiGLU 2N x 3 x 64 x 192 = 4,718,592; head 2N x 64 x 256 = 2,097,152. Weights x3 (forward
+    # and backward): 3 x (2 x 6,291,456 + 2,097,152) = 44,040,192. Attention: QK^T and PV over 2 x 32 x 32
+    # positions, 4 heads of 16, 2 layers, x3, and halved, as causal attention is counted (MaxText since
+    # its PR #1988): 3 x 2 x (2 x 2 x 32^2 x 4 x (16 + 16)) / 2 = 1,572,864; the whole T x T twice that.
+    flops = training_flops(load_model_config("llama_tiny"), 2, 32)
+    assert flops.weights == 44_040_192
+    assert flops.attention == 1_572_864
+    assert flops.total == 44_040_192 + 1_572_864
+    assert flops.full_attention_total == 44_040_192 + 2 * 1_572_864
+    assert CONVENTION == "causal_attention_halved"
 
 
 def test_llama3_1_8b_by_hand():

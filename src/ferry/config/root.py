@@ -146,10 +146,10 @@ class FerryConfig:
                 f"so nothing would be profiled; choose a step from 1 to {self.train.steps}"
             )
         check_peel(self.offload, self.model)
-        if self.mode != "plan" and self.offload.name == "auto":
+        if self.mode == "compile" and self.offload.name == "auto":
             raise ConfigError(
-                "offload=auto is chosen for a target by the planner: run mode=plan target=<target> offload=auto, "
-                "copy the offload_auto.yaml it writes into configs/offload/ and train with that preset"
+                "mode=compile compiles one preset's step, and offload=auto chooses its preset when the run starts: "
+                "train once with offload=auto (its choice is in the run's config.yaml), or name a preset"
             )
 
     @property

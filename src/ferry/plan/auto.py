@@ -53,6 +53,7 @@ from ferry.plan.auto_search import (
     fastest_fitting,
     predict,
 )
+from ferry.plan.here import hbm_headroom_of, offers_copies
 from ferry.plan.memory_plan import MemoryPlan
 from ferry.plan.planner import for_target
 from ferry.plan.replay import LayerGroupTrace, backward_reads, recompute_flops, record_names, total_dot_flops
@@ -60,7 +61,7 @@ from ferry.precision import cast_floating
 from ferry.sharding import attention_platform
 from ferry.train.state_layout import run_state_layout
 from ferry.train.state_memory import MASTER_WEIGHTS, MOMENTS, float_params, state_copies
-from ferry.xla.targets import TARGETS, Target
+from ferry.xla.targets import Target
 
 MAX_CHECKS = 6  # candidates compiled after the all-on-device one (and its peeled twin), at most
 PEEL = "offload.peel"  # a candidate's value for how many end layers of each stack run outside its loop
@@ -141,21 +142,20 @@ def _tensor_costs(config: FerryConfig, target: Target, mesh: Any) -> tuple[dict[
 HEADROOM = 0.05  # of the pinned host pool left free by auto's choice; of HBM, the target's `hbm_headroom`
 
 
-def tensor_decisions(costs: dict[str, TensorCost], micro_steps: int) -> list[Decision]:
+def tensor_decisions(costs: dict[str, TensorCost], micro_steps: int, copies: bool = True) -> list[Decision]:
     """device / offload / remat for every tagged tensor the backward pass reads (the layer input is
     never recomputed: it is what recompute starts from). An offloaded residual still passes
-    through HBM a layer at a time, so offloading frees its bytes less one layer's copy."""
+    through HBM a layer at a time, so offloading frees its bytes less one layer's copy. Without
+    `copies` (a CPU, whose pinned host is its own memory: `ferry.plan.here`) there is no offload."""
     decisions = []
     for cost in costs.values():
         if not cost.bytes:  # never read by the backward pass: every placement is the same
             continue
         staged = max(cost.layer_bytes.values(), default=0)
-        options = [
-            Option("device"),
-            Option(
-                "offload", float(cost.bytes - staged), float(cost.bytes), 0.0, tuple(sorted(cost.layer_bytes.items()))
-            ),
-        ]
+        options = [Option("device")]
+        if copies:
+            layers = tuple(sorted(cost.layer_bytes.items()))
+            options.append(Option("offload", float(cost.bytes - staged), float(cost.bytes), 0.0, layers))
         if cost.name != LAYER_INPUT:
             options.append(Option("remat", float(cost.bytes), 0.0, cost.recompute_flops * micro_steps))
         decisions.append(Decision(cost.name, tuple(options)))
@@ -168,8 +168,11 @@ STATE_DECISIONS = {"offload.optimizer": ("optimizer", MOMENTS), "offload.params"
 
 
 def state_of(values: Mapping[str, str], base: StatePlacement = DEVICE_STATE) -> StatePlacement:
-    """The train state's placement that a candidate's decision values name (how it streams: `base`'s)."""
-    placed: dict[str, Any] = {field: values[name] for name, (field, _) in STATE_DECISIONS.items()}
+    """The train state's placement that a candidate's decision values name (how it streams, and what
+    no decision names: `base`'s)."""
+    placed: dict[str, Any] = {
+        field: values.get(name, getattr(base, field)) for name, (field, _) in STATE_DECISIONS.items()
+    }
     return dataclasses.replace(base, **placed)
 
 
@@ -221,7 +224,7 @@ def departures(values: Mapping[str, str]) -> dict[str, str]:
 
 def hbm_headroom(plan: MemoryPlan) -> float:
     """The share of HBM auto leaves free on the plan's target (`Target.hbm_headroom`)."""
-    return TARGETS[plan.target].hbm_headroom
+    return hbm_headroom_of(plan.target)
 
 
 def hbm_limit(plan: MemoryPlan) -> float:
@@ -293,7 +296,7 @@ def auto_plan(
     to fitting."""
     costs, forward = tensor_costs(config, target, mesh)
     micro_steps = config.micro_steps
-    decisions = tensor_decisions(costs, micro_steps) + list(extra)
+    decisions = tensor_decisions(costs, micro_steps, offers_copies(target)) + list(extra)
     compile_values = compile_choice or (lambda policy, values: compile_policy(policy, "auto"))
     all_device = tuple(d.options[0].value for d in decisions)
 
@@ -438,7 +441,7 @@ def choices_of(
     """The choices of a compiled candidate other than the search's own pick (the one measuring
     chose: `ferry.plan.auto_measure`), each decision's saying `why`."""
     costs, _ = tensor_costs(config, target, mesh)
-    decisions = tensor_decisions(costs, config.micro_steps) + list(extra)
+    decisions = tensor_decisions(costs, config.micro_steps, offers_copies(target)) + list(extra)
     return _choices(pick, costs, decisions, [], why)
 
 

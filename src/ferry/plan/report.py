@@ -37,6 +37,7 @@ from ferry.plan.extrapolate import (
     probe_depths,
     with_depths,
 )
+from ferry.plan.here import offers_copies
 from ferry.plan.measure import Measurement
 from ferry.plan.memory_plan import MemoryPlan
 from ferry.plan.planner import (
@@ -101,7 +102,7 @@ def run_plan(
     tried: list[Tried] = []
     measured: MeasuredPick | None = None
     if auto:
-        auto_result, choices, tried, measured = _auto(compiler, policies, plans, measure_one, compile_ahead)
+        auto_result, choices, tried, measured = auto_pick(compiler, policies, plans, measure_one, compile_ahead)
         plans.append(auto_result)
     _print_plans(console, config, plans, choices, tried, measured)
     return plans, choices, measured
@@ -215,7 +216,7 @@ def _recompute_checked(
         return plans
 
 
-def _auto(
+def auto_pick(
     compiler: PlanCompiler,
     policies: dict[str, Policy],
     plans: list[MemoryPlan],
@@ -231,7 +232,7 @@ def _auto(
     def compile_choice(policy: Policy, values: dict[str, str]) -> MemoryPlan:
         return compiler.compile_policy(policy, "auto", state_of(values, config.state_placement))
 
-    extra = state_decisions(config, target, mesh)
+    extra = state_decisions(config, target, mesh) if offers_copies(target) else ()
     known = list(zip(policies.values(), plans, strict=True))
     measuring = measure_one is not None  # the peeled twin is compiled to be timed, its loop fitting or not
     auto_result, choices, tried = auto_plan(
@@ -338,12 +339,25 @@ def write_plan(
     if not choices:
         return [path]
     preset = run_dir / "offload_auto.yaml"
+    how = "the fastest of its best candidates timed on this machine" if measured and measured.pick else "estimated"
+    preset.write_text(auto_preset_text(plans[-1], choices, f"chosen by mode=plan: {how}", config, measured))
+    return [path, preset]
+
+
+def auto_preset_text(
+    plan: MemoryPlan,
+    choices: list[Choice],
+    how: str,
+    config: FerryConfig | None = None,
+    measured: MeasuredPick | None = None,
+) -> str:
+    """offload=auto's choice as an offload preset to train with (YAML), `how` it was chosen in its
+    first line; where auto measured its candidates, the record of them (`measured`)."""
     tensors = "\n".join(f"  {c.name}: {c.placement}" for c in choices if c.name not in (*STATE_DECISIONS, PEEL))
     state = "".join(f"{STATE_DECISIONS[c.name][0]}: {c.placement}\n" for c in choices if c.name in STATE_DECISIONS)
-    how = "the fastest of its best candidates timed on this machine" if measured and measured.pick else "estimated"
     text = (
-        f"# offload=auto for {plans[-1].target} ({plans[-1].mesh}), chosen by mode=plan: {how}\n"
-        f"name: auto_{plans[-1].target}\nkeep_all: false\ndefault: null\n{state}tensors:\n{tensors}\n"
+        f"# offload=auto for {plan.target} ({plan.mesh}), {how}\n"
+        f"name: auto_{plan.target}\nkeep_all: false\ndefault: null\n{state}tensors:\n{tensors}\n"
     )
     if config is not None:  # what the candidates compiled with (pipelining, engine, stream); the peel chosen
         offload = config.offload
@@ -352,5 +366,4 @@ def write_plan(
         text += f"stream_mib: {offload.stream_mib:g}\nstream_prefetch: {str(offload.stream_prefetch).lower()}\n"
     if measured is not None:  # read by no run: every candidate timed, and why this one
         text += yaml.safe_dump({"measured": measured.record()}, sort_keys=False, width=1000)
-    preset.write_text(text)
-    return [path, preset]
+    return text
