@@ -188,8 +188,10 @@ def train_run(argv: list[str], node: dict, config: FerryConfig, console: Console
     choice = None if names_preset(argv) else choose_default(config, accelerator(), sets_offload_keys(argv))
     if config.offload.name == "auto":  # this machine's plan of this step, cached under run.root
         from ferry.plan.in_run import plan_for_run
+        from ferry.run.preflight import checked_tokenizer
 
-        planned = plan_for_run(config, node, lambda line: console.print(line, highlight=False))
+        checked_tokenizer(config)  # a bad tokenizer or prepared data is refused before the planning
+        planned = plan_for_run(config, node, lambda line: detail(console, line))
         console.print(planned.line, highlight=False)
         node = {**node, "offload": planned.offload}
         config = load_config(node)
