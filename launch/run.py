@@ -191,7 +191,7 @@ def train_run(argv: list[str], node: dict, config: FerryConfig, console: Console
         from ferry.run.preflight import checked_tokenizer
 
         checked_tokenizer(config)  # a bad tokenizer or prepared data is refused before the planning
-        planned = plan_for_run(config, node, lambda line: detail(console, line))
+        planned = plan_for_run(config, node, lambda line: console.print(line, highlight=False))
         console.print(planned.line, highlight=False)
         node = {**node, "offload": planned.offload}
         config = load_config(node)

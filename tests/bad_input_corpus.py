@@ -33,6 +33,13 @@ PATH_KEYS = {
 # a value of the wrong type for each kind of field (Hydra's parse of it: a string, a list, a number)
 WRONG_TYPE = {bool: "maybe", int: "abc", float: "abc", str: "[1,2]"}
 OUT_OF_RANGE = {int: ("-1", "-1000000000000"), float: ("-1e30", "nan", "inf")}
+# string keys that take one of a few names: a name that is none of them
+NOT_A_CHOICE = {
+    "train.adam_moments_dtype": "float16",
+    "train.loss_head": "fusd",
+    "data.format": "html",
+    "mode": "trian",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +100,8 @@ def value_cases(keys: list[tuple[str, Any]]) -> list[Case]:
             cases.append(Case(key, (f"{key}={wrong}",), "wrong type"))
         for value in OUT_OF_RANGE.get(kind, ()):
             cases.append(Case(key, (f"{key}={value}",), "out of range"))
+        if key in NOT_A_CHOICE:
+            cases.append(Case(key, (f"{key}={NOT_A_CHOICE[key]}",), "not a choice"))
     return cases
 
 

@@ -82,7 +82,7 @@ def test_meshes_train_like_one_device(model, preset, tmp_path, request):
 def test_two_processes_train_like_one(tmp_path, llama_one_device):
     """Two processes on localhost with one CPU device each, one mesh over both (CPU collectives
     through gloo), train like a single process on one device."""
-    common = [*COMMON.split(), "model=llama_tiny", "offload=minimal_offloaded"]
+    common = [*COMMON.split(), "model=llama_tiny", "offload=minimal_offloaded", "log.verbose=true"]  # start-up shown
     two = subprocess.run(
         [sys.executable, str(ROOT / "launch" / "local.py"), "--processes=2", "--", *common, "mesh.data=2"]
         + [f"run.dir={tmp_path / 'two'}"],

@@ -4,7 +4,7 @@ import json
 
 import jax
 
-from ferry.run.peak import device_peak, machine_key, peak_cache_dir
+from ferry.xla.peak import device_peak, machine_key, peak_cache_dir
 
 
 def test_a_cpu_peak_is_measured_once_and_read_from_the_cache(tmp_path, monkeypatch):

@@ -103,10 +103,11 @@ class TrainConfig:
     grad_clip_norm: float = 1.0  # the gradient is scaled down to this global norm when it is above it
     z_loss_weight: float = 0.0  # weight of PaLM's z-loss, mean(logsumexp(logits)^2), added to the loss; 0: none
     # auto: logits, fused in one chunk or chunked, whichever fits the HBM left for the head and is estimated
-    # fastest from the three heads' compiled programs (ferry.head.auto; said at start-up); chunked: the logits
+    # fastest from the three heads' compiled programs (ferry.head.auto; said at start-up); chunked (the
+    # default until auto's choice is timed on the chip): the logits
     # are never whole (a vocabulary chunk at a time); fused: never whole either, the loss and both gradients in
     # one walk of the forward pass (a sequence chunk at a time); logits: whole
-    loss_head: str = "auto"
+    loss_head: str = "chunked"
     # loss_head=chunked or fused (and auto's chunked candidate): float32 logits per chunk and device, in MiB
     loss_chunk_mib: float = 256.0
     # loss_head=chunked (and auto's chunked candidate): the head's weight gradient in a backward walk of its

@@ -1,11 +1,10 @@
-"""`train.loss_head=auto` (the default): the loss head a step runs, chosen from the compiled
+"""`train.loss_head=auto`: the loss head a step runs, chosen from the compiled
 programs of the candidates, not from a table.
 
 Why: the chunked head was made the default for Llama 3.1 8B on an H200, whose logits do not fit
 beside the rest of the step; where they fit it is the slowest head (four or five logits-sized
-matmuls against three). On a TPU v5e chip, 386M Llama at batch 8, a step with the whole logits ran
-1.10x its chunked twin, and the fused head in one chunk with the Pallas kernel ran 1.116x
-(docs/results/loss-head.md).
+matmuls against three). On the v5e chip the whole logits and the one-chunk fused head with the
+Pallas kernel both ran faster steps than the chunked head (docs/results/loss-head.md).
 
 How: three candidates, the whole `logits`, the `fused` head in one chunk (its kernel as
 `train.loss_kernel` says: the Pallas kernel on a TPU) and the `chunked` head (`train.loss_chunk_mib`,

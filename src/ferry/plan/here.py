@@ -5,7 +5,7 @@ the target is that accelerator's facts (its HBM, host link, peak: the same that 
 target=<it>` plans with) with the run's own devices to compile for, instead of compile-only ones:
 the candidates are compiled as the run compiles its step. On a CPU the target is the CPU: its
 memory is the host RAM available (shared by its devices), its peak a measured matmul
-(`ferry.run.peak`), and it has no host memory to copy to (a CPU's pinned host is the same RAM,
+(`ferry.xla.peak`), and it has no host memory to copy to (a CPU's pinned host is the same RAM,
 and its copies are identities), so the plan's choices are device or remat."""
 
 import dataclasses
@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import jax
 import psutil
 
-from ferry.run.peak import device_peak
+from ferry.xla.peak import device_peak
 from ferry.xla.hardware import accelerator_name
 from ferry.xla.targets import TARGETS, GpuTarget, Target, TpuTarget
 

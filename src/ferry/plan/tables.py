@@ -91,44 +91,7 @@ def plan_table(plans: list[MemoryPlan], config: FerryConfig) -> Table:
         "compile",
         "planned",
     )
-    rows: list[Sequence[str]] = []
-    for plan in plans:
-        summary = plan.transfer_summary
-        if plan.compile_oom is not None:  # no program: what XLA said it needs, the arguments, and nothing else
-            rows.append(
-                (
-                    plan.policy,
-                    format_bytes(plan.argument_bytes),
-                    "-",
-                    format_bytes(plan.temp_bytes),
-                    format_bytes(plan.device_bytes),
-                    format_bytes(plan.capacity_bytes),
-                    "OOM (XLA refused to compile it)",
-                    "-",
-                    "-",
-                    "-",
-                    f"{plan.compile_seconds:.0f} s",
-                    "compile refused",
-                )
-            )
-            continue
-        rows.append(
-            (
-                plan.policy,
-                format_bytes(plan.argument_bytes),
-                format_bytes(plan.output_bytes - plan.alias_bytes),
-                format_bytes(plan.temp_bytes),
-                format_bytes(plan.device_bytes),
-                format_bytes(plan.capacity_bytes),
-                "FITS" if plan.fits else "OOM",
-                format_bytes(plan.host_bytes),
-                f"{plan.flops / 1e12:.4f}"
-                + ("" if plan.flops_bound is None else f" (<= {plan.flops_bound / 1e12:.4f})"),
-                format_seconds(summary.exposed_seconds) if plan.transfers else "-",
-                f"{plan.compile_seconds:.0f} s" + (" (costs cached)" if plan.profile_cached else ""),
-                "compiled whole" if plan.extrapolated is None else f"EXTRAPOLATED: {plan.extrapolated}",
-            )
-        )
+    rows = [_plan_row(plan) for plan in plans]
     return folded(
         f"{config.model_name} on {first.target} x {config.mesh.num_devices} ({first.mesh}), "
         f"batch {config.train.global_batch_size} x {config.train.seq_len}: per device",
@@ -137,6 +100,40 @@ def plan_table(plans: list[MemoryPlan], config: FerryConfig) -> Table:
         rows,
         keep=("preset", "HBM total", "verdict"),
         right=set(columns) - {"preset", "verdict", "planned"},
+    )
+
+
+def _plan_row(plan: MemoryPlan) -> Sequence[str]:
+    """One preset's row of `plan_table`: what XLA said it needs where it refused to compile it."""
+    summary = plan.transfer_summary
+    if plan.compile_oom is not None:  # no program: what XLA said it needs, the arguments, and nothing else
+        return (
+            plan.policy,
+            format_bytes(plan.argument_bytes),
+            "-",
+            format_bytes(plan.temp_bytes),
+            format_bytes(plan.device_bytes),
+            format_bytes(plan.capacity_bytes),
+            "OOM (XLA refused to compile it)",
+            "-",
+            "-",
+            "-",
+            f"{plan.compile_seconds:.0f} s",
+            "compile refused",
+        )
+    return (
+        plan.policy,
+        format_bytes(plan.argument_bytes),
+        format_bytes(plan.output_bytes - plan.alias_bytes),
+        format_bytes(plan.temp_bytes),
+        format_bytes(plan.device_bytes),
+        format_bytes(plan.capacity_bytes),
+        "FITS" if plan.fits else "OOM",
+        format_bytes(plan.host_bytes),
+        f"{plan.flops / 1e12:.4f}" + ("" if plan.flops_bound is None else f" (<= {plan.flops_bound / 1e12:.4f})"),
+        format_seconds(summary.exposed_seconds) if plan.transfers else "-",
+        f"{plan.compile_seconds:.0f} s" + (" (costs cached)" if plan.profile_cached else ""),
+        "compiled whole" if plan.extrapolated is None else f"EXTRAPOLATED: {plan.extrapolated}",
     )
 
 

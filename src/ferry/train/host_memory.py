@@ -1,11 +1,8 @@
 """The host memory a run holds, planned before anything is allocated, as HBM is: a state kept in
 pinned host memory, the update's new copy of its layer stacks (a stack's update is a loop whose
 outputs are new arrays, so pinned host holds that part twice while it runs), and what the process
-holds already (the runtime, its libraries, the data read so far).
-
-On one v5e, Qwen3-1.7B with its state on host held 19.2 GiB of pinned state and 15.7 GiB of
-stacks, 34.9 GiB beside the process's own; the chip's run peaked at 37.2 GB (34.6 GiB) of RSS
-(docs/results/tpu-v5e.md, run 13)."""
+holds already (the runtime, its libraries, the data read so far). The chip's measured host RSS
+beside this plan: docs/results/tpu-v5e.md (run 13)."""
 
 import dataclasses
 

@@ -1,6 +1,6 @@
 """Facts of the accelerators ferry knows, written once: each one's dense bf16 peak, and how JAX's
 `device.device_kind` names it. A leaf module: the planner's targets (`ferry.xla.targets`) and a
-run's MFU (`ferry.run.peak`) both read it, and it imports nothing of ferry."""
+run's MFU (`ferry.xla.peak`) both read it, and it imports nothing of ferry."""
 
 # Dense bf16 peak FLOP/s per device, by accelerator name (the planner's target names). Sources:
 # NVIDIA's data sheets (www.nvidia.com/en-us/data-center/h100/, /h200/, /dgx-b200/, /gb200-nvl72/;
