@@ -86,7 +86,7 @@ def test_a_named_head_is_honoured_and_auto_is_resolved_by_the_recipe():
         recipe = StepRecipe.of(compose_config("model=llama_tiny", f"train.loss_head={kind}"), mesh)
         assert recipe.settings.head.kind == kind and recipe.head_choice is None
         assert f"(train.loss_head={kind})" in recipe.head_line()
-    recipe = StepRecipe.of(compose_config("model=llama_tiny"), mesh)  # the default: auto
+    recipe = StepRecipe.of(compose_config("model=llama_tiny", "train.loss_head=auto"), mesh)
     assert recipe.config.train.loss_head == "auto"
     assert recipe.head_choice is not None and recipe.settings.head == recipe.head_choice.head
     assert recipe.settings.head.kind in CANDIDATES

@@ -450,6 +450,7 @@ class Checkpoints:
         truncated or missing file runs to thousands of characters, kept in the run's ferry.log."""
         what = f"checkpoint step {step} in {self.directory} cannot be read"
         cause = cause_and_details(self.directory.parent, what, error)
+        _quiet_about_orbax_reads()
         return RunCheckpointError(
             f"{what} (a file of it is missing, truncated or damaged: {cause}); {self._fallback(step)}"
         )
@@ -458,6 +459,24 @@ class Checkpoints:
         """Wait for any save in flight (its failure raised), then release the manager."""
         self.settle()
         self.manager.close()
+
+
+def _quiet_about_orbax_reads() -> None:
+    """Orbax reads a checkpoint's arrays in coroutines: when one read fails, the others' failures
+    surface later, as Python destroys them, as "Exception ignored" tracebacks on stderr after the
+    one-line refusal (the failure is said and its details logged already). From here on, those of
+    Orbax's own coroutines are dropped; any other unraisable exception is still printed."""
+    previous = sys.unraisablehook
+    if getattr(previous, "quiets_orbax", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        frames = traceback.extract_tb(unraisable.exc_traceback) if unraisable.exc_traceback else []
+        if not any("orbax" in frame.filename for frame in frames):
+            previous(unraisable)
+
+    hook.quiets_orbax = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 def _warn(line: str) -> None:
