@@ -8,8 +8,8 @@ import jax
 import pytest
 
 from ferry.models.registry import abstract_model
-from ferry.xla.peak import device_peak, table_peak
 from ferry.train.step_flops import CONVENTION, training_flops
+from ferry.xla.peak import device_peak, table_peak
 from ferry.xla.targets import TARGETS
 from tests.conftest import load_model_config
 

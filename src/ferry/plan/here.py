@@ -14,8 +14,8 @@ from typing import Any, ClassVar
 import jax
 import psutil
 
-from ferry.xla.peak import device_peak
 from ferry.xla.hardware import accelerator_name
+from ferry.xla.peak import device_peak
 from ferry.xla.targets import TARGETS, GpuTarget, Target, TpuTarget
 
 CPU = "cpu"  # the CPU target's name, in its plans

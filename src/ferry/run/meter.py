@@ -10,9 +10,9 @@ import jax
 from ferry.config.root import FerryConfig
 from ferry.offload.schedule import TransferSchedule
 from ferry.run.memory_report import device_memory_peak
-from ferry.xla.peak import device_peak
 from ferry.train.memory import CompiledMemory
 from ferry.train.step_flops import CONVENTION, CONVENTION_LINE, training_flops
+from ferry.xla.peak import device_peak
 
 
 @dataclasses.dataclass(frozen=True)
