@@ -157,20 +157,8 @@ def test_qwen3_tags_llamas_tensor_names(tiny):
         loss_grad(model, batch, "moe_offload")
 
 
-@pytest.fixture
-def not_written_to_the_compilation_cache():
-    """Three whole-suite runs (jax 0.12 and 0.10.2) died with a segmentation fault inside JAX's
-    persistent cache write (`compilation_cache.put_executable_and_time`) of this test's
-    decoder_input_offload program, which compiles, runs and caches cleanly alone: these programs
-    are kept out of the cache (they compile in well under a second) until that is found."""
-    minimum = jax.config.jax_persistent_cache_min_compile_time_secs
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
-    yield
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", minimum)
-
-
 @pytest.mark.parametrize("preset", [p for p in PRESETS if p not in MOE_ONLY_PRESETS])
-def test_gradients_of_every_preset_equal_save_all(tiny, preset, not_written_to_the_compilation_cache):
+def test_gradients_of_every_preset_equal_save_all(tiny, preset):
     model, batch = tiny
     expected = jitted_loss_grad(model, batch, "save_all")
     got = jitted_loss_grad(model, batch, preset)
