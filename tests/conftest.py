@@ -192,3 +192,19 @@ def finished_run(tmp_path_factory):
     console = Console(file=io.StringIO(), width=200)
     train(prepare(compose_config(*SMALL_RUN, f"run.dir={run_dir}"), console), "config: test\n", console)
     return run_dir
+
+
+@pytest.fixture(scope="module")
+def trained_run(finished_run, tmp_path_factory):
+    """A module's copy of the finished run with its config.yaml (`tests.generate.saved_runs`)."""
+    from tests.generate.saved_runs import trained_run_of
+
+    return trained_run_of(finished_run, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_run(finished_run, tmp_path_factory):
+    """A module's copy of the finished run trained with a Hugging Face tokenizer."""
+    from tests.generate.saved_runs import tokenizer_run_of
+
+    return tokenizer_run_of(finished_run, tmp_path_factory)

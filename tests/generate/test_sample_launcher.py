@@ -17,7 +17,6 @@ from ferry.generate import GREEDY, generate, new_tokens
 from ferry.generate.prompt import new_token_budget
 from ferry.run.saved_run import restored_model, run_config
 from tests.conftest import ROOT, SMALL_RUN, start_launcher
-from tests.generate.saved_runs import tokenizer_run_of, trained_run_of
 from tests.launcher_cases import load_script
 
 SCRIPT = ROOT / "launch" / "sample.py"
@@ -25,16 +24,6 @@ SCRIPT = ROOT / "launch" / "sample.py"
 
 def sample_module():
     return load_script("sample.py")
-
-
-@pytest.fixture(scope="module")
-def trained_run(finished_run, tmp_path_factory):
-    return trained_run_of(finished_run, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def tokenizer_run(finished_run, tmp_path_factory):
-    return tokenizer_run_of(finished_run, tmp_path_factory)
 
 
 def test_the_users_loop_train_then_sample(tmp_path):

@@ -23,7 +23,7 @@ from ferry.run.checkpoint import Checkpoints
 from ferry.sharding import MeshConfig, make_mesh
 from ferry.train.state_layout import run_state_layout
 from tests.conftest import ROOT, SMALL_RUN, compose_config
-from tests.generate.saved_runs import TEXTS, tokenizer_run_of, trained_run_of
+from tests.generate.saved_runs import TEXTS
 from tests.generate.test_sample_launcher import sample_module
 from tests.launcher_cases import load_script
 
@@ -32,16 +32,6 @@ SCRIPT = ROOT / "launch" / "export_hf.py"
 
 def export_module():
     return load_script("export_hf.py")
-
-
-@pytest.fixture(scope="module")
-def trained_run(finished_run, tmp_path_factory):
-    return trained_run_of(finished_run, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def tokenizer_run(finished_run, tmp_path_factory):
-    return tokenizer_run_of(finished_run, tmp_path_factory)
 
 
 def checkpoint_params(run_dir, step):
