@@ -14,7 +14,7 @@ import pytest
 from ferry.models.registry import build_model
 from ferry.offload.policy import SAVE_ALL
 from ferry.train.step import LossSettings, _float32_gradients, accumulated_loss_and_grad, batch_loss
-from tests.conftest import load_model_config, preset_policy
+from tests.conftest import load_model_config, needs_libtpu, preset_policy
 
 MICRO_STEPS = 4
 
@@ -81,3 +81,28 @@ def test_the_backward_loop_carries_the_float32_sum():
     assert w_up in backward_loop_carry(lambda m, b: accumulated_loss_and_grad(m, b, settings, MICRO_STEPS))
     if jax.__version_info__ >= (0, 12):  # jax 0.10.2's XLA moves the whole gradients' add into this loop itself
         assert w_up not in backward_loop_carry(whole)
+
+
+@needs_libtpu
+def test_the_v5e_programs_backward_loop_carries_the_float32_sum():
+    """The same in the program compiled for a v5e without the chip (libtpu's compiler, not the CPU's)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from ferry.plan.planner import compile_only_mesh
+    from ferry.sharding import MeshConfig
+    from ferry.xla.targets import named_target
+
+    config = dataclasses.replace(load_model_config("llama_tiny"), num_layers=4, dim=256, mlp_dim=1024)
+    mesh = compile_only_mesh(named_target("v5e"), MeshConfig())
+    replicated = NamedSharding(mesh, PartitionSpec())
+    model = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated),
+        eqx.filter_eval_shape(build_model, config, jax.random.key(0)),
+    )
+    batch = jax.ShapeDtypeStruct((8, 17), jnp.int32, sharding=replicated)
+    settings = LossSettings(preset_policy("full_remat", model), "bfloat16")
+    with jax.set_mesh(mesh):
+        step = jax.jit(lambda m, b: accumulated_loss_and_grad(m, b, settings, MICRO_STEPS))
+        text = step.lower(model, batch).compile().as_text()
+    loops = [ln.split(" while(")[0] for ln in text.splitlines() if " while(" in ln and "transpose(jvp())/while" in ln]
+    assert any("f32[4,1024,256]" in carry for carry in loops)
